@@ -1,0 +1,42 @@
+"""Errors a user can cause. Each names the input at fault and the fix; the CLI prints them without a traceback."""
+
+from __future__ import annotations
+
+
+class ChatappError(Exception):
+    """Base class for user-caused errors. `str(err)` is the whole message shown to the user."""
+
+    exit_code: int = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message if hint is None else f"{message}\n  fix: {hint}")
+
+
+class ModelDirError(ChatappError):
+    """A model directory is missing, incomplete or unreadable."""
+
+
+class ProgramError(ChatappError):
+    """A TTFA program (TOML file, builder or name) does not compile."""
+
+
+class ConstraintError(ChatappError):
+    """A regex or JSON schema constraint cannot be compiled."""
+
+
+class InputLineError(ChatappError):
+    """A JSONL input line is malformed."""
+
+
+class ToolError(ChatappError):
+    """A tool expression was refused (used by the CLI's `calc`)."""
+
+
+class ContextOverflowError(ChatappError):
+    """A conversation no longer fits the model's context under the 'error' policy."""
+
+
+class SettingsError(ChatappError):
+    """A setting has an invalid value."""

@@ -1,0 +1,44 @@
+"""Training the byte-level BPE tokenizers chatapp uses (the default model's, and the small ones tests build).
+
+Byte-level BPE (GPT-2 style: every byte is reachable, so any text round-trips). The chat special tokens are added
+as special tokens so they are single ids that ordinary text can never produce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CHAT_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|bos|>",
+    "<|user_start|>",
+    "<|user_end|>",
+    "<|assistant_start|>",
+    "<|assistant_end|>",
+    "<|python_start|>",
+    "<|python_end|>",
+    "<|output_start|>",
+    "<|output_end|>",
+)
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    special_tokens: tuple[str, ...] = CHAT_SPECIAL_TOKENS,
+    min_frequency: int = 2,
+) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on `texts`. Special tokens take the first ids, in the order given."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok

@@ -1,0 +1,39 @@
+"""Shared fixtures. Nothing here touches the network or the user's home directory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# Deterministic property tests: the same examples on every run and machine.
+settings.register_profile(
+    "chatapp", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile("chatapp")
+
+os.environ.setdefault("TEXTUAL_ANIMATIONS", "none")
+
+SAMPLE_TEXT = """\
+Hello! How are you today? I am fine, thank you. What is 37*45? Let me use the calculator.
+How many r are in strawberry? The word strawberry has 3 r letters. Paris is the capital of France.
+{"answer": 42, "unit": "km"} Think first, then answer. The quick brown fox jumps over the lazy dog.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 12.5 100 1024 -7 3.14159. Punctuation: , . ; : ! ? ( ) [ ] { } " ' \\n
+"""
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Config, data and history go to a per-test temporary CHATAPP_HOME."""
+    monkeypatch.setenv("CHATAPP_HOME", str(tmp_path_factory.mktemp("chatapp_home")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer():
+    """A small byte-level BPE tokenizer with the chat special tokens, trained locally in milliseconds."""
+    from chatapp.models.tokenizer import train_bpe_tokenizer
+
+    return train_bpe_tokenizer([SAMPLE_TEXT] * 20, vocab_size=512)
