@@ -34,6 +34,10 @@ class ToolError(ChatappError):
     """A tool expression was refused (used by the CLI's `calc`)."""
 
 
+class ConversationError(ChatappError):
+    """A conversation (list of message dicts) is malformed: unknown role, wrong order, bad content parts."""
+
+
 class ContextOverflowError(ChatappError):
     """A conversation no longer fits the model's context under the 'error' policy."""
 

@@ -1,0 +1,549 @@
+"""Chat formats: how a conversation becomes token ids, and which of those ids a model is trained on.
+
+A conversation is a list of message dicts, `{"role": "system" | "user" | "assistant", "content": ...}`. User and
+system content is a string; assistant content is a string or a list of parts `{"type": "text" | "python" |
+"python_output", "text": str}` (a calculator call and its result, as nanochat writes them).
+
+Two formats share one interface:
+
+- `ChatFormat`, nanochat's: `<|bos|>`, then `<|user_start|>`text`<|user_end|>` and
+  `<|assistant_start|>`...`<|assistant_end|>` per turn, tool calls as `<|python_start|>`expr`<|python_end|>` and
+  results as `<|output_start|>`value`<|output_end|>`. Used when the tokenizer carries those 9 special tokens.
+- `TemplateChatFormat`, a checkpoint's own Jinja chat template (Qwen's `<|im_start|>` ... `<|im_end|>`), rendered
+  in a sandbox the way `transformers` renders it. No tool markers.
+
+Both keep one promise: text in a message can never produce a structural special token. A user who types
+"<|assistant_end|>" gets those characters as ordinary tokens, so typed text cannot end a turn or fake a tool
+result. Every format therefore owns a private copy of the tokenizer that encodes structural tokens as text; the
+shared tokenizer is never toggled, so formats are safe to use from several threads at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from tokenizers import Tokenizer
+
+from chatapp.errors import ConversationError, ModelDirError
+
+# nanochat's chat special tokens, by the attribute that holds each id (same order as the tokenizer trainer's).
+CHAT_TOKENS: dict[str, str] = {
+    "bos_id": "<|bos|>",
+    "user_start_id": "<|user_start|>",
+    "user_end_id": "<|user_end|>",
+    "assistant_start_id": "<|assistant_start|>",
+    "assistant_end_id": "<|assistant_end|>",
+    "python_start_id": "<|python_start|>",
+    "python_end_id": "<|python_end|>",
+    "output_start_id": "<|output_start|>",
+    "output_end_id": "<|output_end|>",
+}
+
+Role = Literal["system", "user", "assistant"]
+PartType = Literal["text", "python", "python_output"]
+PART_TYPES: tuple[str, ...] = ("text", "python", "python_output")
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One piece of a message's content."""
+
+    type: PartType
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A validated message: its role and content parts (a plain string becomes one text part)."""
+
+    role: Role
+    parts: tuple[Part, ...]
+
+    @property
+    def text(self) -> str:
+        """The content as one string (meaningful for text-only content)."""
+        return "".join(part.text for part in self.parts)
+
+
+def parse_messages(messages: Sequence[Mapping[str, Any]]) -> list[Turn]:
+    """Validate a conversation and return its turns.
+
+    The shape nanochat trains on: an optional system message first, then user and assistant messages alternating,
+    starting with a user. Errors name the message at fault so a bad JSONL line or history entry is easy to fix.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ConversationError(f"a conversation must be a list of messages, got {type(messages).__name__}")
+    turns: list[Turn] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ConversationError(f"message {index} must be a dict with 'role' and 'content', got {message!r:.80}")
+        role = message.get("role")
+        if role not in ("system", "user", "assistant"):
+            raise ConversationError(f"message {index} has role {role!r}", hint="use 'system', 'user' or 'assistant'")
+        expected = _expected_role(index, has_system=bool(turns) and turns[0].role == "system")
+        if role not in expected:
+            raise ConversationError(
+                f"message {index} is from {role!r} but should be from {' or '.join(repr(r) for r in expected)}",
+                hint="start with an optional system message, then alternate user and assistant messages",
+            )
+        turns.append(Turn(role, _parse_content(index, role, message.get("content"))))
+    return turns
+
+
+def _expected_role(index: int, *, has_system: bool) -> tuple[str, ...]:
+    if index == 0:
+        return ("system", "user")
+    position = index - 1 if has_system else index
+    return ("user",) if position % 2 == 0 else ("assistant",)
+
+
+def _parse_content(index: int, role: str, content: object) -> tuple[Part, ...]:
+    if isinstance(content, str):
+        return (Part("text", content),)
+    if role != "assistant" or not isinstance(content, list):
+        allowed = "a string or a list of parts" if role == "assistant" else "a string"
+        raise ConversationError(f"message {index} ({role}) content must be {allowed}, got {type(content).__name__}")
+    parts = []
+    for part_index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        text = part.get("text") if isinstance(part, Mapping) else None
+        if kind not in PART_TYPES or not isinstance(text, str):
+            raise ConversationError(
+                f"message {index} part {part_index} must be {{'type': one of {', '.join(PART_TYPES)}, "
+                f"'text': str}}, got {part!r:.80}"
+            )
+        parts.append(Part(kind, text))
+    return tuple(parts)
+
+
+def _merge_system(turns: list[Turn]) -> list[Turn]:
+    """nanochat has no system turn: a system message is prepended to the first user message, joined by a blank line."""
+    if not turns or turns[0].role != "system":
+        return turns
+    if len(turns) == 1:
+        raise ConversationError("a system message must be followed by a user message")
+    system, user, *rest = turns
+    return [Turn("user", (Part("text", f"{system.text}\n\n{user.text}"),)), *rest]
+
+
+def _drop_trailing_assistant(turns: list[Turn]) -> list[Turn]:
+    if turns and turns[-1].role == "assistant":
+        turns = turns[:-1]
+    if not turns or turns[-1].role != "user":
+        raise ConversationError("a conversation to complete must contain a user message")
+    return turns
+
+
+def _text_tokenizer(tokenizer: Tokenizer, structural: Collection[str] | None) -> Tokenizer:
+    """A private copy of `tokenizer` that encodes structural special tokens as ordinary text.
+
+    `encode_special_tokens = True` makes the Rust tokenizer skip matching *special* added tokens; non-special added
+    tokens (content markers such as `<think>`) still match. With `structural` given, exactly those tokens are marked
+    special in the copy and every other added token becomes content vocabulary; with None the tokenizer's own
+    special flags decide (Qwen marks its chat tokens special and `<tool_call>`-like markers not).
+    The copy is never mutated after this, so it may be shared by threads.
+    """
+    spec = json.loads(tokenizer.to_str())
+    if structural is not None:
+        for token in spec.get("added_tokens", []):
+            token["special"] = token["content"] in structural
+    clone = Tokenizer.from_str(json.dumps(spec))
+    clone.encode_special_tokens = True
+    return clone
+
+
+class _Builder:
+    """Accumulates ids with their loss-mask value (1 = the model is trained to produce this token)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+
+    def add(self, ids: Iterable[int], supervised: bool) -> None:
+        ids = list(ids)
+        self.ids.extend(ids)
+        self.mask.extend([int(supervised)] * len(ids))
+
+
+class ChatFormat:
+    """nanochat's chat format over a tokenizer with the 9 chat special tokens.
+
+    Loss mask: assistant text, the python call (with its markers) and `<|assistant_end|>` are supervised; BOS, user
+    turns, `<|assistant_start|>` and tool output (`<|output_start|>`..`<|output_end|>`, produced by the calculator at
+    run time) are not. Any added token other than the 9 (e.g. `<think>`) is content vocabulary: it encodes to its
+    single id wherever it appears in text.
+    """
+
+    supports_tools = True
+
+    bos_id: int
+    user_start_id: int
+    user_end_id: int
+    assistant_start_id: int
+    assistant_end_id: int
+    python_start_id: int
+    python_end_id: int
+    output_start_id: int
+    output_end_id: int
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        missing = [name for name in CHAT_TOKENS.values() if tokenizer.token_to_id(name) is None]
+        if missing:
+            raise ModelDirError(
+                f"the tokenizer lacks the chat special tokens {', '.join(missing)}",
+                hint="use chat_format_for(tokenizer, model_dir), which falls back to the checkpoint's chat template",
+            )
+        self.tokenizer = tokenizer
+        for attribute, name in CHAT_TOKENS.items():
+            setattr(self, attribute, tokenizer.token_to_id(name))
+        # The row ends when the model emits either; nanochat also stops on a stray <|bos|>.
+        self.stop_token_ids: tuple[int, ...] = (self.assistant_end_id, self.bos_id)
+        self._encoder = _text_tokenizer(tokenizer, structural=set(CHAT_TOKENS.values()))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` as content: chat special-token names in it stay ordinary characters."""
+        return self._encoder.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens written as their names."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def render_conversation(
+        self, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None
+    ) -> tuple[list[int], list[int]]:
+        """Ids and loss mask (0/1 per id) of a whole conversation, truncated to `max_tokens` if given."""
+        out = _Builder()
+        out.add([self.bos_id], False)
+        for turn in _merge_system(parse_messages(messages)):
+            if turn.role == "user":
+                out.add([self.user_start_id], False)
+                out.add(self.encode_text(turn.text), False)
+                out.add([self.user_end_id], False)
+            else:
+                self._render_assistant(turn, out)
+        if max_tokens is not None:
+            return out.ids[:max_tokens], out.mask[:max_tokens]
+        return out.ids, out.mask
+
+    def _render_assistant(self, turn: Turn, out: _Builder) -> None:
+        out.add([self.assistant_start_id], False)
+        for part in turn.parts:
+            ids = self.encode_text(part.text)
+            if part.type == "text":
+                out.add(ids, True)
+            elif part.type == "python":
+                out.add([self.python_start_id, *ids, self.python_end_id], True)
+            else:  # python_output: written by the calculator at run time, never by the model
+                out.add([self.output_start_id, *ids, self.output_end_id], False)
+        out.add([self.assistant_end_id], True)
+
+    def render_for_completion(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Prompt ids for the next assistant answer: the conversation (minus a trailing assistant message) then
+        `<|assistant_start|>`."""
+        turns = _drop_trailing_assistant(parse_messages(messages))
+        ids, _ = self.render_conversation([_as_message(turn) for turn in turns])
+        return [*ids, self.assistant_start_id]
+
+
+def _as_message(turn: Turn) -> dict[str, Any]:
+    if turn.role != "assistant":
+        return {"role": turn.role, "content": turn.text}
+    return {"role": "assistant", "content": [{"type": part.type, "text": part.text} for part in turn.parts]}
+
+
+# Sentinels that stand in for message contents when a template is rendered to find where each content lands.
+# Private-use code points: no template has a reason to touch them.
+_SENTINEL_OPEN, _SENTINEL_CLOSE = "\ue000", "\ue001"
+
+
+def _sentinel(index: int) -> str:
+    return f"{_SENTINEL_OPEN}{index}{_SENTINEL_CLOSE}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """A run of rendered template text: template-written (`role` None) or one message's content."""
+
+    text: str
+    role: Role | None
+
+
+class TemplateChatFormat:
+    """A checkpoint's Jinja chat template (tokenizer_config.json / chat_template.jinja), rendered in a sandbox.
+
+    To keep typed special-token text as text, each message's content is located in the rendered string (by
+    rendering once more with sentinel contents) and encoded apart from the template's own text. A template that
+    rewrites contents (e.g. strips `<think>` blocks from earlier turns) cannot be split that way: completion prompts
+    then encode the whole string, refusing contents that contain structural token names, and training masks are
+    refused. Loss mask: assistant contents and the template's turn-closing token after each.
+    """
+
+    supports_tools = False
+    user_start_id = user_end_id = assistant_start_id = None
+    python_start_id = python_end_id = output_start_id = output_end_id = None
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template: str,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        stop_token_ids: Iterable[int] = (),
+        source: str = "chat template",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self._source = source
+        self._compiled = _compile_template(template, source)
+        self._variables = dict(special_tokens or {})
+        self._structural = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+        self._encoder = _text_tokenizer(tokenizer, structural=None)
+        bos = self._variables.get("bos_token")
+        eos = self._variables.get("eos_token")
+        self.bos_id: int | None = tokenizer.token_to_id(bos) if bos else None
+        eos_id = tokenizer.token_to_id(eos) if eos else None
+        turn_end_id = self._probe_turn_end()
+        # The token the template closes an assistant turn with is what the model emits to stop (Qwen: <|im_end|>).
+        self.assistant_end_id: int | None = turn_end_id if turn_end_id is not None else eos_id
+        candidates = [turn_end_id, eos_id, *stop_token_ids]
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in candidates if i is not None))
+
+    @classmethod
+    def from_dir(cls, tokenizer: Tokenizer, model_dir: str | Path) -> TemplateChatFormat:
+        """Read the template, its special tokens and the stop ids of `generation_config.json` from a checkpoint."""
+        model_dir = Path(model_dir)
+        config = _read_json(model_dir / "tokenizer_config.json")
+        found = _find_template(model_dir, config)
+        if found is None:
+            raise ModelDirError(
+                f"{model_dir} has no chat template",
+                hint="add 'chat_template' to tokenizer_config.json or a chat_template.jinja file",
+            )
+        template, source = found
+        special = {
+            key: text
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (text := _token_text(config.get(key))) is not None
+        }
+        eos_ids = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+        if isinstance(eos_ids, int):
+            eos_ids = [eos_ids]
+        stop_ids = [i for i in eos_ids or [] if isinstance(i, int)]
+        return cls(tokenizer, template, special_tokens=special, stop_token_ids=stop_ids, source=source)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` as content: the tokenizer's special-token names in it stay ordinary characters."""
+        return self._encoder.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens written as their names."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def render_conversation(
+        self, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None
+    ) -> tuple[list[int], list[int]]:
+        """Ids and loss mask of a whole conversation as the template writes it (no generation prompt)."""
+        turns = parse_messages(messages)
+        segments = self._segments(turns, add_generation_prompt=False)
+        if segments is None:
+            raise ConversationError(
+                f"the {self._source} rewrites message contents, so assistant tokens cannot be located for a loss mask",
+                hint="train with a template that writes each message's content verbatim",
+            )
+        out = _Builder()
+        after_assistant = False
+        for segment in segments:
+            if segment.role is not None:
+                out.add(self.encode_text(segment.text), segment.role == "assistant")
+            else:
+                ids = self._encode_template_text(segment.text)
+                closing = _through_first(ids, self.stop_token_ids) if after_assistant else 0
+                out.add(ids[:closing], True)
+                out.add(ids[closing:], False)
+            after_assistant = segment.role == "assistant"
+        if max_tokens is not None:
+            return out.ids[:max_tokens], out.mask[:max_tokens]
+        return out.ids, out.mask
+
+    def render_for_completion(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Prompt ids for the next assistant answer: the template with `add_generation_prompt=True`."""
+        turns = _drop_trailing_assistant(parse_messages(messages))
+        segments = self._segments(turns, add_generation_prompt=True)
+        if segments is not None:
+            ids: list[int] = []
+            for segment in segments:
+                encode = self._encode_template_text if segment.role is None else self.encode_text
+                ids.extend(encode(segment.text))
+            return ids
+        for index, turn in enumerate(turns):
+            if typed := [name for name in self._structural if name in turn.text]:
+                raise ConversationError(
+                    f"message {index} contains the special token text {typed[0]!r}, and the {self._source} "
+                    "rewrites contents so it cannot be kept as ordinary text",
+                    hint=f"remove {typed[0]!r} from the message",
+                )
+        return self._encode_template_text(self._render(_template_messages(turns), add_generation_prompt=True))
+
+    def _encode_template_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+        import jinja2
+
+        try:
+            return self._compiled.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._variables,
+            )
+        except jinja2.TemplateError as err:  # includes the template's own raise_exception(...)
+            raise ConversationError(f"the {self._source} refused the conversation: {err}") from None
+
+    def _segments(self, turns: list[Turn], *, add_generation_prompt: bool) -> list[_Segment] | None:
+        """Split the rendered conversation into template text and verbatim message contents, or None when the
+        template does not write contents verbatim (then no split is trustworthy)."""
+        real = self._render(_template_messages(turns), add_generation_prompt=add_generation_prompt)
+        placeholders = [Turn(t.role, (Part("text", _sentinel(i)),)) for i, t in enumerate(turns)]
+        skeleton = self._render(_template_messages(placeholders), add_generation_prompt=add_generation_prompt)
+        segments: list[_Segment] = []
+        cursor = 0
+        for index, turn in enumerate(turns):
+            marker = _sentinel(index)
+            count = skeleton.count(marker)
+            if count == 0:  # the template left this message out
+                continue
+            at = skeleton.find(marker, cursor)
+            if count > 1 or at < 0:
+                return None
+            segments += [_Segment(skeleton[cursor:at], None), _Segment(turn.text, turn.role)]
+            cursor = at + len(marker)
+        segments.append(_Segment(skeleton[cursor:], None))
+        if _SENTINEL_OPEN in skeleton[cursor:] or "".join(s.text for s in segments) != real:
+            return None
+        return [s for s in segments if s.text or s.role is not None]
+
+    def _probe_turn_end(self) -> int | None:
+        """The first structural special token the template writes after an assistant's content, if any."""
+        probe = [Turn("user", (Part("text", _sentinel(0)),)), Turn("assistant", (Part("text", _sentinel(1)),))]
+        try:
+            rendered = self._render(_template_messages(probe), add_generation_prompt=False)
+        except ConversationError:
+            return None
+        at = rendered.find(_sentinel(1))
+        if at < 0:
+            return None
+        tail = rendered[at + len(_sentinel(1)) :]
+        positions = [(tail.find(name), name) for name in self._structural if name in tail]
+        return self.tokenizer.token_to_id(min(positions)[1]) if positions else None
+
+
+def _template_messages(turns: list[Turn]) -> list[dict[str, str]]:
+    for index, turn in enumerate(turns):
+        if any(part.type != "text" for part in turn.parts):
+            raise ConversationError(
+                f"message {index} has a tool call, but this model's chat template has no tool markers",
+                hint="use a chatapp checkpoint (its tokenizer has <|python_start|>) for calculator calls",
+            )
+    return [{"role": turn.role, "content": turn.text} for turn in turns]
+
+
+def _through_first(ids: list[int], stops: Collection[int]) -> int:
+    """Length of the prefix of `ids` up to and including the first stop id (0 if none)."""
+    return next((i + 1 for i, token in enumerate(ids) if token in stops), 0)
+
+
+def _compile_template(template: str, source: str) -> Any:
+    """Compile like transformers does: an immutable sandbox (templates are untrusted code), trim/lstrip blocks,
+    `raise_exception`, a `tojson` that keeps non-ASCII, loop controls, and `{% generation %}` accepted."""
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for transformers' masks; render the body."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+    def strftime_now(fmt: str) -> str:
+        from datetime import datetime
+
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, "jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as err:
+        raise ModelDirError(f"the {source} is not valid Jinja: {err} (line {err.lineno})") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelDirError(f"cannot read {path}: {err}", hint="restore the file from the checkpoint") from None
+    if not isinstance(data, dict):
+        raise ModelDirError(f"{path} must hold a JSON object")
+    return data
+
+
+def _find_template(model_dir: Path, config: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The chat template and where it came from: `chat_template.jinja` (newer transformers) wins over
+    tokenizer_config.json's `chat_template`, which is a string or a list of named templates."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8"), f"chat template {jinja_file}"
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, Mapping)}
+        template = named.get("default", next(iter(named.values()), None))
+    if isinstance(template, str) and template.strip():
+        return template, f"chat template in {model_dir / 'tokenizer_config.json'}"
+    return None
+
+
+def _token_text(value: object) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as an AddedToken dict with 'content'."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+AnyChatFormat = ChatFormat | TemplateChatFormat
+
+
+def chat_format_for(tokenizer: Tokenizer, model_dir: str | Path | None = None) -> AnyChatFormat:
+    """The chat format for a checkpoint: nanochat's when the tokenizer has its chat tokens, otherwise the
+    checkpoint's chat template."""
+    missing = [name for name in CHAT_TOKENS.values() if tokenizer.token_to_id(name) is None]
+    if not missing:
+        return ChatFormat(tokenizer)
+    if model_dir is not None and _find_template(Path(model_dir), _read_json(Path(model_dir) / "tokenizer_config.json")):
+        return TemplateChatFormat.from_dir(tokenizer, model_dir)
+    where = f"{model_dir}" if model_dir is not None else "the tokenizer"
+    raise ModelDirError(
+        f"{where}: no chat format: the tokenizer lacks {', '.join(missing)} and there is no chat template",
+        hint="use a chat (instruct) checkpoint whose tokenizer_config.json has 'chat_template', "
+        "or a chatapp checkpoint whose tokenizer has the <|user_start|> ... <|output_end|> tokens",
+    )
