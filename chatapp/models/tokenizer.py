@@ -28,10 +28,20 @@ def train_bpe_tokenizer(
     vocab_size: int,
     special_tokens: tuple[str, ...] = CHAT_SPECIAL_TOKENS,
     min_frequency: int = 2,
+    individual_digits: bool = False,
 ) -> Tokenizer:
-    """Train a byte-level BPE tokenizer on `texts`. Special tokens take the first ids, in the order given."""
+    """Train a byte-level BPE tokenizer on `texts`. Special tokens take the first ids, in the order given.
+
+    `individual_digits` splits every number into single digits before BPE (as Llama and nanochat-style arithmetic
+    tokenizers do): a number's digits are then the same ids wherever it appears, so a small model copies operands
+    and results digit by digit instead of memorising one id per multi-digit chunk.
+    """
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if individual_digits:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
