@@ -1,0 +1,106 @@
+"""The tool interface the engine's tool state machine drives, and a registry so tools can be added later.
+
+A tool is called by the model: it writes the tool's start marker, an expression, and the end marker; the engine
+runs the tool and forces the result between the output markers. Markers are special-token *names* (resolved to
+ids by whoever holds the tokenizer), so this package stays free of tokenizers and tensors. A tool never raises
+on bad input: a refusal is a `ToolResult` with a reason the model and the user both get to see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from chatapp.errors import ToolError
+
+PYTHON_START = "<|python_start|>"
+PYTHON_END = "<|python_end|>"
+OUTPUT_START = "<|output_start|>"
+OUTPUT_END = "<|output_end|>"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What a tool call produced: `text` when `ok`, otherwise the `reason` it refused."""
+
+    ok: bool
+    text: str | None
+    reason: str | None
+
+    @classmethod
+    def success(cls, text: str) -> ToolResult:
+        return cls(ok=True, text=text, reason=None)
+
+    @classmethod
+    def refusal(cls, reason: str) -> ToolResult:
+        return cls(ok=False, text=None, reason=reason)
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A tool the model can call inline. `run` must finish quickly in any thread and never raise."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def start_marker(self) -> str: ...
+    @property
+    def end_marker(self) -> str: ...
+    @property
+    def output_start_marker(self) -> str: ...
+    @property
+    def output_end_marker(self) -> str: ...
+
+    def run(self, expression: str) -> ToolResult: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionTool:
+    """A `Tool` backed by a plain function; markers default to nanochat's python/output tokens."""
+
+    name: str
+    function: Callable[[str], ToolResult]
+    start_marker: str = PYTHON_START
+    end_marker: str = PYTHON_END
+    output_start_marker: str = OUTPUT_START
+    output_end_marker: str = OUTPUT_END
+
+    def run(self, expression: str) -> ToolResult:
+        return self.function(expression)
+
+
+class ToolRegistry:
+    """Tools by name and by start marker: the engine looks a call up by the marker the model wrote."""
+
+    def __init__(self, tools: Iterable[Tool] = ()) -> None:
+        self._by_name: dict[str, Tool] = {}
+        for tool in tools:
+            self.register(tool)
+
+    def register(self, tool: Tool) -> None:
+        """Add a tool. Names and start markers must be unique, or a call would be ambiguous."""
+        if tool.name in self._by_name:
+            raise ToolError(f"a tool named {tool.name!r} is already registered")
+        if self.by_start_marker(tool.start_marker) is not None:
+            raise ToolError(f"start marker {tool.start_marker!r} is already used by another tool")
+        self._by_name[tool.name] = tool
+
+    def get(self, name: str) -> Tool:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise ToolError(f"unknown tool {name!r}", hint=f"known tools: {', '.join(self.names)}") from None
+
+    def by_start_marker(self, marker: str) -> Tool | None:
+        return next((tool for tool in self._by_name.values() if tool.start_marker == marker), None)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def __iter__(self) -> Iterator[Tool]:
+        return iter(list(self._by_name.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
