@@ -30,6 +30,10 @@ class InputLineError(ChatappError):
     """A JSONL input line is malformed."""
 
 
+class OutputFileError(ChatappError):
+    """A batch output file cannot be written, or cannot be resumed (it exists without --resume, or is not ours)."""
+
+
 class ToolError(ChatappError):
     """A tool expression was refused (used by the CLI's `calc`)."""
 

@@ -1,0 +1,199 @@
+"""Writing batch records so that no kill, at any moment, loses or tears one.
+
+Every record is one JSON line written with a single `os.write` of the whole encoded line to a file opened with
+O_APPEND, then flushed (and optionally fsynced). A process killed with SIGKILL therefore leaves at most one partial
+line, and only at the very end of the file; `scan_output` cuts it off before a resumed run appends, and reports which
+(id, sample) pairs are already complete so the resumed run skips exactly those.
+
+Two kinds of records share the file:
+- result records carry `finish_reason` (plus `id`, `sample`, `text`, `tokens`, ...);
+- error records carry `line` and `error` and no `finish_reason`: a line that could not be generated. They are not
+  "complete": a resumed run tries the line again (the user may have fixed it) and only writes a new error record if
+  the error differs from the one already there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+from chatapp.batch.requests import id_key
+from chatapp.errors import OutputFileError
+
+DoneKey = tuple[str, int]
+"""(id_key(id), sample) of a complete result record."""
+ErrorKey = tuple[int, int | None, str]
+"""(line, sample or None, error) of an error record."""
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    """One compact JSON line, UTF-8, newline-terminated (token lists make the compact form worth it)."""
+    return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+def is_result_record(record: dict[str, Any]) -> bool:
+    return "finish_reason" in record
+
+
+def error_key(record: dict[str, Any]) -> ErrorKey:
+    return (record["line"], record.get("sample"), record["error"])
+
+
+@dataclass
+class ExistingOutput:
+    """What an earlier run already wrote to an output file."""
+
+    done: set[DoneKey] = field(default_factory=set)
+    errors: set[ErrorKey] = field(default_factory=set)
+    records: int = 0
+    truncated_bytes: int = 0  # size of the torn trailing line that was cut off
+
+
+def _parse_existing(path: Path, data: bytes) -> ExistingOutput:
+    existing = ExistingOutput()
+    for number, raw in enumerate(data.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            record = None
+        valid_result = isinstance(record, dict) and is_result_record(record) and {"id", "sample"} <= record.keys()
+        valid_error = isinstance(record, dict) and not is_result_record(record) and {"line", "error"} <= record.keys()
+        if not (valid_result or valid_error):
+            raise OutputFileError(
+                f"{path}:{number} is not a chatapp batch record, so the file cannot be resumed",
+                hint="resume only files written by `chatapp generate`, or write to a new output file",
+            )
+        existing.records += 1
+        if valid_result:
+            existing.done.add((id_key(record["id"]), record["sample"]))
+        else:
+            existing.errors.add(error_key(record))
+    return existing
+
+
+def scan_output(path: Path) -> ExistingOutput:
+    """Read an earlier run's output for `--resume`, cutting off a torn trailing line first.
+
+    Only the last line can be torn (records are appended whole), so everything up to the last newline is intact.
+    The file is checked completely before it is modified: a file that is not ours is reported, never truncated.
+    """
+    if not path.exists():
+        return ExistingOutput()
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise OutputFileError(f"cannot read {path}: {err.strerror}") from None
+    keep = data.rfind(b"\n") + 1  # 0 when there is no complete line at all
+    existing = _parse_existing(path, data[:keep])
+    if keep < len(data):
+        with path.open("r+b") as handle:
+            handle.truncate(keep)
+        existing.truncated_bytes = len(data) - keep
+    return existing
+
+
+class RecordSink(Protocol):
+    """Where finished records go, one whole line at a time."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class FileSink:
+    """Appends records to a file, each with one `os.write` so a kill never leaves half a record mid-file."""
+
+    def __init__(self, path: Path, *, fsync: bool = False) -> None:
+        self.path = path
+        self._fsync = fsync
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise OutputFileError(f"cannot open {path} for writing: {err.strerror}") from None
+
+    def write(self, record: dict[str, Any]) -> None:
+        data = memoryview(encode_record(record))
+        # A regular-file write is complete in one call in practice; the loop covers the rare short write (e.g. a
+        # signal), and a torn tail is still repaired on resume.
+        while data:
+            written = os.write(self._fd, data)
+            data = data[written:]
+        if self._fsync:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class StreamSink:
+    """Writes records to a text stream (stdout for `-o -`), flushing after each so a pipe sees whole lines."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream
+
+    def write(self, record: dict[str, Any]) -> None:
+        stream = self._stream or sys.stdout  # looked up late: test runners swap sys.stdout
+        stream.write(encode_record(record).decode("utf-8"))
+        stream.flush()
+
+    def close(self) -> None:
+        stream = self._stream or sys.stdout
+        stream.flush()
+
+
+class RecordEmitter:
+    """Hands records to a sink as they finish (output order may differ from input order)."""
+
+    def __init__(self, sink: RecordSink) -> None:
+        self.sink = sink
+
+    def emit(self, line: int, sample: int | None, record: dict[str, Any] | None, *, closes_line: bool = False) -> None:
+        """Write `record` (None: nothing to write, but the slot is done) for sample `sample` of input line `line`."""
+        if record is not None:
+            self.sink.write(record)
+
+    def finish(self) -> None:
+        """Called once at the end of the run."""
+
+
+class OrderedEmitter(RecordEmitter):
+    """Holds records back until every earlier input line is complete, then writes them in input order.
+
+    `expected` maps each line still to be produced to the number of records it will produce (its pending samples).
+    Within a line, records go out by sample number; an error for the whole line (`closes_line`) replaces them.
+    """
+
+    def __init__(self, sink: RecordSink, expected: dict[int, int]) -> None:
+        super().__init__(sink)
+        self._order = sorted(expected)
+        self._remaining = dict(expected)
+        self._held: dict[int, list[tuple[int, dict[str, Any]]]] = {line: [] for line in expected}
+        self._next = 0
+
+    def emit(self, line: int, sample: int | None, record: dict[str, Any] | None, *, closes_line: bool = False) -> None:
+        if record is not None:
+            self._held[line].append((-1 if sample is None else sample, record))
+        self._remaining[line] = 0 if closes_line else self._remaining[line] - 1
+        self._release()
+
+    def _release(self) -> None:
+        while self._next < len(self._order) and self._remaining[line := self._order[self._next]] <= 0:
+            for _, record in sorted(self._held.pop(line), key=lambda item: item[0]):
+                self.sink.write(record)
+            self._next += 1
+
+    def finish(self) -> None:
+        # Every line is complete by the end of a run; this only matters if a run stops early (e.g. a crash in the
+        # engine), where writing what is held is better than losing it: resume still finds exactly what is done.
+        for line in self._order[self._next :]:
+            for _, record in sorted(self._held.pop(line, []), key=lambda item: item[0]):
+                self.sink.write(record)
+        self._next = len(self._order)
