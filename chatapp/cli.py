@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from chatapp import __version__
 from chatapp.errors import ChatappError
@@ -27,9 +28,10 @@ err_console = Console(stderr=True, highlight=False)
 
 def fail(err: ChatappError) -> typer.Exit:
     """Print a user-caused error and return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/] {err.message}", markup=True, soft_wrap=True)
+    # Messages quote user input (expressions, paths) that may contain "[...]": escape it so Rich prints it as-is.
+    err_console.print(f"[bold red]error:[/] {escape(err.message)}", markup=True, soft_wrap=True)
     if err.hint:
-        err_console.print(f"[bold]fix:[/] {err.hint}", markup=True, soft_wrap=True)
+        err_console.print(f"[bold]fix:[/] {escape(err.hint)}", markup=True, soft_wrap=True)
     return typer.Exit(code=err.exit_code)
 
 
@@ -46,6 +48,67 @@ def root(
     ] = False,
 ) -> None:
     """chatapp: a terminal tool for watching a language model think while it talks."""
+
+
+@app.command()
+def info() -> None:
+    """Show versions, the compute device, and where config, data, history and the default model live."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from chatapp.settings import config_dir, data_dir, default_model_dir, history_db_path
+
+    def installed(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    if torch.cuda.is_available():
+        device = f"cuda: {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} GPU(s))"
+    else:
+        device = f"cpu ({torch.get_num_threads()} threads)"
+    model_dir = default_model_dir()
+    # A usable checkpoint has its config, tokenizer and weights; anything less is reported as missing.
+    present = (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
+    present = present and any(model_dir.glob("*.safetensors"))
+    rows = {
+        "chatapp": __version__,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": installed("transformers"),
+        "textual": installed("textual"),
+        "device": device,
+        "config dir": str(config_dir()),
+        "data dir": str(data_dir()),
+        "history db": str(history_db_path()),
+        "default model": f"{model_dir} ({'present' if present else 'missing'})",
+    }
+    for key, value in rows.items():
+        typer.echo(f"{key + ':':<15}{value}")
+
+
+@app.command()
+def calc(
+    expression: Annotated[
+        str,
+        typer.Argument(help='Arithmetic such as "37*45" or \'"strawberry".count("r")\'; put -- before a leading -.'),
+    ],
+) -> None:
+    """Evaluate an expression with the model's inline calculator (same rules, same output text)."""
+    from chatapp.errors import ToolError
+    from chatapp.tools import CALCULATOR
+
+    result = CALCULATOR.run(expression)
+    if not result.ok:
+        shown = expression if len(expression) <= 80 else expression[:77] + "..."
+        err = ToolError(
+            f"the calculator refused {shown!r}: {result.reason}",
+            hint='use numbers, + - * / // %, parentheses and "text".count("x")',
+        )
+        raise fail(err) from None
+    typer.echo(result.text)
 
 
 def main() -> None:
