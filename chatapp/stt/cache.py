@@ -1,0 +1,168 @@
+"""The per-layer sparse KV cache of the STT model.
+
+Every layer has its own `(B, max_len + 1, H_kv, D)` key and value storage and its own per-row entry count:
+dense layers append every token, STT layers only the tokens they selected, so rows and layers fill at different
+rates. Each entry records the absolute position of its token, and a query at position p may see exactly the
+entries of its row with position <= p; rotary embeddings use that absolute position, never the slot index.
+
+Slot `max_len` is a write-only trash slot: padding tokens and unselected tokens are written there, which keeps
+every write a single `index_put_` without data-dependent shapes (and so without host syncs).
+
+The cache also keeps a host-side upper bound on how many tokens any row has seen. Attention reads only the
+first `bound` slots, and the overflow check only needs the device when the bound says a row *might* overflow.
+Because the bound grows by the (host-known) chunk width on every call, decode never waits for the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chatapp.errors import ContextOverflowError
+
+
+@dataclass(frozen=True)
+class CacheMark:
+    """A cheap snapshot of a cache's bookkeeping; K/V past the restored lengths is simply dead."""
+
+    lengths: torch.Tensor
+    seen: torch.Tensor
+    prev_hidden: torch.Tensor
+    host_bound: int
+
+
+class KVCache:
+    """Per-layer K/V storage with per-row, per-layer lengths, absolute entry positions and router state."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_stt_layers: int,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        hidden_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        if max_len < 1 or batch_size < 0:
+            raise ValueError(f"bad cache shape: batch_size={batch_size}, max_len={max_len}")
+        self.max_len = max_len
+        self.batch_size = batch_size
+        shape = (batch_size, max_len + 1, num_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        # Absolute position of every entry (trash slot included); int32 keeps the mask inputs small.
+        self.positions = torch.zeros(num_layers, batch_size, max_len + 1, device=device, dtype=torch.int32)
+        self.lengths = torch.zeros(num_layers, batch_size, device=device, dtype=torch.long)
+        self.seen = torch.zeros(batch_size, device=device, dtype=torch.long)
+        # Per STT layer, the previous token's layer input: the causal router's x_{t-1} (zeros at the start).
+        self.prev_hidden = torch.zeros(num_stt_layers, batch_size, hidden_size, device=device, dtype=dtype)
+        self.host_bound = 0
+
+    # ----------------------------------------------------------------------------------------------- properties
+    @property
+    def device(self) -> torch.device:
+        return self.seen.device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    def layer_lengths(self, layer: int) -> torch.Tensor:
+        """Entries per row (B,) stored for `layer`."""
+        return self.lengths[layer]
+
+    # ----------------------------------------------------------------------------------------------- bookkeeping
+    def reserve(self, lengths: torch.Tensor, width: int) -> int:
+        """Check that every row can take `lengths[b]` more tokens and return the key-slice length to attend over.
+
+        Raises ContextOverflowError naming the overflow. Only reads the device when the host bound cannot rule an
+        overflow out.
+        """
+        bound = self.host_bound + width
+        if bound > self.max_len:
+            needed = int((self.seen + lengths).max()) if self.batch_size else 0
+            if needed > self.max_len:
+                raise ContextOverflowError(
+                    f"a row needs {needed} cache positions but the KV cache holds {self.max_len}",
+                    hint="start a new conversation, drop old turns, or create a cache with a larger max_len",
+                )
+            bound = needed
+        self.host_bound = bound
+        return bound
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor, write: torch.Tensor, span: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store the entries of `layer` flagged in `write` (B, S) and return (keys, values, mask) to attend over.
+
+        `k`, `v` are (B, S, H_kv, D) for tokens at absolute positions `query_pos` (B, S); flagged tokens are
+        appended in order after the row's current entries. The mask (B, S, span) lets query s see the row's valid
+        entries with position <= its own; a query that is not written (padding, unselected) sees everything so
+        its discarded output stays finite.
+        """
+        lengths = self.lengths[layer]
+        slots = lengths[:, None] + write.long().cumsum(1) - 1
+        slots = torch.where(write, slots, self.max_len)
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(slots)
+        self.keys[layer].index_put_((rows, slots), k.to(self.keys[layer].dtype))
+        self.values[layer].index_put_((rows, slots), v.to(self.values[layer].dtype))
+        self.positions[layer].index_put_((rows, slots), query_pos.to(torch.int32))
+        lengths += write.sum(1)
+        slot_ids = torch.arange(span, device=k.device)
+        visible = (slot_ids[None, :] < lengths[:, None])[:, None, :] & (
+            self.positions[layer, :, None, :span] <= query_pos[:, :, None]
+        )
+        visible = visible | ~write[:, :, None]
+        return self.keys[layer][:, :span], self.values[layer][:, :span], visible
+
+    # ------------------------------------------------------------------------------------------- row operations
+    def select_rows(self, index: torch.Tensor) -> KVCache:
+        """A new cache made of rows `index` (drop finished rows, or replicate one prefilled row to N samples)."""
+        index = index.to(self.device)
+        new = KVCache.__new__(KVCache)
+        new.max_len = self.max_len
+        new.batch_size = int(index.shape[0])
+        new.keys = [k.index_select(0, index) for k in self.keys]
+        new.values = [v.index_select(0, index) for v in self.values]
+        new.positions = self.positions.index_select(1, index)
+        new.lengths = self.lengths.index_select(1, index)
+        new.seen = self.seen.index_select(0, index)
+        new.prev_hidden = self.prev_hidden.index_select(1, index)
+        new.host_bound = self.host_bound
+        return new
+
+    def mark(self) -> CacheMark:
+        """Snapshot lengths, seen and router state (not the K/V storage: entries past a length are dead)."""
+        return CacheMark(self.lengths.clone(), self.seen.clone(), self.prev_hidden.clone(), self.host_bound)
+
+    def restore(self, mark: CacheMark) -> None:
+        """Roll back to `mark`, which must come from this cache (same rows)."""
+        if mark.seen.shape != self.seen.shape:
+            raise ValueError(f"mark has {mark.seen.shape[0]} rows, cache has {self.batch_size}")
+        self.lengths.copy_(mark.lengths)
+        self.seen.copy_(mark.seen)
+        self.prev_hidden.copy_(mark.prev_hidden)
+        self.host_bound = mark.host_bound
+
+    def grow(self, new_max_len: int) -> None:
+        """Reallocate to hold `new_max_len` tokens per row, keeping every entry."""
+        if new_max_len <= self.max_len:
+            return
+        old = self.max_len
+
+        def bigger(t: torch.Tensor, axis: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[axis] = new_max_len + 1
+            out = t.new_zeros(shape)
+            out.narrow(axis, 0, old).copy_(t.narrow(axis, 0, old))
+            return out
+
+        self.keys = [bigger(k, 1) for k in self.keys]
+        self.values = [bigger(v, 1) for v in self.values]
+        self.positions = bigger(self.positions, 2)
+        self.max_len = new_max_len

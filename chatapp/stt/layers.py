@@ -1,0 +1,189 @@
+"""Building blocks of the STT model: a Qwen2 decoder block with its own attention, the transition network (TPN),
+the teacher's predictive router, the student's causal router and the STT layer that holds them.
+
+Module and parameter names mirror `transformers`' Qwen2 (`self_attn.q_proj`, `mlp.gate_proj`,
+`input_layernorm`, ...) so a Qwen2 state dict loads unchanged. The norm, MLP and rotary maths are transformers'
+own; attention is written here because it runs over chatapp's per-layer sparse KV cache, where which keys a query
+may see depends on stored absolute positions rather than on slot order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm, apply_rotary_pos_emb
+
+from chatapp.stt.config import STTConfig
+
+# Stores a block's new keys/values and returns what its queries attend to: (keys, values, mask). Keys and values
+# are (B, Tk, H_kv, D); mask is a bool (B, S, Tk) "query may see key", or None for plain causal self-attention.
+KVSink = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+def self_attention_sink(mask: torch.Tensor | None = None) -> KVSink:
+    """A sink for full-sequence passes without a cache: queries attend to the sequence's own keys."""
+
+    def sink(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return k, v, mask
+
+    return sink
+
+
+def routed_causal_mask(key_selected: torch.Tensor) -> torch.Tensor:
+    """Causal mask (B, T, T) over a full sequence in which only selected tokens are keys.
+
+    This is what an STT layer's cache holds at inference: a selected query at t sees the selected tokens <= t
+    (itself included). Unselected queries are computed and thrown away; they see every earlier token so their
+    softmax never runs over an empty set (no NaN to leak into gradients).
+    """
+    t = key_selected.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=key_selected.device).tril()
+    mask = causal & key_selected[:, None, :]
+    return mask | (causal & ~key_selected[:, :, None])
+
+
+class Attention(nn.Module):
+    """Qwen2 grouped-query attention (biased q/k/v, unbiased o) that stores K/V through a `KVSink`."""
+
+    def __init__(self, config: STTConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: KVSink) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        # Rotary on (B, S, H, D) with cos/sin (B, S, D): unsqueeze at the head axis.
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        keys, values, mask = sink(k, v)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=None if mask is None else mask[:, None],
+            is_causal=mask is None,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class DecoderBlock(nn.Module):
+    """A Qwen2 decoder layer: pre-norm attention and SwiGLU MLP, each with a residual connection."""
+
+    def __init__(self, config: STTConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = Qwen2MLP(config)
+        self.input_layernorm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: KVSink) -> torch.Tensor:
+        """The block's output for every token of `x` (the TF-Block of the spec)."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, sink)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TransitionNetwork(nn.Module):
+    """TPN: predicts a token's block residual Δx_t from the previous token's block output x_{t-1} (pre-norm MLP).
+
+    The output layer starts at zero, so the first prediction is "no change" and D_ch starts equal to D_st.
+    """
+
+    def __init__(self, config: STTConfig) -> None:
+        super().__init__()
+        width = config.transition_hidden_size or config.hidden_size
+        self.norm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.up = nn.Linear(config.hidden_size, width)
+        self.down = nn.Linear(width, config.hidden_size)
+        nn.init.zeros_(self.down.weight)
+        nn.init.zeros_(self.down.bias)
+
+    def forward(self, prev_output: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(self.norm(prev_output))))
+
+
+def causal_moving_average(values: torch.Tensor, window: int) -> torch.Tensor:
+    """Mean of `values[..., max(0, t-window+1) : t+1]` for every t, along the last axis (sequence)."""
+    csum = values.cumsum(-1)
+    shifted = F.pad(csum, (window, 0))[..., : values.shape[-1]]
+    counts = torch.arange(1, values.shape[-1] + 1, device=values.device).clamp(max=window)
+    return (csum - shifted) / counts
+
+
+class PredictiveRouter(nn.Module):
+    """The teacher (§3.1 steps 3–4): surprise metrics and the continuous gate g from a dense block pass.
+
+    `o_ce` and `m_cu` are parameters when learnable, buffers otherwise; both enter through softplus so the
+    criteria stay well defined whatever the optimiser does to them.
+    """
+
+    def __init__(self, config: STTConfig) -> None:
+        super().__init__()
+        self.ma_window = config.ma_window
+        for name, init, learn in (
+            ("o_ce", config.o_ce_init, config.learn_o_ce),
+            ("m_cu", config.m_cu_init, config.learn_m_cu),
+        ):
+            value = torch.tensor(float(init))
+            if learn:
+                self.register_parameter(name, nn.Parameter(value))
+            else:
+                self.register_buffer(name, value)
+
+    def surprises(self, residual: torch.Tensor, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(D_st, D_ch), each (B, T): squared norms per dimension of the residual and of its prediction error."""
+        d_st = residual.float().pow(2).mean(-1)
+        d_ch = (residual.float() - predicted.float()).pow(2).mean(-1)
+        return d_st, d_ch
+
+    def gate(self, d_st: torch.Tensor, d_ch: torch.Tensor, beta_ce: float, beta_cu: float) -> torch.Tensor:
+        """g in [0, 1] (B, T): the probabilistic OR of the expected-event (CE) and unexpected-event (CU) criteria."""
+        ce = d_st - (d_ch - torch.log(F.softplus(self.o_ce)))
+        cu = d_st - F.softplus(self.m_cu) * causal_moving_average(d_st, self.ma_window)
+        p_ce = torch.sigmoid(beta_ce * ce)
+        p_cu = torch.sigmoid(beta_cu * cu)
+        return p_ce + p_cu - p_ce * p_cu
+
+
+class CausalRouter(nn.Module):
+    """The student: a small MLP on [x_t || x_{t-1}] (the layer's inputs), giving the logit of "process x_t".
+
+    Each input is RMS-normalised first: Qwen residual streams carry a few huge outlier dimensions, and an MLP on
+    raw states is badly conditioned (one reason the public router sat at chance). The output bias starts at the
+    logit of the target capacity, so an untrained router already predicts the right rate.
+    """
+
+    def __init__(self, config: STTConfig) -> None:
+        super().__init__()
+        d, width = config.hidden_size, config.causal_router_hidden_size
+        self.norm_current = Qwen2RMSNorm(d, eps=config.rms_norm_eps)
+        self.norm_previous = Qwen2RMSNorm(d, eps=config.rms_norm_eps)
+        self.up = nn.Linear(2 * d, width)
+        self.out = nn.Linear(width, 1)
+        rate = min(max(config.capacity, 1e-3), 1 - 1e-3)
+        nn.init.constant_(self.out.bias, float(torch.logit(torch.tensor(rate))))
+
+    def forward(self, current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T) from current (B, T, D) and previous (B, T, D) layer inputs."""
+        features = torch.cat((self.norm_current(current), self.norm_previous(previous)), dim=-1)
+        return self.out(F.silu(self.up(features))).squeeze(-1)
+
+
+class STTLayer(DecoderBlock):
+    """A decoder block whose execution is routed per token; owns the TPN and both routers (§2)."""
+
+    def __init__(self, config: STTConfig) -> None:
+        super().__init__(config)
+        self.transition_network = TransitionNetwork(config)
+        self.predictive_router = PredictiveRouter(config)
+        self.causal_router = CausalRouter(config) if config.train_causal_router else None

@@ -1,0 +1,245 @@
+"""STTForCausalLM: a Qwen2-compatible decoder whose STT layers run their block only for routed tokens.
+
+Inference (`extend` / `decode`) follows `seeds/stt.md` §3.2: per STT layer the causal router gives each new token
+a probability, tokens at or above the threshold are selected, the block runs for selected tokens only and only
+they append K/V to that layer's cache; unselected tokens pass through unchanged. Rows of a batch are never
+packed together: selected tokens are gathered *within* each row, so attention can only see the row's own cache.
+
+Host syncs: decode needs none on CUDA (unselected rows are computed and discarded, masked by `torch.where`).
+Prefill (more than one new token) and any CPU call gather the selected tokens of each row into a compact batch;
+its width is the largest selected count, which must be read on the host once per STT layer. On CPU that read is
+free and it lets a skipped token cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, Qwen2RotaryEmbedding
+
+from chatapp.stt.cache import KVCache
+from chatapp.stt.config import STTConfig
+from chatapp.stt.layers import DecoderBlock, STTLayer
+
+Routing = Literal["student", "off"]
+
+
+@dataclass
+class ExtendOutput:
+    """What one `extend`/`decode` call returns; all tensors stay on the model's device."""
+
+    logits: torch.Tensor  # (B, V) at each row's last new token, or (B, T, V) with all_logits
+    router_probs: torch.Tensor  # (L_stt, B, T) float32 causal-router probabilities
+    selected: torch.Tensor  # (L_stt, B, T) bool: the STT layer ran its block for this token (False at padding)
+
+
+class STTModel(nn.Module):
+    """The decoder stack (`model.` in the state dict): embeddings, layers, final norm, rotary embedding."""
+
+    def __init__(self, config: STTConfig) -> None:
+        super().__init__()
+        stt = set(config.stt_layers)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [STTLayer(config) if i in stt else DecoderBlock(config) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen2RotaryEmbedding(config=config)
+
+
+class STTForCausalLM(nn.Module):
+    """Qwen2-compatible causal LM with Subjective Timescale Transformer layers (see module docstring)."""
+
+    def __init__(self, config: STTConfig) -> None:
+        super().__init__()
+        config.validate_stt()
+        self.config = config
+        self.model = STTModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._init_base_weights()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _init_base_weights(self) -> None:
+        """Qwen2's initialisation for the base model; the STT modules keep the inits they chose themselves."""
+        router_parts = ("transition_network", "predictive_router", "causal_router")
+        for name, module in self.named_modules():
+            if any(part in name for part in router_parts) or not isinstance(module, nn.Linear | nn.Embedding):
+                continue
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    # ------------------------------------------------------------------------------------------------ properties
+    @property
+    def stt_layer_indices(self) -> list[int]:
+        """Indices of the STT layers, in order: the order of `router_probs`/`selected` everywhere."""
+        return list(self.config.stt_layers)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def routing_active(self) -> bool:
+        """Whether "student" routing actually skips tokens (routers trained and present)."""
+        return bool(self.config.routing_trained and self.config.train_causal_router)
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty KV cache on the model's device and dtype."""
+        attn = self.model.layers[0].self_attn
+        return KVCache(
+            num_layers=self.config.num_hidden_layers,
+            num_stt_layers=len(self.config.stt_layers),
+            batch_size=batch_size,
+            max_len=max_len,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            hidden_size=self.config.hidden_size,
+            device=self.device,
+            dtype=self.dtype,
+        )
+
+    # ------------------------------------------------------------------------------------------------- inference
+    @torch.no_grad()
+    def extend(
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        cache: KVCache,
+        *,
+        routing: Routing = "student",
+        threshold: float | None = None,
+        all_logits: bool = False,
+    ) -> ExtendOutput:
+        """Process `lengths[b]` new tokens of each right-padded row of `ids` (B, T), appending to `cache`.
+
+        Token i of row b sits at absolute position `cache.seen[b] + i`. A row with length 0 is untouched (its
+        logits are meaningless). Raises ContextOverflowError if a row would exceed `cache.max_len`.
+        """
+        if routing not in ("student", "off"):
+            raise ValueError(f"routing must be 'student' or 'off', got {routing!r}")
+        batch, width = ids.shape
+        lengths = lengths.to(device=self.device, dtype=torch.long)
+        span = max(cache.reserve(lengths, width), 1)
+        steps = torch.arange(width, device=self.device)
+        valid = steps[None, :] < lengths[:, None]
+        positions = cache.seen[:, None] + steps[None, :]
+
+        hidden = self.model.embed_tokens(ids)
+        cos, sin = self.model.rotary_emb(hidden, positions)
+        student = routing == "student" and self.routing_active
+        cutoff = self.config.router_threshold if threshold is None else threshold
+        compact = width > 1 or hidden.device.type != "cuda"
+        probs, chosen = [], []
+        stt_slot = 0
+        for index, layer in enumerate(self.model.layers):
+            if not isinstance(layer, STTLayer):
+                hidden = self._run_block(layer, index, hidden, cos, sin, positions, valid, cache, span, compact=False)
+                continue
+            prob = self._router_probs(layer, hidden, lengths, cache, stt_slot)
+            selected = valid & (prob >= cutoff) if student else valid
+            hidden = self._run_block(layer, index, hidden, cos, sin, positions, selected, cache, span, compact)
+            probs.append(prob)
+            chosen.append(selected)
+            stt_slot += 1
+        cache.seen += lengths
+
+        if not all_logits:
+            last = (lengths - 1).clamp(min=0)
+            hidden = hidden[torch.arange(batch, device=self.device), last]
+        logits = self.lm_head(self.model.norm(hidden))
+        empty = torch.zeros(0, batch, width, device=self.device)
+        return ExtendOutput(
+            logits=logits,
+            router_probs=torch.stack(probs) if probs else empty,
+            selected=torch.stack(chosen) if chosen else empty.bool(),
+        )
+
+    def decode(
+        self, ids: torch.Tensor, cache: KVCache, *, routing: Routing = "student", threshold: float | None = None
+    ) -> ExtendOutput:
+        """One new token per row (`ids` is (B,)): `extend` with T = 1. Outputs have T = 1."""
+        ones = torch.ones(ids.shape[0], dtype=torch.long, device=self.device)
+        return self.extend(ids[:, None], ones, cache, routing=routing, threshold=threshold)
+
+    def _router_probs(
+        self, layer: STTLayer, hidden: torch.Tensor, lengths: torch.Tensor, cache: KVCache, stt_slot: int
+    ) -> torch.Tensor:
+        """Causal-router probabilities (B, T) for the new tokens; updates the cache's x_{t-1} for this layer."""
+        stored = cache.prev_hidden[stt_slot]
+        if layer.causal_router is None:
+            probs = torch.ones(hidden.shape[:2], device=hidden.device)
+        else:
+            previous = torch.cat((stored[:, None].to(hidden.dtype), hidden[:, :-1]), dim=1)
+            probs = torch.sigmoid(layer.causal_router(hidden, previous).float())
+        # Only now overwrite x_{t-1}: `stored` is a view of the same memory.
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), (lengths - 1).clamp(min=0)]
+        stored.copy_(torch.where((lengths > 0)[:, None], last.to(stored.dtype), stored))
+        return probs
+
+    @staticmethod
+    def _run_block(
+        layer: DecoderBlock,
+        index: int,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        selected: torch.Tensor,
+        cache: KVCache,
+        span: int,
+        compact: bool,
+    ) -> torch.Tensor:
+        """Run `layer`'s block for the `selected` (B, T) tokens only; the others pass through unchanged.
+
+        With `compact`, each row's selected tokens are gathered (in order) into a (B, S) batch, S = the largest
+        selected count; otherwise all T tokens are computed and unselected outputs are discarded.
+        """
+        gather, x = None, hidden
+        if compact:
+            counts = selected.sum(1)
+            width = int(counts.max()) if counts.numel() else 0  # the documented host sync
+            if width == 0:
+                return hidden
+            if width < hidden.shape[1]:
+                gather = torch.argsort((~selected).to(torch.uint8), dim=1, stable=True)[:, :width]
+                selected = torch.arange(width, device=hidden.device)[None, :] < counts[:, None]
+                dim = hidden.shape[-1]
+                x = hidden.gather(1, gather[..., None].expand(-1, -1, dim))
+                cos = cos.gather(1, gather[..., None].expand(-1, -1, cos.shape[-1]))
+                sin = sin.gather(1, gather[..., None].expand(-1, -1, sin.shape[-1]))
+                positions = positions.gather(1, gather)
+        write = selected
+
+        def sink(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return cache.append(index, k, v, positions, write, span)
+
+        out = torch.where(write[..., None], layer.block(x, cos, sin, sink), x)
+        if gather is None:
+            return out
+        return hidden.scatter(1, gather[..., None].expand_as(out), out)
+
+    # ---------------------------------------------------------------------------------------------- persistence
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> STTForCausalLM:
+        """Load an STT or plain Qwen2 directory (config.json + safetensors); see `chatapp.stt.io`."""
+        from chatapp.stt.io import load_model
+
+        return load_model(model_dir, device=device, dtype=dtype)
+
+    def save_pretrained(self, model_dir: str | Path) -> None:
+        """Write config.json and model.safetensors (atomically) into `model_dir`."""
+        from chatapp.stt.io import save_model
+
+        save_model(self, model_dir)
