@@ -1,0 +1,200 @@
+"""The batched TTFA: per-row state `pc[B]`, `ptr[B]`, `gen[B]` stepped by gathers from linked tables.
+
+`ttfa_step` and `ttfa_advance` are pure functions of (state, tables, input): no Python branch depends on tensor
+values and nothing reads a tensor back to the host, so they run unchanged on CUDA without synchronising, compile
+with `torch.compile(fullgraph=True)` and capture in a CUDA graph. `Automaton` wraps them with the state and the
+host-side metadata (labels, tag names) the engine and the UI need.
+
+Replacing the sampled token costs O(B) per step; masking logits would cost O(B·V).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from chatapp.ttfa.program import Program
+from chatapp.ttfa.tables import BUDGET, CLASS_BASE, END, JUMP, JUMP_CLASS, NEXT, STEP_CLASS, TIMEOUT, Tables, link
+
+
+class TTFAState(NamedTuple):
+    """Per-row automaton state, all int64 `[B]` on the tables' device. `pc` and `ptr` are global (linked)."""
+
+    pc: torch.Tensor
+    ptr: torch.Tensor
+    gen: torch.Tensor
+
+
+class StepOutput(NamedTuple):
+    state: TTFAState
+    tokens: torch.Tensor  # [B] int64, the emitted tokens
+    forced: torch.Tensor  # [B] bool, emitted by the automaton rather than the model
+    tags: torch.Tensor  # [B, N] bool, tags of the zone each token was emitted in
+
+
+def ttfa_step(state: TTFAState, tables: Tables, tokens: torch.Tensor) -> StepOutput:
+    """One automaton step for every row: replace `tokens` where the program forces, then take transitions."""
+    pc, ptr, gen = state
+    row = tables.rows[pc]  # everything about the current zone in one gather
+    end, budget, timeout_token = row[:, END], row[:, BUDGET], row[:, TIMEOUT]
+    feeding = ptr < end
+    feed_token = tables.data[ptr]
+    cls = tables.classes[row[:, CLASS_BASE] + tokens.clamp(0, tables.width - 1)]
+    gen = gen + 1
+    # Only a token the model produced can fire a transition: feeding rows ignore their class.
+    model_turn = ~feeding
+    timeout = model_turn & (cls == 0) & (gen >= budget)
+    jump = model_turn & (cls == JUMP_CLASS)
+    # The step transition: the step trigger, a timeout, or the end of a forced-only (budget 0) zone's feed.
+    advance = (model_turn & (cls == STEP_CLASS)) | timeout | (feeding & (budget == 0) & (ptr + 1 == end))
+    out = torch.where(feeding, feed_token, torch.where(timeout, timeout_token, tokens))
+    forced = feeding | timeout
+    new_pc = torch.where(jump, row[:, JUMP], torch.where(advance, row[:, NEXT], pc))
+    moved = jump | advance
+    new_ptr = torch.where(moved, tables.start[new_pc], ptr + feeding)
+    new_gen = torch.where(moved, 0, gen)
+    return StepOutput(TTFAState(new_pc, new_ptr, new_gen), out, forced, tables.tags[pc])
+
+
+def ttfa_pending_feed(state: TTFAState, tables: Tables) -> torch.Tensor:
+    """Feed tokens left in each row's current zone (0 for HALT rows, which have no feed)."""
+    return (tables.rows[state.pc, END] - state.ptr).clamp(min=0)
+
+
+def ttfa_advance(state: TTFAState, tables: Tables, n: torch.Tensor) -> tuple[TTFAState, torch.Tensor]:
+    """The state after each row emits its next `n[b]` feed tokens (requires `n <= pending feed`).
+
+    Equal to `n[b]` calls of `ttfa_step` on the feed tokens: feeding only moves `ptr` and `gen`, and the one
+    transition a feed token can cause, leaving a forced-only zone after its last token, is applied at the end.
+    Also returns the tags those tokens carry (the current zone's).
+    """
+    pc, ptr, gen = state
+    row = tables.rows[pc]
+    end = row[:, END]
+    ptr = ptr + n
+    gen = gen + n
+    leave = (n > 0) & (ptr == end) & (row[:, BUDGET] == 0)
+    new_pc = torch.where(leave, row[:, NEXT], pc)
+    new_ptr = torch.where(leave, tables.start[new_pc], ptr)
+    new_gen = torch.where(leave, 0, gen)
+    return TTFAState(new_pc, new_ptr, new_gen), tables.tags[pc]
+
+
+def ttfa_peek_feed(state: TTFAState, tables: Tables, k: int) -> torch.Tensor:
+    """The next `k` feed tokens per row, `[B, k]`; positions past the zone's feed hold the row's pad token."""
+    index = state.ptr[:, None] + torch.arange(k, device=state.ptr.device)
+    valid = index < tables.rows[state.pc, END][:, None]
+    tokens = tables.data[index.clamp(max=tables.data.numel() - 1)]
+    return torch.where(valid, tokens, tables.pad[state.pc][:, None])
+
+
+class Automaton:
+    """A batch of TTFA rows, each running one of `programs` (row `b` runs `programs[row_program[b]]`).
+
+    All tensors live on `device`; `step`, `advance`, `pending_feed`, `peek_feed` and `select_rows` never read
+    them back. `done()`, `zone_labels()` and `local_state()` are host queries and do.
+    """
+
+    def __init__(self, programs: Sequence[Program], row_program: Sequence[int], device: torch.device | str = "cpu"):
+        self.programs = tuple(programs)
+        self.device = torch.device(device)
+        linked = link(self.programs, self.device)
+        self.tables = linked.tables
+        self._entry = linked.entry
+        self._labels = linked.labels
+        self._zone_base = linked.zone_base
+        self._data_base = linked.data_base
+        self.tag_names: list[str] = list(linked.tag_names)
+        self.state = self._entry_state(row_program)
+
+    # -- the hot path ----------------------------------------------------------------------------------------
+
+    def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Consume the model's tokens `[B]`; return the emitted tokens, forced flags and tags `[B, N]`."""
+        out = ttfa_step(self.state, self.tables, tokens.to(torch.int64))
+        self.state = out.state
+        return out.tokens, out.forced, out.tags
+
+    def pending_feed(self) -> torch.Tensor:
+        """Forced feed tokens known ahead per row `[B]` (the rest of the current zone's feed)."""
+        return ttfa_pending_feed(self.state, self.tables)
+
+    def peek_feed(self, k: int) -> torch.Tensor:
+        """The next `k` feed tokens per row `[B, k]`, padded with the row's pad past its pending feed."""
+        return ttfa_peek_feed(self.state, self.tables, k)
+
+    def advance(self, n: torch.Tensor) -> torch.Tensor:
+        """Emit `n[b]` feed tokens of each row without stepping (fast-forward); returns their tags `[B, N]`.
+
+        Leaves exactly the state `n[b]` `step` calls would. `n` must lie in `0..pending_feed()`; this is checked
+        on the device without a host sync (`torch._assert_async`).
+        """
+        n = n.to(device=self.device, dtype=torch.int64)
+        torch._assert_async(((n >= 0) & (n <= self.pending_feed())).all())
+        self.state, tags = ttfa_advance(self.state, self.tables, n)
+        return tags
+
+    def halted(self) -> torch.Tensor:
+        """`[B]` bool: rows whose program has halted (they only emit pad from now on)."""
+        return self.tables.halt[self.state.pc]
+
+    def tags(self) -> torch.Tensor:
+        """`[B, N]` tags of each row's current zone."""
+        return self.tables.tags[self.state.pc]
+
+    # -- batch management ------------------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return self.state.pc.shape[0]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index` in that order (drop finished rows, permute, or replicate a row)."""
+        index = index.to(device=self.device, dtype=torch.int64)
+        self.state = TTFAState(*(t[index] for t in self.state))
+
+    def add_rows(self, row_program: Sequence[int]) -> None:
+        """Append fresh rows, each at the entry of `programs[row_program[i]]`."""
+        new = self._entry_state(row_program)
+        self.state = TTFAState(*(torch.cat([old, fresh]) for old, fresh in zip(self.state, new, strict=True)))
+
+    def _entry_state(self, row_program: Sequence[int]) -> TTFAState:
+        if bad := [p for p in row_program if not 0 <= p < len(self.programs)]:
+            raise IndexError(f"row_program refers to programs {bad}; only {len(self.programs)} are linked")
+        pc = torch.tensor([self._entry[p] for p in row_program], dtype=torch.int64, device=self.device)
+        return TTFAState(pc, self.tables.start[pc], torch.zeros_like(pc))
+
+    # -- host queries ----------------------------------------------------------------------------------------
+
+    @property
+    def pc(self) -> torch.Tensor:
+        return self.state.pc
+
+    @property
+    def ptr(self) -> torch.Tensor:
+        return self.state.ptr
+
+    @property
+    def gen(self) -> torch.Tensor:
+        return self.state.gen
+
+    def done(self) -> bool:
+        """True when every row has halted (a host sync; `halted()` is the sync-free mask)."""
+        return bool(self.halted().all())
+
+    def zone_labels(self, pc: torch.Tensor | None = None) -> list[str]:
+        """The label of each row's zone (`"halt"` for halted rows); `pc` defaults to the current state."""
+        rows = (self.state.pc if pc is None else pc).tolist()
+        return [self._labels[r] for r in rows]
+
+    def local_state(self) -> tuple[list[int], list[int], list[int]]:
+        """`(pc, ptr, gen)` per row relative to each row's own program: zone index (HALT = number of zones)
+        and offset into that program's `data`, as the reference interpreter and the disassembler count them."""
+        pc, ptr, gen = self.state
+        return (
+            (pc - self._zone_base[pc]).tolist(),
+            (ptr - self._data_base[pc]).tolist(),
+            gen.tolist(),
+        )
