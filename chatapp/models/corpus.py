@@ -1,0 +1,764 @@
+"""The synthetic conversation corpus the embedded default model is trained and evaluated on.
+
+The default model is tiny, so what it can do is exactly what this corpus teaches: calling the calculator for
+arithmetic and letter counting (nanochat's python / python_output parts), greetings and small talk, answering from a
+small fact table owned here, answering in one exact JSON shape when asked for JSON, and thinking inside
+``<think>`` … ``</think>`` before answering when asked to think (the shipped TTFA programs drive these formats).
+
+Generalisation is measured on a held-out split that shares no question with training: operands, words, facts' phrasing
+templates and the requests for JSON / thinking are partitioned between the splits (see `Partition`). Everything is
+drawn from a `random.Random` seeded per split, so the same ``(split, n, seed)`` always gives the same conversations.
+
+Calculator results come from `chatapp.tools.calculator.evaluate`, the engine's own tool, so the model is trained on
+exactly the text it will be shown at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from chatapp.tools.calculator import evaluate
+
+Split = Literal["train", "heldout"]
+SPLITS: tuple[Split, ...] = ("train", "heldout")
+Kind = Literal["arithmetic", "letters", "fact", "smalltalk"]
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One training / evaluation conversation and what a correct final answer must contain.
+
+    `messages` is in the chat message format of `chatapp.chat` (assistant content may be a list of parts).
+    `expected` is the answer itself (the number for arithmetic and letter counting, the fact's value, the JSON
+    object's text), `expression` the calculator expression a correct answer calls (None when no tool is needed).
+    """
+
+    kind: Kind
+    messages: list[dict[str, Any]]
+    expected: str
+    expression: str | None = None
+    json_answer: bool = False
+    think: bool = False
+
+    @property
+    def question(self) -> str:
+        """The last user message: the question this conversation is about."""
+        return next(m["content"] for m in reversed(self.messages) if m["role"] == "user")
+
+    @property
+    def prompt(self) -> list[dict[str, Any]]:
+        """The messages before the final assistant answer: what a model is given at evaluation time."""
+        return self.messages[:-1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Partitions: what the training split may use and what only the held-out split may use.
+
+
+def _heldout_number(n: int) -> bool:
+    """Operands with this property appear only in held-out questions (about one in five numbers)."""
+    return n % 5 == 3
+
+
+def _split_list(items: Sequence[str], split: Split, every: int = 4) -> list[str]:
+    """Every `every`-th item (offset 1) is held-out only; the rest are training only."""
+    held = [x for i, x in enumerate(items) if i % every == 1]
+    return held if split == "heldout" else [x for x in items if x not in held]
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A user-question template; `{...}` fields are filled by the generator of its kind."""
+
+    text: str
+
+
+# Arithmetic: {a} and {b} are operands, phrases per operator. The python expression is always canonical (`a*b`).
+_OPERATOR_PHRASES: dict[str, list[str]] = {
+    "+": [
+        "What is {a}+{b}?",
+        "What is {a} + {b}?",
+        "what is {a} plus {b}?",
+        "Calculate {a} + {b}.",
+        "How much is {a} plus {b}?",
+        "Add {a} and {b}.",
+        "What do you get if you add {a} to {b}?",
+        "{a}+{b}=?",
+        "Compute the sum of {a} and {b}.",
+        "Please work out {a} + {b}",
+        "what's {a} plus {b}",
+        "Can you add {a} and {b} for me?",
+    ],
+    "-": [
+        "What is {a}-{b}?",
+        "What is {a} - {b}?",
+        "what is {a} minus {b}?",
+        "Calculate {a} - {b}.",
+        "How much is {a} minus {b}?",
+        "Subtract {b} from {a}.",
+        "What is {a} take away {b}?",
+        "{a}-{b}=?",
+        "Compute {a} minus {b}.",
+        "Please work out {a} - {b}",
+        "what's {a} minus {b}",
+        "Can you subtract {b} from {a} for me?",
+    ],
+    "*": [
+        "What is {a}*{b}?",
+        "What is {a} * {b}?",
+        "what is {a} times {b}?",
+        "Calculate {a} * {b}.",
+        "How much is {a} times {b}?",
+        "Multiply {a} by {b}.",
+        "What is {a} multiplied by {b}?",
+        "{a}*{b}=?",
+        "Compute the product of {a} and {b}.",
+        "Please work out {a} * {b}",
+        "what's {a} times {b}",
+        "Can you multiply {a} and {b} for me?",
+    ],
+    "/": [
+        "What is {a}/{b}?",
+        "What is {a} / {b}?",
+        "what is {a} divided by {b}?",
+        "Calculate {a} / {b}.",
+        "How much is {a} divided by {b}?",
+        "Divide {a} by {b}.",
+        "What do you get if you divide {a} by {b}?",
+        "{a}/{b}=?",
+        "Compute {a} divided by {b}.",
+        "Please work out {a} / {b}",
+        "what's {a} over {b}",
+        "Can you divide {a} by {b} for me?",
+    ],
+}
+_CALC_PREFACES = ["Let me compute that. ", "I'll use the calculator. ", "Let me calculate. "]
+_CALC_ANSWERS = ["{expr} is {result}.", "The answer is {result}.", "{expr} = {result}."]
+_OPERATOR_REASONING = {
+    "/": "I need to divide {a} by {b}.",
+    "+": "I need to add {a} and {b}.",
+    "-": "I need to subtract {b} from {a}.",
+    "*": "I need to multiply {a} by {b}.",
+}
+
+# Letter counting: the word is quoted in the question so it tokenizes exactly as inside the python string.
+_LETTER_TEMPLATES = [
+    'How many "{c}" are in "{w}"?',
+    'How many times does the letter {c} appear in "{w}"?',
+    'Count the letter {c} in "{w}".',
+    'How many {c}\'s are there in "{w}"?',
+    'how many {c} in "{w}"',
+    'In the word "{w}", how many times does {c} occur?',
+    'Count how many times "{c}" appears in the word "{w}".',
+    'What is the number of {c} letters in "{w}"?',
+]
+_LETTER_PREFACES = ["Let me count. ", "I'll count with the calculator. ", "Let me check. "]
+_LETTER_ANSWERS = [
+    'There are {n} {c}\'s in "{w}".',
+    'The letter {c} appears {n} times in "{w}".',
+    "The answer is {n}.",
+]
+_WORD_LIST = (
+    "strawberry banana apple cherry orange lemon mango papaya grape melon peach pineapple coconut raspberry "
+    "blueberry tomato potato carrot pepper onion garlic spinach cabbage broccoli cucumber pumpkin avocado "
+    "elephant giraffe kangaroo penguin dolphin octopus squirrel rabbit turtle hamster parrot chicken monkey "
+    "tiger zebra camel gorilla butterfly mosquito spider lobster jellyfish flamingo hedgehog raccoon "
+    "mississippi bookkeeper committee balloon coffee letter success address possess assessment tennessee "
+    "programming computer keyboard language algorithm function variable database network internet "
+    "mountain river valley forest desert ocean island volcano glacier meadow canyon waterfall "
+    "teacher student library pencil notebook eraser backpack classroom homework calendar "
+    "happiness friendship adventure celebration knowledge question answer chocolate vanilla caramel "
+    "umbrella bicycle airplane helicopter submarine rocket tractor scooter skateboard engineer "
+    "basketball football baseball volleyball marathon swimming gymnastics referee "
+    "kitchen bedroom bathroom hallway window curtain carpet pillow blanket mirror "
+    "summer winter autumn spring morning evening midnight yesterday tomorrow weekend "
+    "purple yellow silver golden scarlet emerald crimson turquoise lavender"
+)
+_WORDS = _WORD_LIST.split()
+
+# Facts the generator owns: (category, key, value).
+_CAPITALS = {
+    "France": "Paris",
+    "Germany": "Berlin",
+    "Italy": "Rome",
+    "Spain": "Madrid",
+    "Portugal": "Lisbon",
+    "Japan": "Tokyo",
+    "China": "Beijing",
+    "India": "New Delhi",
+    "Egypt": "Cairo",
+    "Kenya": "Nairobi",
+    "Canada": "Ottawa",
+    "Mexico": "Mexico City",
+    "Brazil": "Brasilia",
+    "Argentina": "Buenos Aires",
+    "Peru": "Lima",
+    "Russia": "Moscow",
+    "Norway": "Oslo",
+    "Sweden": "Stockholm",
+    "Finland": "Helsinki",
+    "Poland": "Warsaw",
+    "Greece": "Athens",
+    "Turkey": "Ankara",
+    "Australia": "Canberra",
+    "Ireland": "Dublin",
+    "Austria": "Vienna",
+    "Belgium": "Brussels",
+    "Netherlands": "Amsterdam",
+    "Denmark": "Copenhagen",
+    "Thailand": "Bangkok",
+    "Vietnam": "Hanoi",
+    "Chile": "Santiago",
+    "Cuba": "Havana",
+}
+_COLOURS = {
+    "the sky": "blue",
+    "grass": "green",
+    "a banana": "yellow",
+    "snow": "white",
+    "coal": "black",
+    "a tomato": "red",
+    "an orange": "orange",
+    "a lemon": "yellow",
+    "the sun": "yellow",
+    "milk": "white",
+    "a strawberry": "red",
+    "a carrot": "orange",
+    "an emerald": "green",
+    "chocolate": "brown",
+    "a flamingo": "pink",
+    "the ocean": "blue",
+    "a crow": "black",
+    "an eggplant": "purple",
+    "a polar bear": "white",
+    "a pumpkin": "orange",
+}
+_SOUNDS = {
+    "dog": "woof",
+    "cat": "meow",
+    "cow": "moo",
+    "duck": "quack",
+    "sheep": "baa",
+    "pig": "oink",
+    "lion": "roar",
+    "owl": "hoot",
+    "horse": "neigh",
+    "frog": "ribbit",
+    "snake": "hiss",
+    "bee": "buzz",
+    "mouse": "squeak",
+}
+_LEGS = {
+    "dog": "4",
+    "cat": "4",
+    "spider": "8",
+    "bird": "2",
+    "ant": "6",
+    "horse": "4",
+    "chicken": "2",
+    "beetle": "6",
+    "octopus": "8",
+    "snake": "0",
+    "fish": "0",
+    "cow": "4",
+    "duck": "2",
+    "bee": "6",
+    "crab": "10",
+}
+_OPPOSITES = {
+    "hot": "cold",
+    "big": "small",
+    "up": "down",
+    "fast": "slow",
+    "happy": "sad",
+    "light": "dark",
+    "open": "closed",
+    "early": "late",
+    "loud": "quiet",
+    "full": "empty",
+    "old": "new",
+    "hard": "soft",
+    "wet": "dry",
+    "rich": "poor",
+    "strong": "weak",
+    "high": "low",
+    "near": "far",
+    "left": "right",
+    "true": "false",
+    "first": "last",
+}
+
+
+@dataclass(frozen=True)
+class _FactCategory:
+    """One kind of fact: question templates, the plain answer, the JSON topic and a line of reasoning."""
+
+    table: dict[str, str]
+    questions: list[str]
+    answer: str
+    topic: str
+    reasoning: str
+
+
+_FACTS: dict[str, _FactCategory] = {
+    "capital": _FactCategory(
+        _CAPITALS,
+        [
+            "What is the capital of {k}?",
+            "Which city is the capital of {k}?",
+            "Name the capital of {k}.",
+            "Tell me the capital of {k}.",
+            "what's the capital of {k}",
+            "Do you know the capital of {k}?",
+            "What city is the capital of {k}?",
+            "capital of {k}?",
+        ],
+        "The capital of {k} is {v}.",
+        "capital of {k}",
+        "The question is about the capital of {k}. The capital of {k} is {v}.",
+    ),
+    "colour": _FactCategory(
+        _COLOURS,
+        [
+            "What colour is {k}?",
+            "What color is {k}?",
+            "Which colour is {k}?",
+            "Tell me the colour of {k}.",
+            "what color is {k} usually",
+            "What is the colour of {k}?",
+            "Do you know what colour {k} is?",
+            "colour of {k}?",
+        ],
+        "{K} is {v}.",
+        "colour of {k}",
+        "The question is about the colour of {k}. {K} is {v}.",
+    ),
+    "sound": _FactCategory(
+        _SOUNDS,
+        [
+            "What sound does a {k} make?",
+            "What does a {k} say?",
+            "Which sound does a {k} make?",
+            "Tell me the sound a {k} makes.",
+            "what noise does a {k} make",
+            "How does a {k} sound?",
+            "Do you know what a {k} says?",
+            "sound of a {k}?",
+        ],
+        "A {k} says {v}.",
+        "sound of a {k}",
+        "The question is about the sound of a {k}. A {k} says {v}.",
+    ),
+    "legs": _FactCategory(
+        _LEGS,
+        [
+            "How many legs does a {k} have?",
+            "How many legs has a {k} got?",
+            "Tell me how many legs a {k} has.",
+            "Count the legs of a {k}.",
+            "how many legs on a {k}",
+            "What is the number of legs of a {k}?",
+            "Do you know how many legs a {k} has?",
+            "legs of a {k}?",
+        ],
+        "A {k} has {v} legs.",
+        "legs of a {k}",
+        "The question is about the legs of a {k}. A {k} has {v} legs.",
+    ),
+    "opposite": _FactCategory(
+        _OPPOSITES,
+        [
+            "What is the opposite of {k}?",
+            "What's the opposite of {k}?",
+            "Give me the opposite of {k}.",
+            "Tell me the opposite of {k}.",
+            "opposite of {k}?",
+            "Which word is the opposite of {k}?",
+            "Do you know the opposite of {k}?",
+            "What word means the opposite of {k}?",
+        ],
+        "The opposite of {k} is {v}.",
+        "opposite of {k}",
+        "The question is about the opposite of {k}. The opposite of {k} is {v}.",
+    ),
+}
+
+# Small talk: (user phrasings, assistant replies, JSON topic). Replies are shared by both splits.
+_SMALLTALK: list[tuple[list[str], list[str], str]] = [
+    (
+        [
+            "Hello!",
+            "Hi",
+            "Hey there!",
+            "hello",
+            "Good morning!",
+            "Hi there",
+            "Hey",
+            "Good evening!",
+            "Howdy!",
+            "hi!",
+            "Greetings!",
+            "Hello there.",
+        ],
+        ["Hello! How can I help you today?", "Hi! What can I do for you?", "Hello! Ask me anything."],
+        "greeting",
+    ),
+    (
+        [
+            "How are you?",
+            "How are you doing?",
+            "how's it going?",
+            "How are you today?",
+            "How do you feel?",
+            "Are you doing well?",
+            "how are things?",
+            "What's up?",
+        ],
+        ["I am fine, thank you! How can I help?", "I'm doing well, thanks for asking."],
+        "feelings",
+    ),
+    (
+        [
+            "Who are you?",
+            "What is your name?",
+            "What are you?",
+            "Tell me about yourself.",
+            "whats your name",
+            "Introduce yourself.",
+            "Who am I talking to?",
+            "What should I call you?",
+        ],
+        [
+            "I am a small assistant model. I can do arithmetic with a calculator, count letters and answer simple "
+            "questions.",
+            "I am a tiny chat model that runs on your computer.",
+        ],
+        "identity",
+    ),
+    (
+        [
+            "Thank you!",
+            "Thanks",
+            "thanks a lot",
+            "Thank you very much.",
+            "Cheers!",
+            "Many thanks!",
+            "thx",
+            "Thanks for the help.",
+        ],
+        ["You're welcome!", "Happy to help!", "Any time!"],
+        "thanks",
+    ),
+    (
+        [
+            "Goodbye!",
+            "Bye",
+            "See you later!",
+            "bye bye",
+            "Good night!",
+            "Talk to you later.",
+            "I have to go now.",
+            "See you!",
+        ],
+        ["Goodbye! Have a nice day.", "Bye! See you soon."],
+        "farewell",
+    ),
+    (
+        [
+            "What can you do?",
+            "How can you help me?",
+            "What are you good at?",
+            "What can I ask you?",
+            "help",
+            "What do you know?",
+            "What are your skills?",
+            "Can you help me?",
+        ],
+        [
+            "I can do arithmetic with a calculator, count letters in words, and answer simple questions about "
+            "capitals, colours and animals.",
+            "Ask me to calculate something, count letters, or tell you a fact.",
+        ],
+        "abilities",
+    ),
+]
+_SMALLTALK_REASONING = "The user is making small talk. I should reply politely."
+
+# Requests appended to a question.
+_JSON_REQUESTS = [
+    "Answer in JSON.",
+    "Reply in JSON.",
+    "Respond with JSON.",
+    "Give the answer as JSON.",
+    "Format your answer as JSON.",
+    "Use JSON.",
+    "Please answer in JSON format.",
+    "Output JSON.",
+]
+_THINK_REQUESTS = [
+    "Think first.",
+    "Think before you answer.",
+    "Think step by step.",
+    "Reason it out first.",
+    "Let's think about it.",
+    "Think carefully.",
+    "Take a moment to think.",
+    "Please think it through.",
+]
+_SYSTEM_PROMPTS = [
+    "You are a helpful assistant.",
+    "You are a friendly assistant. Keep answers short.",
+    "Answer questions briefly.",
+]
+
+
+def json_answer(topic: str, answer: str) -> str:
+    """The exact JSON answer shape: compact, one space after ':' and ','; `json.dumps` escapes the strings."""
+    return json.dumps({"topic": topic, "answer": answer}, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The generator.
+
+
+@dataclass(frozen=True)
+class CorpusMix:
+    """Relative weights of conversation kinds and how often a request / extra turn is added."""
+
+    arithmetic: float = 0.34
+    letters: float = 0.22
+    fact: float = 0.28
+    smalltalk: float = 0.16
+    think_rate: float = 0.2
+    json_rate: float = 0.3  # of fact and small-talk conversations
+    system_rate: float = 0.08
+    greeting_turn_rate: float = 0.12  # a greeting exchange before the question
+
+
+@dataclass
+class _Pools:
+    """What one split may draw from: the operands, words, templates and requests partitioned per split."""
+
+    split: Split
+    numbers_small: list[int]
+    numbers_large: list[int]
+    words: list[str]
+    operator_phrases: dict[str, list[str]]
+    letter_templates: list[str]
+    fact_questions: dict[str, list[str]]
+    smalltalk: list[tuple[list[str], list[str], str]]
+    json_requests: list[str]
+    think_requests: list[str]
+    letters: str = field(default="abcdefghijklmnopqrstuvwxyz")
+
+
+def _pools(split: Split) -> _Pools:
+    heldout = split == "heldout"
+    return _Pools(
+        split=split,
+        numbers_small=[n for n in range(2, 100) if _heldout_number(n) == heldout],
+        numbers_large=[n for n in range(100, 1000) if _heldout_number(n) == heldout],
+        words=_split_list(_WORDS, split, every=5),
+        operator_phrases={op: _split_list(t, split) for op, t in _OPERATOR_PHRASES.items()},
+        letter_templates=_split_list(_LETTER_TEMPLATES, split),
+        fact_questions={name: _split_list(c.questions, split) for name, c in _FACTS.items()},
+        smalltalk=[(_split_list(users, split), replies, topic) for users, replies, topic in _SMALLTALK],
+        json_requests=_split_list(_JSON_REQUESTS, split),
+        think_requests=_split_list(_THINK_REQUESTS, split),
+    )
+
+
+def _calculator(expression: str) -> str:
+    result = evaluate(expression)
+    if not result.ok or result.text is None:  # the generator only writes expressions the calculator accepts
+        raise ValueError(f"calculator refused corpus expression {expression!r}: {result.reason}")
+    return result.text
+
+
+def _with_request(question: str, request: str | None, rng: random.Random) -> str:
+    if request is None:
+        return question
+    return f"{question} {request}" if rng.random() < 0.8 else f"{request} {question}"
+
+
+def _think_text(reasoning: str) -> str:
+    return f"{THINK_OPEN}{reasoning}{THINK_CLOSE}"
+
+
+class _Generator:
+    def __init__(self, split: Split, seed: int, mix: CorpusMix) -> None:
+        self.rng = random.Random(f"chatapp-corpus:{split}:{seed}")
+        self.pools = _pools(split)
+        self.mix = mix
+
+    def conversation(self) -> Conversation:
+        rng, mix = self.rng, self.mix
+        kinds: list[Kind] = ["arithmetic", "letters", "fact", "smalltalk"]
+        kind = rng.choices(kinds, weights=[mix.arithmetic, mix.letters, mix.fact, mix.smalltalk])[0]
+        think = rng.random() < mix.think_rate
+        json_answer_ = kind in ("fact", "smalltalk") and not think and rng.random() < mix.json_rate
+        make: dict[Kind, Callable[[bool, bool], Conversation]] = {
+            "arithmetic": self._arithmetic,
+            "letters": self._letters,
+            "fact": self._fact,
+            "smalltalk": self._smalltalk,
+        }
+        conv = make[kind](think, json_answer_)
+        prefix: list[dict[str, Any]] = []
+        if rng.random() < mix.system_rate:
+            prefix.append({"role": "system", "content": rng.choice(_SYSTEM_PROMPTS)})
+        if kind != "smalltalk" and rng.random() < mix.greeting_turn_rate:
+            users, replies, _ = self.pools.smalltalk[0]
+            prefix += [
+                {"role": "user", "content": rng.choice(users)},
+                {"role": "assistant", "content": rng.choice(replies)},
+            ]
+        if not prefix:
+            return conv
+        return Conversation(
+            conv.kind, prefix + conv.messages, conv.expected, conv.expression, conv.json_answer, conv.think
+        )
+
+    def _request(self, think: bool, json_answer_: bool) -> str | None:
+        if think:
+            return self.rng.choice(self.pools.think_requests)
+        if json_answer_:
+            return self.rng.choice(self.pools.json_requests)
+        return None
+
+    def _operands(self, op: str) -> tuple[int, int]:
+        p, rng = self.pools, self.rng
+        if op == "/":  # exact division keeps results integers: draw the divisor and quotient, keep a split dividend
+            while True:
+                b = rng.choice(p.numbers_small)
+                a = b * rng.randint(2, 99)
+                if a < 1000 and _heldout_number(a) == (p.split == "heldout"):
+                    return a, b
+        if op == "*":
+            a = rng.choice(p.numbers_small)
+            b = rng.choice(p.numbers_small if rng.random() < 0.7 else p.numbers_large)
+        else:
+            a = rng.choice(p.numbers_small if rng.random() < 0.3 else p.numbers_large)
+            b = rng.choice(p.numbers_small if rng.random() < 0.5 else p.numbers_large)
+        return (a, b) if rng.random() < 0.5 else (b, a)
+
+    def _tool_answer(
+        self, preface: str, expression: str, result: str, answer: str, reasoning: str | None
+    ) -> list[dict[str, str]]:
+        opening = (_think_text(reasoning) if reasoning is not None else "") + preface
+        return [
+            {"type": "text", "text": opening},
+            {"type": "python", "text": expression},
+            {"type": "python_output", "text": result},
+            {"type": "text", "text": answer},
+        ]
+
+    def _arithmetic(self, think: bool, json_answer_: bool) -> Conversation:
+        rng = self.rng
+        op = rng.choice(list(_OPERATOR_PHRASES))
+        a, b = self._operands(op)
+        question = rng.choice(self.pools.operator_phrases[op]).format(a=a, b=b)
+        expression = f"{a}{op}{b}"
+        result = _calculator(expression)
+        reasoning = _OPERATOR_REASONING[op].format(a=a, b=b) + " The calculator gives the exact value."
+        answer = rng.choice(_CALC_ANSWERS).format(expr=expression, result=result)
+        content = self._tool_answer(
+            rng.choice(_CALC_PREFACES), expression, result, answer, reasoning if think else None
+        )
+        user = _with_request(question, self._request(think, json_answer_), rng)
+        return Conversation(
+            "arithmetic",
+            [{"role": "user", "content": user}, {"role": "assistant", "content": content}],
+            expected=result,
+            expression=expression,
+            think=think,
+        )
+
+    def _letters(self, think: bool, json_answer_: bool) -> Conversation:
+        rng = self.rng
+        word = rng.choice(self.pools.words)
+        # Mostly a letter of the word (doubled letters are the interesting case), sometimes one it lacks.
+        letter = rng.choice(word) if rng.random() < 0.85 else rng.choice(self.pools.letters)
+        question = rng.choice(self.pools.letter_templates).format(c=letter, w=word)
+        expression = f'"{word}".count("{letter}")'
+        result = _calculator(expression)
+        reasoning = f'I need to count the letter {letter} in "{word}". The calculator can count it.'
+        answer = rng.choice(_LETTER_ANSWERS).format(n=result, c=letter, w=word)
+        content = self._tool_answer(
+            rng.choice(_LETTER_PREFACES), expression, result, answer, reasoning if think else None
+        )
+        user = _with_request(question, self._request(think, json_answer_), rng)
+        return Conversation(
+            "letters",
+            [{"role": "user", "content": user}, {"role": "assistant", "content": content}],
+            expected=result,
+            expression=expression,
+            think=think,
+        )
+
+    def _fact(self, think: bool, json_answer_: bool) -> Conversation:
+        rng = self.rng
+        name = rng.choice(list(_FACTS))
+        category = _FACTS[name]
+        key = rng.choice(list(category.table))
+        value = category.table[key]
+        fields_ = {"k": key, "K": key[0].upper() + key[1:], "v": value}
+        question = rng.choice(self.pools.fact_questions[name]).format(**fields_)
+        user = _with_request(question, self._request(think, json_answer_), rng)
+        if json_answer_:
+            answer = expected = json_answer(category.topic.format(**fields_), value)
+        else:
+            answer = category.answer.format(**fields_)
+            expected = value
+        if think:
+            answer = _think_text(category.reasoning.format(**fields_)) + answer
+        return Conversation(
+            "fact",
+            [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+            expected=expected,
+            json_answer=json_answer_,
+            think=think,
+        )
+
+    def _smalltalk(self, think: bool, json_answer_: bool) -> Conversation:
+        rng = self.rng
+        users, replies, topic = rng.choice(self.pools.smalltalk)
+        reply = rng.choice(replies)
+        user = _with_request(rng.choice(users), self._request(think, json_answer_), rng)
+        if json_answer_:
+            answer = expected = json_answer(topic, reply)
+        else:
+            answer = expected = reply
+        if think:
+            answer = _think_text(_SMALLTALK_REASONING) + answer
+        return Conversation(
+            "smalltalk",
+            [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+            expected=expected,
+            json_answer=json_answer_,
+            think=think,
+        )
+
+
+def generate_corpus(n: int, split: Split = "train", seed: int = 0, mix: CorpusMix | None = None) -> list[Conversation]:
+    """`n` conversations of `split`, deterministic in `(split, n, seed, mix)`; a longer corpus extends a shorter one."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    gen = _Generator(split, seed, mix or CorpusMix())
+    return [gen.conversation() for _ in range(n)]
+
+
+def conversation_text(conv: Conversation) -> str:
+    """All the text of a conversation (tool parts included), one message per line: tokenizer training input."""
+    lines: list[str] = []
+    for message in conv.messages:
+        content = message["content"]
+        lines.append(content if isinstance(content, str) else "".join(part["text"] for part in content))
+    return "\n".join(lines)
