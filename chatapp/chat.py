@@ -21,8 +21,10 @@ shared tokenizer is never toggled, so formats are safe to use from several threa
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Literal
 
@@ -276,7 +278,8 @@ class TemplateChatFormat:
     """A checkpoint's Jinja chat template (tokenizer_config.json / chat_template.jinja), rendered in a sandbox.
 
     To keep typed special-token text as text, each message's content is located in the rendered string (by
-    rendering once more with sentinel contents) and encoded apart from the template's own text. A template that
+    rendering once more with sentinel contents); a content that would produce a special token is encoded apart
+    from the template's own text, anything else is encoded in one piece as `transformers` does. A template that
     rewrites contents (e.g. strips `<think>` blocks from earlier turns) cannot be split that way: completion prompts
     then encode the whole string, refusing contents that contain structural token names, and training masks are
     refused. Loss mask: assistant contents and the template's turn-closing token after each.
@@ -300,7 +303,9 @@ class TemplateChatFormat:
         self._source = source
         self._compiled = _compile_template(template, source)
         self._variables = dict(special_tokens or {})
-        self._structural = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+        added = tokenizer.get_added_tokens_decoder()
+        self._structural = [token.content for token in added.values() if token.special]
+        self._structural_ids = frozenset(i for i, token in added.items() if token.special)
         self._encoder = _text_tokenizer(tokenizer, structural=None)
         bos = self._variables.get("bos_token")
         eos = self._variables.get("eos_token")
@@ -354,31 +359,26 @@ class TemplateChatFormat:
                 f"the {self._source} rewrites message contents, so assistant tokens cannot be located for a loss mask",
                 hint="train with a template that writes each message's content verbatim",
             )
-        out = _Builder()
-        after_assistant = False
-        for segment in segments:
-            if segment.role is not None:
-                out.add(self.encode_text(segment.text), segment.role == "assistant")
-            else:
-                ids = self._encode_template_text(segment.text)
-                closing = _through_first(ids, self.stop_token_ids) if after_assistant else 0
-                out.add(ids[:closing], True)
-                out.add(ids[closing:], False)
-            after_assistant = segment.role == "assistant"
+        ids, owners = self._tokenize(segments)
+        mask = [int(segments[owner].role == "assistant") for owner in owners]
+        # The template's text right after an assistant content starts with the turn-closing token: supervised
+        # (through the first stop id), so the model learns to stop.
+        closing = {o for o in owners if segments[o].role is None and o > 0 and segments[o - 1].role == "assistant"}
+        for owner in closing:
+            positions = [p for p, o in enumerate(owners) if o == owner]
+            through = _through_first([ids[p] for p in positions], self.stop_token_ids)
+            for p in positions[:through]:
+                mask[p] = 1
         if max_tokens is not None:
-            return out.ids[:max_tokens], out.mask[:max_tokens]
-        return out.ids, out.mask
+            return ids[:max_tokens], mask[:max_tokens]
+        return ids, mask
 
     def render_for_completion(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Prompt ids for the next assistant answer: the template with `add_generation_prompt=True`."""
         turns = _drop_trailing_assistant(parse_messages(messages))
         segments = self._segments(turns, add_generation_prompt=True)
         if segments is not None:
-            ids: list[int] = []
-            for segment in segments:
-                encode = self._encode_template_text if segment.role is None else self.encode_text
-                ids.extend(encode(segment.text))
-            return ids
+            return self._tokenize(segments)[0]
         for index, turn in enumerate(turns):
             if typed := [name for name in self._structural if name in turn.text]:
                 raise ConversationError(
@@ -386,7 +386,34 @@ class TemplateChatFormat:
                     "rewrites contents so it cannot be kept as ordinary text",
                     hint=f"remove {typed[0]!r} from the message",
                 )
-        return self._encode_template_text(self._render(_template_messages(turns), add_generation_prompt=True))
+        rendered = self._render(_template_messages(turns), add_generation_prompt=True)
+        return self.tokenizer.encode(rendered, add_special_tokens=False).ids
+
+    def _tokenize(self, segments: list[_Segment]) -> tuple[list[int], list[int]]:
+        """Ids of the rendered text and, per id, the index of the segment it starts in.
+
+        Normally the whole string is encoded at once, exactly as `transformers` does, so ids match the ones the
+        checkpoint was trained on (encoding pieces apart could split a pre-token such as "\n \n" at a boundary).
+        Only when a message's content itself produced a special token (typed "<|im_end|>") is each piece encoded
+        apart, with contents through the encoder that keeps special-token names as text.
+        """
+        starts = list(accumulate((len(s.text) for s in segments[:-1]), initial=0))
+        whole = self.tokenizer.encode("".join(s.text for s in segments), add_special_tokens=False)
+        owners = [bisect_right(starts, start) - 1 for start, _ in whole.offsets]
+        injected = any(
+            token in self._structural_ids and segments[owner].role is not None
+            for token, owner in zip(whole.ids, owners, strict=True)
+        )
+        if not injected:
+            return whole.ids, owners
+        ids: list[int] = []
+        owners = []
+        for index, segment in enumerate(segments):
+            encode = self.encode_text if segment.role is not None else self._encode_template_text
+            piece = encode(segment.text)
+            ids += piece
+            owners += [index] * len(piece)
+        return ids, owners
 
     def _encode_template_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

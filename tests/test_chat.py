@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chatapp.chat import CHAT_TOKENS, ChatFormat, TemplateChatFormat, chat_format_for, parse_messages
@@ -129,6 +129,43 @@ def _shared_format(tokenizer) -> ChatFormat:
     return _FORMATS.setdefault(id(tokenizer), ChatFormat(tokenizer))
 
 
+_content = st.lists(st.one_of(st.text(max_size=8), st.sampled_from(CHAT_SPECIAL_TOKENS)), max_size=3).map("".join)
+_assistant_parts = st.lists(
+    st.builds(
+        lambda kind, text: {"type": kind, "text": text}, st.sampled_from(["text", "python", "python_output"]), _content
+    ),
+    min_size=1,
+    max_size=4,
+)
+_conversations = st.lists(st.tuples(_content, st.one_of(_content, _assistant_parts)), min_size=1, max_size=3)
+
+
+@given(_conversations)
+def test_render_matches_an_independent_rendering_of_random_conversations(chat_tokenizer, exchanges):
+    """Oracle: the conversation written out as text by hand, and the supervised part of it."""
+    fmt = _shared_format(chat_tokenizer)
+    messages, text, supervised = [], "<|bos|>", ""
+    for user, answer in exchanges:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        text += f"<|user_start|>{user}<|user_end|><|assistant_start|>"
+        for part in [{"type": "text", "text": answer}] if isinstance(answer, str) else answer:
+            written = {
+                "text": part["text"],
+                "python": f"<|python_start|>{part['text']}<|python_end|>",
+                "python_output": f"<|output_start|>{part['text']}<|output_end|>",
+            }[part["type"]]
+            text += written
+            supervised += "" if part["type"] == "python_output" else written
+        text += "<|assistant_end|>"
+        supervised += "<|assistant_end|>"
+    ids, mask = fmt.render_conversation(messages)
+    assert len(ids) == len(mask)
+    assert fmt.decode(ids) == text
+    assert fmt.decode([i for i, m in zip(ids, mask, strict=True) if m]) == supervised
+    # Structural ids appear exactly where the format put them, never from content.
+    assert ids.count(fmt.assistant_end_id) == len(exchanges) == ids.count(fmt.user_start_id)
+
+
 def test_non_chat_added_tokens_are_content_vocabulary():
     tok = train_bpe_tokenizer([SAMPLE_TEXT] * 5, 320, special_tokens=(*CHAT_SPECIAL_TOKENS, "<think>", "</think>"))
     fmt = ChatFormat(tok)
@@ -237,7 +274,9 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def qwen_tokenizer():
-    return train_bpe_tokenizer([SAMPLE_TEXT] * 20, vocab_size=400, special_tokens=QWEN_SPECIALS)
+    # Whitespace runs in the corpus give it merges such as "\n \n", as real tokenizers have.
+    texts = [SAMPLE_TEXT, "a\n \nb\n\n\nab \n \t\n  a'. é\n\n"] * 20
+    return train_bpe_tokenizer(texts, vocab_size=400, special_tokens=QWEN_SPECIALS)
 
 
 def _checkpoint(tmp_path: Path, tokenizer, template: str, *, generation_eos: list[int] | None = None) -> Path:
@@ -261,6 +300,38 @@ def test_template_ids_match_transformers_apply_chat_template(tmp_path: Path, qwe
     without_system = CONVERSATION[1:]
     text = hf.apply_chat_template(without_system, tokenize=False, add_generation_prompt=True)
     assert fmt.decode(fmt.render_for_completion(without_system)) == text
+
+
+@pytest.fixture(scope="module")
+def qwen_pair(tmp_path_factory, qwen_tokenizer):
+    """Our template format and transformers' tokenizer over the same tokenizer and template."""
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = _checkpoint(tmp_path_factory.mktemp("qwen"), qwen_tokenizer, QWEN_TEMPLATE)
+    hf = PreTrainedTokenizerFast(tokenizer_object=qwen_tokenizer, chat_template=QWEN_TEMPLATE)
+    return chat_format_for(qwen_tokenizer, model_dir), hf
+
+
+# Whitespace at content edges is where encoding pieces apart would differ from encoding the whole string.
+_plain = st.text(alphabet=st.sampled_from(list("ab \n\t'.é")), max_size=10)
+
+
+@given(st.lists(_plain, min_size=1, max_size=4), st.booleans())
+@settings(max_examples=60)
+def test_template_ids_match_transformers_on_random_contents(qwen_pair, contents: list[str], system: bool):
+    fmt, hf = qwen_pair
+    roles = ["user", "assistant"] * 2
+    messages = [{"role": role, "content": text} for role, text in zip(roles, contents, strict=False)]
+    if system:
+        messages.insert(0, {"role": "system", "content": "Be brief."})
+    expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    expected = expected["input_ids"] if isinstance(expected, Mapping) else expected
+    if messages[-1]["role"] == "user":
+        assert fmt.render_for_completion(messages) == list(expected)
+    ids, mask = fmt.render_conversation(messages)
+    plain = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+    assert ids == list(plain["input_ids"] if isinstance(plain, Mapping) else plain)
+    assert len(mask) == len(ids)
 
 
 def test_template_keeps_typed_special_tokens_as_text(tmp_path: Path, qwen_tokenizer):
