@@ -237,12 +237,15 @@ HOSTILE = [
 
 @pytest.mark.parametrize("expression", HOSTILE, ids=lambda e: repr(e[:30]))
 def test_hostile_input_is_refused_quickly(expression: str):
-    start = time.perf_counter()
-    result = evaluate(expression)
-    elapsed = time.perf_counter() - start
+    # Best of three: the bound is on the work done, not on how busy the shared test machine happens to be.
+    elapsed = []
+    for _ in range(3):
+        start = time.perf_counter()
+        result = evaluate(expression)
+        elapsed.append(time.perf_counter() - start)
     assert not result.ok and result.text is None
     assert result.reason and len(result.reason) < 200
-    assert elapsed < 0.05, f"{elapsed * 1000:.1f} ms"
+    assert min(elapsed) < 0.05, f"{min(elapsed) * 1000:.1f} ms"
 
 
 def test_there_are_many_hostile_inputs():
