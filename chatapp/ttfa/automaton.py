@@ -1,11 +1,14 @@
-"""The batched TTFA: per-row state `pc[B]`, `ptr[B]`, `gen[B]` stepped by gathers from linked tables.
+"""The batched TTFA: per-row state stepped by gathers from linked tables.
 
 `ttfa_step` and `ttfa_advance` are pure functions of (state, tables, input): no Python branch depends on tensor
 values and nothing reads a tensor back to the host, so they run unchanged on CUDA without synchronising, compile
 with `torch.compile(fullgraph=True)` and capture in a CUDA graph. `Automaton` wraps them with the state and the
 host-side metadata (labels, tag names) the engine and the UI need.
 
-Replacing the sampled token costs O(B) per step; masking logits would cost O(B·V).
+The seed's three state values are `pc`, `ptr` and `gen`. Within a zone `ptr` always equals
+`start + min(gen, feed_len)` (both advance together while feeding, and `ptr` stops at the end of the feed), so
+only `pc` and `gen` are stored and `ptr` is derived: two fewer ops per step. Replacing the sampled token costs
+O(B) per step; masking logits would cost O(B·V).
 """
 
 from __future__ import annotations
@@ -16,14 +19,13 @@ from typing import NamedTuple
 import torch
 
 from chatapp.ttfa.program import Program
-from chatapp.ttfa.tables import BUDGET, CLASS_BASE, END, JUMP, JUMP_CLASS, NEXT, STEP_CLASS, TIMEOUT, Tables, link
+from chatapp.ttfa.tables import BLOCK_BASE, BUDGET, FEED_LEN, NEXT, START, Tables, link
 
 
 class TTFAState(NamedTuple):
-    """Per-row automaton state, all int64 `[B]` on the tables' device. `pc` and `ptr` are global (linked)."""
+    """Per-row automaton state, int64 `[B]` on the tables' device. `pc` is the global (linked) row."""
 
     pc: torch.Tensor
-    ptr: torch.Tensor
     gen: torch.Tensor
 
 
@@ -36,58 +38,57 @@ class StepOutput(NamedTuple):
 
 def ttfa_step(state: TTFAState, tables: Tables, tokens: torch.Tensor) -> StepOutput:
     """One automaton step for every row: replace `tokens` where the program forces, then take transitions."""
-    pc, ptr, gen = state
-    row = tables.rows[pc]  # everything about the current zone in one gather
-    end, budget, timeout_token = row[:, END], row[:, BUDGET], row[:, TIMEOUT]
-    feeding = ptr < end
-    feed_token = tables.data[ptr]
-    cls = tables.classes[row[:, CLASS_BASE] + tokens.clamp(0, tables.width - 1)]
+    pc, gen = state
+    start, feed_len, budget, timeout_token, class_base, block_base = tables.rows.index_select(0, pc).unbind(1)
+    feeding = gen < feed_len
+    feed_token = tables.data.take(start + torch.minimum(gen, feed_len))
+    # The class of the model's token is also the transition it asks for: 0 stay, 1 step, 2 jump.
+    cls = tables.flat.take(class_base + tokens.clamp(0, tables.width - 1))
     gen = gen + 1
-    # Only a token the model produced can fire a transition: feeding rows ignore their class.
-    model_turn = ~feeding
-    timeout = model_turn & (cls == 0) & (gen >= budget)
-    jump = model_turn & (cls == JUMP_CLASS)
-    # The step transition: the step trigger, a timeout, or the end of a forced-only (budget 0) zone's feed.
-    advance = (model_turn & (cls == STEP_CLASS)) | timeout | (feeding & (budget == 0) & (ptr + 1 == end))
-    out = torch.where(feeding, feed_token, torch.where(timeout, timeout_token, tokens))
-    forced = feeding | timeout
-    new_pc = torch.where(jump, row[:, JUMP], torch.where(advance, row[:, NEXT], pc))
-    moved = jump | advance
-    new_ptr = torch.where(moved, tables.start[new_pc], ptr + feeding)
-    new_gen = torch.where(moved, 0, gen)
-    return StepOutput(TTFAState(new_pc, new_ptr, new_gen), out, forced, tables.tags[pc])
+    # Timeout, or for a forced-only zone its last feed token (budgets are normalised so one test covers both).
+    over = gen >= budget
+    model_choice = torch.maximum(cls, over)  # a trigger wins over the timeout; the timeout takes the step
+    choice = torch.where(feeding, over, model_choice)  # a feed token never fires a trigger
+    forced = feeding | (model_choice > cls)  # feeding, or the timeout replaced the model's token
+    out = torch.where(forced, torch.where(feeding, feed_token, timeout_token), tokens)
+    new_pc = tables.flat.take(block_base + choice)
+    new_gen = gen * (choice == 0)  # entering a zone (even the same one) restarts its count
+    return StepOutput(TTFAState(new_pc, new_gen), out, forced, tables.tags.index_select(0, pc))
+
+
+def ttfa_ptr(state: TTFAState, tables: Tables) -> torch.Tensor:
+    """The seed's feed pointer into `tables.data`, derived from `pc` and `gen`."""
+    row = tables.rows.index_select(0, state.pc)
+    return row[:, START] + torch.minimum(state.gen, row[:, FEED_LEN])
 
 
 def ttfa_pending_feed(state: TTFAState, tables: Tables) -> torch.Tensor:
     """Feed tokens left in each row's current zone (0 for HALT rows, which have no feed)."""
-    return (tables.rows[state.pc, END] - state.ptr).clamp(min=0)
+    return (tables.rows.index_select(0, state.pc)[:, FEED_LEN] - state.gen).clamp(min=0)
 
 
 def ttfa_advance(state: TTFAState, tables: Tables, n: torch.Tensor) -> tuple[TTFAState, torch.Tensor]:
     """The state after each row emits its next `n[b]` feed tokens (requires `n <= pending feed`).
 
-    Equal to `n[b]` calls of `ttfa_step` on the feed tokens: feeding only moves `ptr` and `gen`, and the one
-    transition a feed token can cause, leaving a forced-only zone after its last token, is applied at the end.
+    Equal to `n[b]` calls of `ttfa_step` on the feed tokens: feeding only counts `gen` up, and the one transition
+    a feed token can cause, leaving a forced-only zone with its last token, happens at the end of the run.
     Also returns the tags those tokens carry (the current zone's).
     """
-    pc, ptr, gen = state
-    row = tables.rows[pc]
-    end = row[:, END]
-    ptr = ptr + n
+    pc, gen = state
+    row = tables.rows.index_select(0, pc)
     gen = gen + n
-    leave = (n > 0) & (ptr == end) & (row[:, BUDGET] == 0)
-    new_pc = torch.where(leave, row[:, NEXT], pc)
-    new_ptr = torch.where(leave, tables.start[new_pc], ptr)
-    new_gen = torch.where(leave, 0, gen)
-    return TTFAState(new_pc, new_ptr, new_gen), tables.tags[pc]
+    leave = (n > 0) & (gen >= row[:, BUDGET])
+    new_pc = torch.where(leave, tables.flat.take(row[:, BLOCK_BASE] + NEXT), pc)
+    return TTFAState(new_pc, gen * ~leave), tables.tags.index_select(0, pc)
 
 
 def ttfa_peek_feed(state: TTFAState, tables: Tables, k: int) -> torch.Tensor:
     """The next `k` feed tokens per row, `[B, k]`; positions past the zone's feed hold the row's pad token."""
-    index = state.ptr[:, None] + torch.arange(k, device=state.ptr.device)
-    valid = index < tables.rows[state.pc, END][:, None]
-    tokens = tables.data[index.clamp(max=tables.data.numel() - 1)]
-    return torch.where(valid, tokens, tables.pad[state.pc][:, None])
+    row = tables.rows.index_select(0, state.pc)
+    end = row[:, START] + row[:, FEED_LEN]
+    index = ttfa_ptr(state, tables)[:, None] + torch.arange(k, device=state.pc.device)
+    tokens = tables.data[torch.minimum(index, end[:, None])]
+    return torch.where(index < end[:, None], tokens, tables.pad.index_select(0, state.pc)[:, None])
 
 
 class Automaton:
@@ -153,7 +154,7 @@ class Automaton:
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows `index` in that order (drop finished rows, permute, or replicate a row)."""
         index = index.to(device=self.device, dtype=torch.int64)
-        self.state = TTFAState(*(t[index] for t in self.state))
+        self.state = TTFAState(*(t.index_select(0, index) for t in self.state))
 
     def add_rows(self, row_program: Sequence[int]) -> None:
         """Append fresh rows, each at the entry of `programs[row_program[i]]`."""
@@ -164,7 +165,7 @@ class Automaton:
         if bad := [p for p in row_program if not 0 <= p < len(self.programs)]:
             raise IndexError(f"row_program refers to programs {bad}; only {len(self.programs)} are linked")
         pc = torch.tensor([self._entry[p] for p in row_program], dtype=torch.int64, device=self.device)
-        return TTFAState(pc, self.tables.start[pc], torch.zeros_like(pc))
+        return TTFAState(pc, torch.zeros_like(pc))
 
     # -- host queries ----------------------------------------------------------------------------------------
 
@@ -174,7 +175,8 @@ class Automaton:
 
     @property
     def ptr(self) -> torch.Tensor:
-        return self.state.ptr
+        """The feed pointer into the linked data (derived: `start + min(gen, feed_len)`)."""
+        return ttfa_ptr(self.state, self.tables)
 
     @property
     def gen(self) -> torch.Tensor:
@@ -192,9 +194,9 @@ class Automaton:
     def local_state(self) -> tuple[list[int], list[int], list[int]]:
         """`(pc, ptr, gen)` per row relative to each row's own program: zone index (HALT = number of zones)
         and offset into that program's `data`, as the reference interpreter and the disassembler count them."""
-        pc, ptr, gen = self.state
+        pc, gen = self.state
         return (
             (pc - self._zone_base[pc]).tolist(),
-            (ptr - self._data_base[pc]).tolist(),
+            (self.ptr - self._data_base[pc]).tolist(),
             gen.tolist(),
         )

@@ -1,10 +1,21 @@
 """Linking compiled programs into one set of device tables, as a linker relocates object files.
 
-Every program contributes its zones plus its own HALT row; zone indices (`next_pc`, `jump_pc`) are relocated by
-the program's base row and feed offsets by its base in the shared flat `data`. Rows of one batch can then run
-different programs with the same gathers. Triggers become a per-row token class table `classes[R, V + 1]`
-(0 = none, 1 = step, 2 = jump), so a trigger *set* costs the same single gather as one token; column `V` is all
-zeros and catches every token id outside the vocabulary.
+Every program contributes its zones plus its own HALT row; zone indices are relocated by the program's base row
+and feed offsets by its base in the shared flat `data`. Rows of one batch can then run different programs with
+the same gathers.
+
+The layout is chosen so one step is a handful of gathers (on a CPU each PyTorch op costs microseconds whatever
+its size, so the op count is the cost):
+
+* `rows[R, 6]`: everything about a zone that `step` reads, fetched with one `index_select`.
+* `flat`: per row a block `[stay, next, jump, class(token 0), ..., class(token V)]`. The token's class (0 none,
+  1 step trigger, 2 jump trigger) is one gather, so a trigger *set* costs what one token costs, and the class is
+  also the index of the transition taken: `next_pc = flat[block + class]`. Column `V` is all zeros and catches
+  every token id outside the vocabulary.
+* Budgets are normalised so that one comparison `gen + 1 >= budget` covers both the timeout and the exit of a
+  forced-only zone after its last feed token (see `normalized_budget`).
+* A HALT row has no feed, no triggers, budget 0, `pad` as timeout token and itself as every successor: each step
+  "times out" into the same state and emits pad, forced. So `step` has no special case for halted rows.
 """
 
 from __future__ import annotations
@@ -18,26 +29,33 @@ import torch
 from chatapp.ttfa.program import Program
 
 NO_CLASS, STEP_CLASS, JUMP_CLASS = 0, 1, 2
+STAY, NEXT, JUMP = 0, 1, 2  # offsets of the transition targets in a row's block of `flat`; equal to the classes
+BLOCK_HEADER = 3
 
-# Columns of `Tables.rows`: everything `step` needs about the current zone comes from one gather of one row.
-END, BUDGET, TIMEOUT, NEXT, JUMP, CLASS_BASE = range(6)
+# Columns of `Tables.rows`.
+START, FEED_LEN, BUDGET, TIMEOUT, CLASS_BASE, BLOCK_BASE = range(6)
 
 
 class Tables(NamedTuple):
-    """Device tables indexed by the global row `pc`. A NamedTuple so `torch.compile` sees plain tensor leaves.
+    """Device tables indexed by the global row `pc`. A NamedTuple so `torch.compile` sees plain tensor leaves."""
 
-    HALT rows need no special case in `step`: a HALT row has no feed, no triggers, budget 0, `pad` as its timeout
-    token and itself as its successor, so every step "times out" into the same state and emits pad, forced.
-    """
-
-    rows: torch.Tensor  # [R, 6] int64: END, BUDGET, TIMEOUT, NEXT, JUMP, CLASS_BASE (= row * width)
-    start: torch.Tensor  # [R] int64, global offset of the zone's feed in data
+    rows: torch.Tensor  # [R, 6] int64: START, FEED_LEN, BUDGET (normalised), TIMEOUT, CLASS_BASE, BLOCK_BASE
+    flat: torch.Tensor  # [R * (3 + width)] int64: per row [stay, next, jump, classes...]
     halt: torch.Tensor  # [R] bool
     pad: torch.Tensor  # [R] int64, the pad of the row's program
     tags: torch.Tensor  # [R, N] bool
-    classes: torch.Tensor  # [R * width] int8, flattened [R, width]: 0 none, 1 step, 2 jump
-    data: torch.Tensor  # [D + 1] int64; the trailing pad keeps `data[ptr]` in bounds when ptr == D
+    data: torch.Tensor  # [D + 1] int64; the trailing pad keeps gathers in bounds
     width: int  # vocabulary size + 1 (the last column catches out-of-vocabulary ids)
+
+
+def normalized_budget(budget: int, feed_len: int) -> int:
+    """The budget as `step` compares it: `gen + 1 >= budget` fires exactly where the semantics leave the zone.
+
+    A forced-only zone (budget 0) leaves with its last feed token, the `feed_len`-th (an empty one times out on
+    its first step, as budget 0 says). Otherwise feed tokens never time out, so a budget inside the feed acts at
+    the first model token, `feed_len + 1`.
+    """
+    return feed_len if budget == 0 else max(budget, feed_len + 1)
 
 
 @dataclass(frozen=True)
@@ -59,8 +77,8 @@ def link(programs: Sequence[Program], device: torch.device | str = "cpu") -> Lin
     tag_names = tuple(dict.fromkeys(name for program in programs for name in program.tag_names))
     width = max(program.vocab_size for program in programs) + 1
 
+    block = BLOCK_HEADER + width
     rows: list[list[int]] = []
-    start: list[int] = []
     halt: list[bool] = []
     pad: list[int] = []
     labels: list[str] = []
@@ -69,7 +87,8 @@ def link(programs: Sequence[Program], device: torch.device | str = "cpu") -> Lin
     entry: list[int] = []
     data: list[int] = []
     tag_rows: list[list[bool]] = []
-    step_slots: list[int] = []  # flat indices row * width + token of the class table
+    targets: list[int] = []  # [stay, next, jump] per row
+    step_slots: list[int] = []  # flat indices into `flat` of step-trigger classes
     jump_slots: list[int] = []
 
     for program in programs:
@@ -78,19 +97,22 @@ def link(programs: Sequence[Program], device: torch.device | str = "cpu") -> Lin
         data.extend(program.data)
         for z in range(program.halt + 1):
             row = row0 + z
+            base = row * block
             zone = program.zones[z] if z < program.halt else None
-            if zone is None:  # HALT: times out into itself every step, emitting pad
-                rows.append([d0 + program.end(z), 0, program.pad, row, row, row * width])
+            feed_len = program.end(z) - program.start(z)
+            if zone is None:
+                rows.append([d0 + program.start(z), 0, 0, program.pad, base + BLOCK_HEADER, base])
+                targets += [row, row, row]
                 tags: set[str] = set()
             else:
                 timeout = zone.timeout_token if zone.timeout_token is not None else program.pad
-                jump = row0 + zone.jump_to if zone.jump_to is not None else row
-                rows.append([d0 + program.end(z), program.budget(z), timeout, row + 1, jump, row * width])
+                budget = normalized_budget(program.budget(z), feed_len)
+                rows.append([d0 + program.start(z), feed_len, budget, timeout, base + BLOCK_HEADER, base])
+                targets += [row, row + 1, row0 + zone.jump_to if zone.jump_to is not None else row]
                 tags = set(zone.tags)
-                step_slots += [row * width + token for token in zone.until]
+                step_slots += [base + BLOCK_HEADER + token for token in zone.until]
                 if zone.jump_to is not None:
-                    jump_slots += [row * width + token for token in zone.jump_on]
-            start.append(d0 + program.start(z))
+                    jump_slots += [base + BLOCK_HEADER + token for token in zone.jump_on]
             halt.append(zone is None)
             pad.append(program.pad)
             labels.append("halt" if zone is None else zone.label)
@@ -98,10 +120,12 @@ def link(programs: Sequence[Program], device: torch.device | str = "cpu") -> Lin
             data_base.append(d0)
             tag_rows.append([name in tags for name in tag_names])
 
-    classes = torch.zeros(len(rows) * width, dtype=torch.int8)
+    flat = torch.zeros(len(rows), block, dtype=torch.int64)
+    flat[:, :BLOCK_HEADER] = torch.tensor(targets, dtype=torch.int64).reshape(len(rows), BLOCK_HEADER)
+    flat = flat.reshape(-1)
     # `until` first, then `jump_on` overwrites: a token in both sets takes the jump.
-    classes[torch.tensor(step_slots, dtype=torch.int64)] = STEP_CLASS
-    classes[torch.tensor(jump_slots, dtype=torch.int64)] = JUMP_CLASS
+    flat[torch.tensor(step_slots, dtype=torch.int64)] = STEP_CLASS
+    flat[torch.tensor(jump_slots, dtype=torch.int64)] = JUMP_CLASS
     data.append(programs[0].pad)
 
     def longs(values: list[int]) -> torch.Tensor:
@@ -109,11 +133,10 @@ def link(programs: Sequence[Program], device: torch.device | str = "cpu") -> Lin
 
     tables = Tables(
         rows=longs(rows).reshape(len(rows), 6),
-        start=longs(start),
+        flat=flat.to(device),
         halt=torch.tensor(halt, dtype=torch.bool, device=device),
         pad=longs(pad),
         tags=torch.tensor(tag_rows, dtype=torch.bool, device=device).reshape(len(rows), len(tag_names)),
-        classes=classes.to(device),
         data=longs(data),
         width=width,
     )
