@@ -19,7 +19,7 @@ run: $(STAMP)
 	$(BIN)/chatapp run
 
 lint: $(STAMP)
-	$(BIN)/ruff check chatapp tests benchmarks
+	$(BIN)/ruff check .
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 -q
