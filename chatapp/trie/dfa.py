@@ -1,0 +1,160 @@
+"""Byte-level DFAs: the recognizer the compiled trie walk runs against.
+
+A `ByteDFA` is a dense `int32[n_states, 256]` transition table with state 0 the dead state (every byte leads back
+to it). Tables are pruned to states that are reachable and can still reach acceptance, then minimised, so "not
+dead" means exactly "this prefix can be completed to a match": the trie walk needs no other check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DEAD = 0
+"""The dead state: reached by any byte that no match can continue with; absorbing."""
+
+MAX_FORCED_BYTES = 4096
+"""Cap on one forced run (a forced cycle cannot occur in a pruned DFA; the cap only bounds pathological sizes)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ByteDFA:
+    """A pruned, minimised DFA over bytes. `source` names what it was compiled from (for messages)."""
+
+    transitions: np.ndarray  # int32[n_states, 256]
+    accepting: np.ndarray  # bool[n_states]
+    start: int
+    source: str = ""
+    live_count: np.ndarray = field(init=False, repr=False)  # int32[n_states]: bytes not leading to DEAD
+    single_byte: np.ndarray = field(init=False, repr=False)  # int32[n_states]: that byte when live_count == 1
+
+    def __post_init__(self) -> None:
+        live = self.transitions != DEAD
+        object.__setattr__(self, "live_count", live.sum(axis=1).astype(np.int32))
+        object.__setattr__(self, "single_byte", np.argmax(live, axis=1).astype(np.int32))
+
+    @property
+    def num_states(self) -> int:
+        return len(self.accepting)
+
+    def step(self, state: int, data: bytes) -> int:
+        """The state after `data` (DEAD if `data` cannot be continued to a match)."""
+        table = self.transitions
+        for byte in data:
+            state = int(table[state, byte])
+            if state == DEAD:
+                return DEAD
+        return state
+
+    def accepts(self, data: bytes) -> bool:
+        return bool(self.accepting[self.step(self.start, data)])
+
+    def can_extend(self, state: int) -> bool:
+        """Whether at least one more byte is possible from `state`."""
+        return bool(self.live_count[state] > 0)
+
+    def forced_bytes(self, state: int) -> bytes:
+        """The bytes every match must continue with from `state`: one live byte at a time, stopping at acceptance.
+
+        An accepting state is a choice point (stop here or go on), so forcing stops there.
+        """
+        out = bytearray()
+        while not self.accepting[state] and self.live_count[state] == 1 and len(out) < MAX_FORCED_BYTES:
+            byte = int(self.single_byte[state])
+            out.append(byte)
+            state = int(self.transitions[state, byte])
+        return bytes(out)
+
+    def recognizer(self, state: int | None = None) -> DfaRecognizer:
+        return DfaRecognizer(self, self.start if state is None else state)
+
+
+class DfaRecognizer:
+    """`try_push_byte` / `pop_bytes` over a stack of DFA states (the Python walk's view of a `ByteDFA`)."""
+
+    def __init__(self, dfa: ByteDFA, state: int) -> None:
+        self._table = dfa.transitions
+        self.stack = [state]
+
+    @property
+    def state(self) -> int:
+        return self.stack[-1]
+
+    def try_push_byte(self, byte: int) -> bool:
+        nxt = int(self._table[self.stack[-1], byte])
+        if nxt == DEAD:
+            return False
+        self.stack.append(nxt)
+        return True
+
+    def pop_bytes(self, n: int) -> None:
+        if n:
+            del self.stack[-n:]
+
+
+def finish_dfa(transitions: np.ndarray, accepting: np.ndarray, start: int, source: str) -> ByteDFA:
+    """Prune (unreachable states, states that cannot reach acceptance) and minimise a raw table into a `ByteDFA`.
+
+    `transitions[DEAD]` must be all DEAD. If nothing is accepted at all the result has only the dead state and
+    a dead start: every mask is empty, which the caller reports as an error.
+    """
+    transitions = np.asarray(transitions, dtype=np.int32)
+    accepting = np.asarray(accepting, dtype=bool)
+    keep = _reachable(transitions, start) & _coreachable(transitions, accepting)
+    keep[DEAD] = True
+    remap = np.where(keep, np.cumsum(keep) - 1, DEAD).astype(np.int32)
+    transitions = remap[transitions[keep]]
+    accepting = accepting[keep]
+    start = int(remap[start])
+    transitions, accepting, start = _minimise(transitions, accepting, start)
+    return ByteDFA(transitions=transitions, accepting=accepting, start=start, source=source)
+
+
+def _reachable(transitions: np.ndarray, start: int) -> np.ndarray:
+    seen = np.zeros(len(transitions), dtype=bool)
+    seen[start] = True
+    frontier = np.array([start])
+    while len(frontier):
+        nxt = np.unique(transitions[frontier])
+        nxt = nxt[~seen[nxt]]
+        seen[nxt] = True
+        frontier = nxt
+    return seen
+
+
+def _coreachable(transitions: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    """States from which an accepting state is reachable (fixpoint over the table, vectorised per round)."""
+    good = accepting.copy()
+    good[DEAD] = False
+    while True:
+        grown = good | good[transitions].any(axis=1)
+        grown[DEAD] = False
+        if (grown == good).all():
+            return good
+        good = grown
+
+
+def _minimise(transitions: np.ndarray, accepting: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Moore's partition refinement with `np.unique` over (class, classes of the 256 successors) rows.
+
+    Renumbers classes so DEAD stays 0 (it is alone in its initial class: the only non-coreachable state left).
+    """
+    classes = np.where(accepting, 2, 1)
+    classes[DEAD] = 0
+    count = len(np.unique(classes))
+    while True:
+        signature = np.concatenate((classes[:, None], classes[transitions]), axis=1)
+        _, refined = np.unique(signature, axis=0, return_inverse=True)
+        refined = refined.reshape(-1)
+        new_count = int(refined.max()) + 1
+        classes = refined
+        if new_count == count:
+            break
+        count = new_count
+    # np.unique sorts rows, and DEAD's row (class 0, all-zero successors) is the smallest: it keeps class 0.
+    representative = np.zeros(count, dtype=np.int64)
+    representative[classes] = np.arange(len(classes))
+    new_transitions = classes[transitions[representative]].astype(np.int32)
+    new_accepting = accepting[representative]
+    return new_transitions, new_accepting, int(classes[start])

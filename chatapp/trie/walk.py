@@ -1,0 +1,117 @@
+"""The compiled trie walk for DFA recognizers: the seed's loop over flat arrays, in numba.
+
+`TokTrie.walk` runs the same loop in Python against any recognizer (~200 ns per node); here the recognizer is a
+transition table and the stack an int32 array indexed by depth, so a node costs a few table reads and the only
+unpredictable branch is the one on `try_push_byte`, as in llguidance. Tests hold both walks to the same masks.
+
+`cache=True` stores the machine code next to this module (or in `NUMBA_CACHE_DIR`); with a cold or unwritable
+cache numba compiles on first use (about a second) and carries on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from chatapp.trie.dfa import DEAD, ByteDFA
+from chatapp.trie.toktrie import TokTrie
+
+
+@njit(cache=True, nogil=True)
+def _walk_kernel(
+    node_byte: np.ndarray,
+    node_token: np.ndarray,
+    subtree_size: np.ndarray,
+    num_parents: np.ndarray,
+    transitions: np.ndarray,
+    state: int,
+    node: int,
+    node_depth: int,
+    stack: np.ndarray,
+    words: np.ndarray,
+) -> None:
+    """Set the bit of every token in `node`'s subtree whose bytes keep the DFA alive, starting from `state`.
+
+    `stack[d]` is the DFA state after the first `d` bytes of the current path; pops only move the depth `sp`, and
+    the last node of a subtree may pop above `node` harmlessly (nothing is read after the loop).
+    """
+    token = node_token[node]
+    words[token >> 5] |= np.uint32(1) << np.uint32(token & 31)
+    sp = node_depth
+    stack[sp] = state
+    p = node + 1
+    end = node + subtree_size[node]
+    while p < end:
+        nxt = transitions[stack[sp], node_byte[p]]
+        if nxt != DEAD:
+            sp += 1
+            stack[sp] = nxt
+            token = node_token[p]
+            words[token >> 5] |= np.uint32(1) << np.uint32(token & 31)
+            if subtree_size[p] == 1:
+                sp -= num_parents[p]
+            p += 1
+        else:
+            sp -= num_parents[p] - 1
+            p += subtree_size[p]
+
+
+@njit(cache=True, nogil=True)
+def _finish_kernel(words: np.ndarray, bogus: int, duplicate_ids: np.ndarray, primary_ids: np.ndarray) -> None:
+    """Clear the interior-node id's bit and copy each primary token's bit to its duplicates."""
+    words[bogus >> 5] &= ~(np.uint32(1) << np.uint32(bogus & 31))
+    for i in range(len(duplicate_ids)):
+        src = primary_ids[i]
+        dst = duplicate_ids[i]
+        bit = (words[src >> 5] >> np.uint32(src & 31)) & np.uint32(1)
+        words[dst >> 5] |= bit << np.uint32(dst & 31)
+
+
+class CompiledWalker:
+    """Reusable scratch space (mask words, depth stack) for compiled walks of one trie."""
+
+    def __init__(self, trie: TokTrie) -> None:
+        self.trie = trie
+        self._stack = np.zeros(trie.max_depth + 2, dtype=np.int32)
+        self._words = np.zeros((trie.vocab_size + 1 + 31) // 32, dtype=np.uint32)
+
+    def mask(self, dfa: ByteDFA, state: int, node: int = 0) -> np.ndarray:
+        """Packed mask (uint32[ceil(V/32)]) of tokens below `node` that `dfa` allows from `state` (a new array).
+
+        `state` is the DFA state after the bytes of `node`'s path; `node` 0 (the root) gives the full next-token
+        mask, a deeper node the mask restricted to tokens that start with its bytes (token healing).
+        """
+        trie = self.trie
+        words = self._words
+        words.fill(0)
+        if state != DEAD:
+            _walk_kernel(
+                trie.node_byte,
+                trie.node_token,
+                trie.subtree_size,
+                trie.num_parents,
+                dfa.transitions,
+                state,
+                node,
+                int(trie.node_depth[node]),
+                self._stack,
+                words,
+            )
+        _finish_kernel(words, trie.vocab_size, trie.duplicate_ids, trie.primary_ids)
+        return words[: (trie.vocab_size + 31) // 32].copy()
+
+
+def brute_force_mask(token_matrix: np.ndarray, token_lengths: np.ndarray, dfa: ByteDFA, state: int) -> np.ndarray:
+    """Boolean mask by running the DFA over every token's bytes at once (numpy, one column per byte position).
+
+    The oracle for tests and the baseline in the benchmark: O(V x max_len) work, no trie. `token_matrix` is
+    `uint8[V, L]` (zero padded), `token_lengths` `int[V]`; empty tokens are never allowed.
+    """
+    states = np.full(len(token_lengths), state, dtype=np.int32)
+    table = dfa.transitions
+    for col in range(token_matrix.shape[1]):
+        active = token_lengths > col
+        if not active.any():
+            break
+        states[active] = table[states[active], token_matrix[active, col]]
+    return (states != DEAD) & (token_lengths > 0)
