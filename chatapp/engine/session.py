@@ -1,0 +1,225 @@
+"""A multi-turn chat that keeps its KV cache between turns and prefills only what is new.
+
+nanochat's chat CLI re-prefills the whole conversation every turn and has no context guard. A `ChatSession`
+keeps one single-row cache for the whole conversation:
+
+- The cache holds the conversation exactly as the model saw it: the rendered prompt segments and the tokens the
+  model itself produced (not a re-tokenization of the reply's text, which BPE may split differently). A turn
+  feeds only its new segment: the assistant-turn closing the last reply lacks (e.g. `<|assistant_end|>` after a
+  reply cut by max_tokens), the new user turn and `<|assistant_start|>`. So a turn's output is what a fresh
+  prefill of `session.token_ids` would give.
+- Before a turn's segment is fed the cache is marked (`cache.mark()`), so `regenerate` and `edit_last` roll back
+  with `cache.restore()` instead of starting over.
+- Cancel = the consumer closes the turn's generator: the partial answer is kept in `messages`, and since every
+  reported token was fed before it was reported, the cache matches it.
+
+Context policy (from the turn's settings): "error" raises ContextOverflowError before a turn whose prompt leaves no
+room to answer (a reply that later fills the context ends with finish reason "context"); "drop_oldest" drops the
+oldest exchanges (keeping the system message) until the prompt plus `max_tokens` fits, then re-prefills once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from chatapp.engine.events import Step
+from chatapp.errors import ContextOverflowError, ConversationError
+from chatapp.settings import GenerationSettings
+
+if TYPE_CHECKING:
+    from chatapp.engine.engine import Engine
+
+INITIAL_CACHE = 512  # slots allocated at the start of a conversation; the cache grows on demand
+
+
+@dataclass
+class _TurnStart:
+    """Where the last turn began: enough to roll the conversation back to just before its user segment."""
+
+    mark: Any  # the cache's CacheMark taken before the segment was fed (None: the cache was empty)
+    token_count: int  # len(token_ids) at that moment
+    message_count: int  # len(messages) before the user message
+
+
+class ChatSession:
+    """One conversation with the model; see the module docstring. Create with `engine.session(system)`."""
+
+    def __init__(self, engine: Engine, system: str | None = None) -> None:
+        self.engine = engine
+        self.system = system
+        self.messages: list[dict[str, Any]] = []
+        self._ids: list[int] = []
+        self._cache: Any = None
+        self._last: _TurnStart | None = None
+        self.reset()
+
+    # ------------------------------------------------------------------------------------------------- state
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The conversation's tokens as the model saw and produced them (everything in the cache)."""
+        return tuple(self._ids)
+
+    @property
+    def context_used(self) -> int:
+        return len(self._ids)
+
+    @property
+    def context_size(self) -> int:
+        return self.engine.context_size
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays) and the cache."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self._ids = []
+        self._cache = None
+        self._last = None
+
+    # ------------------------------------------------------------------------------------------------- turns
+    def send(
+        self, text: str, settings: GenerationSettings, program: Any = None, constraint: Any = None
+    ) -> Iterator[Step]:
+        """Add a user message and stream the answer. Errors (context, bad settings) raise here, not mid-stream."""
+        _check_unsupported(program, constraint)
+        base = _TurnStart(self._cache.mark() if self._ids else None, len(self._ids), len(self.messages))
+        return self._start_turn({"role": "user", "content": text}, settings, base)
+
+    def regenerate(self, settings: GenerationSettings, program: Any = None, constraint: Any = None) -> Iterator[Step]:
+        """Drop the last answer and answer the last user message again."""
+        _check_unsupported(program, constraint)
+        base = self._last_turn()
+        return self._start_turn(self.messages[base.message_count], settings, base)
+
+    def edit_last(
+        self, text: str, settings: GenerationSettings, program: Any = None, constraint: Any = None
+    ) -> Iterator[Step]:
+        """Replace the last user message with `text` and answer it."""
+        _check_unsupported(program, constraint)
+        return self._start_turn({"role": "user", "content": text}, settings, self._last_turn())
+
+    def _last_turn(self) -> _TurnStart:
+        if self._last is None:
+            raise ConversationError("there is no turn to regenerate or edit", hint="send a message first")
+        return self._last
+
+    def _start_turn(self, user: dict[str, Any], settings: GenerationSettings, base: _TurnStart) -> Iterator[Step]:
+        """Plan the turn on top of `base` (the conversation up to before a user message) and validate it now, so
+        errors raise at the call; the returned generator runs it."""
+        prior = self.messages[: base.message_count]
+        messages = [*prior, user]
+        segment, fresh = self._segment(prior, self._ids[: base.token_count], messages)
+        used = 0 if fresh else base.token_count
+        if settings.context_policy == "drop_oldest" and used + len(segment) + settings.max_tokens >= self.context_size:
+            messages = self._drop_oldest(messages, settings.max_tokens)
+            segment, fresh, used = self.engine.chat_format.render_for_completion(messages), True, 0
+        if used + len(segment) >= self.context_size:
+            raise ContextOverflowError(
+                f"this turn needs {used + len(segment)} tokens of context but the model holds {self.context_size}",
+                hint="start a new conversation (reset), or use context_policy='drop_oldest'",
+            )
+        return self._run_turn(base, messages, segment, fresh, settings)
+
+    def _run_turn(
+        self,
+        base: _TurnStart,
+        messages: list[dict[str, Any]],
+        segment: list[int],
+        fresh: bool,
+        settings: GenerationSettings,
+    ) -> Iterator[Step]:
+        """Roll back to `base`, feed the segment, stream the answer, and record it (also when the consumer stops
+        early). Nothing changes until the consumer asks for the first step, so a turn that is never started
+        leaves the session as it was."""
+        engine = self.engine
+        if fresh or base.mark is None or self._cache is None:
+            self._ids = []
+            self._cache = engine.model.new_cache(1, min(self.context_size, INITIAL_CACHE))
+        else:
+            del self._ids[base.token_count :]
+            self._cache.restore(base.mark)
+        needed = min(self.context_size, len(self._ids) + len(segment) + settings.max_tokens)
+        if needed > self._cache.max_len:
+            self._cache.grow(needed)
+        self._last = _TurnStart(self._cache.mark() if self._ids else None, len(self._ids), len(messages) - 1)
+        self.messages = messages
+        row = engine._new_row(0, settings, seen=len(self._ids))
+        self._ids.extend(segment)
+        steps = engine._stream([segment], [row], self._cache, may_compact=False)
+        reply: list[int] = []
+        stopped = False
+        try:
+            for step in steps:
+                for event in step.tokens:
+                    reply.append(event.token)
+                    stopped = event.finish_reason == "stop"
+                yield step
+        finally:
+            steps.close()
+            self._ids.extend(reply)
+            self.messages.append({"role": "assistant", "content": self._content(reply[:-1] if stopped else reply)})
+
+    # ------------------------------------------------------------------------------------------------ render
+    def _segment(
+        self, prior: list[dict[str, Any]], prior_ids: list[int], messages: list[dict[str, Any]]
+    ) -> tuple[list[int], bool]:
+        """The tokens to feed for a new user turn on top of `prior_ids`, and whether they start afresh (True).
+
+        The conversation so far is rendered; the new prompt must extend it (true of nanochat's format and of
+        templates that only append). What the rendered conversation has after the last `<|assistant_end|>` (the
+        closing of the last reply) is fed too, minus the end token itself when the model already produced it.
+        Otherwise (no cache yet, or a template that rewrites earlier turns) the whole prompt is fed afresh.
+        """
+        chat = self.engine.chat_format
+        prompt = chat.render_for_completion(messages)
+        if not prior_ids or prior[-1]["role"] != "assistant":
+            return prompt, True
+        before, _ = chat.render_conversation(prior)
+        end = chat.assistant_end_id
+        if prompt[: len(before)] != before or end is None or end not in before:
+            return prompt, True
+        closing = before[len(before) - before[::-1].index(end) - 1 :]
+        if prior_ids[-1] == end:
+            closing = closing[1:]
+        return closing + prompt[len(before) :], False
+
+    def _drop_oldest(self, messages: list[dict[str, Any]], max_tokens: int) -> list[dict[str, Any]]:
+        """Drop whole user/assistant exchanges from the start until the prompt plus `max_tokens` fits."""
+        chat = self.engine.chat_format
+        head = messages[:1] if messages[0]["role"] == "system" else []
+        body = messages[len(head) :]
+        while len(body) > 1 and len(chat.render_for_completion([*head, *body])) + max_tokens >= self.context_size:
+            body = body[2:]
+        return [*head, *body]
+
+    def _content(self, reply: list[int]) -> str | list[dict[str, str]]:
+        """The assistant message for `reply`: plain text, or nanochat's parts when it used a tool."""
+        chat = self.engine.chat_format
+        if not chat.supports_tools or chat.python_start_id not in reply:
+            return chat.decode(reply)
+        markers = {
+            chat.python_start_id: "python",
+            chat.output_start_id: "python_output",
+            chat.python_end_id: "text",
+            chat.output_end_id: "text",
+        }
+        parts: list[dict[str, str]] = []
+        kind, run = "text", []
+        for token in [*reply, None]:
+            if token is None or token in markers:
+                if run or kind != "text":
+                    parts.append({"type": kind, "text": chat.decode(run)})
+                kind, run = markers.get(token, "text"), []
+            else:
+                run.append(token)
+        return parts
+
+
+def _check_unsupported(program: Any, constraint: Any) -> None:
+    if program is not None or constraint is not None:
+        from chatapp.errors import SettingsError
+
+        raise SettingsError(
+            "TTFA programs and constraints are not wired into chat sessions yet",
+            hint="send without a program/constraint",
+        )

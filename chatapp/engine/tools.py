@@ -1,0 +1,141 @@
+"""The per-row tool state machine: `<|python_start|>` expr `<|python_end|>` -> tool -> forced output block.
+
+Follows nanochat's machine (seeds/engine.md §6) with the gaps closed:
+
+- A refusal is shown, not swallowed: nanochat forces nothing when the calculator returns None, so the model
+  continues as if it had an answer. Here the output block is always forced; it holds the result, or
+  `error: <reason>` for a refusal, and the row's ToolEvent says which (`result` / `refusal`).
+- A call that never closes is bounded: after `max_expression_tokens` expression tokens the machine forces
+  `<|python_end|>` itself and then a refusal block, so a looping model cannot grow an expression forever.
+- A row that ends inside a call (stop token, max_tokens, full context) gets a `refusal` ToolEvent on its last
+  token saying so; nothing is forced after the row ended.
+
+Forced tokens wait in a per-row host queue (`collections.deque`). Tool calls are rare, so a host structure is
+cheaper than device bookkeeping; the engine's hot path only checks whether any row has a non-empty queue. Each
+queued token carries the ToolEvent it announces (the call on a forced `<|python_end|>`, the result or refusal on
+`<|output_start|>`), so the events reach the consumer with the token they belong to.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from chatapp.engine.events import ToolEvent
+from chatapp.tools import Tool
+
+DEFAULT_MAX_EXPRESSION_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class BoundTool:
+    """A tool with its marker names resolved to this tokenizer's ids."""
+
+    tool: Tool
+    start_id: int
+    end_id: int
+    output_start_id: int
+    output_end_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedToken:
+    """A queued forced token and the ToolEvent (if any) that arrives with it."""
+
+    token: int
+    event: ToolEvent | None = None
+
+
+class ToolBox:
+    """The tools a model can call, resolved against its tokenizer, and how to turn text into tokens and back.
+
+    Tools whose markers are not single tokens of the vocabulary are left out: the model cannot call them.
+    """
+
+    def __init__(
+        self,
+        tools: Iterable[Tool],
+        token_id: Callable[[str], int | None],
+        encode_text: Callable[[str], list[int]],
+        decode: Callable[[Sequence[int]], str],
+        max_expression_tokens: int = DEFAULT_MAX_EXPRESSION_TOKENS,
+    ) -> None:
+        self.by_start: dict[int, BoundTool] = {}
+        for tool in tools:
+            ids = [
+                token_id(name)
+                for name in (tool.start_marker, tool.end_marker, tool.output_start_marker, tool.output_end_marker)
+            ]
+            if all(i is not None for i in ids):
+                start, end, out_start, out_end = ids  # type: ignore[misc]
+                self.by_start[start] = BoundTool(tool, start, end, out_start, out_end)
+        self.encode_text = encode_text
+        self.decode = decode
+        self.max_expression_tokens = max_expression_tokens
+
+    def __bool__(self) -> bool:
+        return bool(self.by_start)
+
+
+class ToolMachine:
+    """One row's tool-call state: idle, or collecting an expression; plus the queue of forced tokens."""
+
+    def __init__(self, box: ToolBox) -> None:
+        self._box = box
+        self._call: BoundTool | None = None
+        self._expression: list[int] = []
+        self.queue: deque[ForcedToken] = deque()
+
+    @property
+    def in_call(self) -> bool:
+        return self._call is not None
+
+    def observe(self, token: int) -> ToolEvent | None:
+        """Advance on a token the model sampled; returns the ToolEvent this token carries (the `call` event on
+        the model's own `<|python_end|>`). Forced tokens are not observed: they come from `queue`."""
+        call = self._call
+        if call is None:
+            self._call = self._box.by_start.get(token)
+            self._expression = []
+            return None
+        if token == call.end_id:
+            return self._close(call, forced_end=False)
+        self._expression.append(token)
+        if len(self._expression) >= self._box.max_expression_tokens:
+            self._close(call, forced_end=True)
+        return None
+
+    def interrupt(self, why: str) -> ToolEvent | None:
+        """The row ended (stop token, max_tokens, full context): a refusal event if a call was open."""
+        call = self._call
+        if call is None:
+            return None
+        self._call = None
+        return ToolEvent("refusal", call.tool.name, self._expression_text(), f"unfinished call: {why}")
+
+    def _expression_text(self) -> str:
+        return self._box.decode(self._expression)
+
+    def _close(self, call: BoundTool, *, forced_end: bool) -> ToolEvent | None:
+        """Run the tool and queue the output block; with `forced_end`, queue the closing marker first."""
+        self._call = None
+        expression = self._expression_text()
+        name = call.tool.name
+        call_event = ToolEvent("call", name, expression)
+        if forced_end:
+            limit = self._box.max_expression_tokens
+            outcome = ToolEvent("refusal", name, expression, f"expression longer than {limit} tokens")
+            self.queue.append(ForcedToken(call.end_id, call_event))
+        else:
+            result = call.tool.run(expression.strip())
+            outcome = (
+                ToolEvent("result", name, expression, result.text)
+                if result.ok
+                else ToolEvent("refusal", name, expression, result.reason)
+            )
+        shown = outcome.output if outcome.kind == "result" else f"error: {outcome.output}"
+        self.queue.append(ForcedToken(call.output_start_id, outcome))
+        self.queue.extend(ForcedToken(t) for t in self._box.encode_text(shown or ""))
+        self.queue.append(ForcedToken(call.output_end_id))
+        return None if forced_end else call_event

@@ -1,0 +1,103 @@
+"""Fixtures for the engine tests: a tiny random Qwen2 checkpoint (saved locally, loaded both by transformers and by
+chatapp's STT model), engines over it, and a wrapper that scripts the model's choices at given positions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from chatapp.chat import ChatFormat
+from chatapp.engine.engine import Engine
+from chatapp.stt import STTForCausalLM
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(chat_tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen2 checkpoint whose vocabulary is the chat tokenizer's."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=chat_tokenizer.get_vocab_size(), **TINY)).eval()
+    path = tmp_path_factory.mktemp("tiny_qwen")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def reference(qwen_dir: Path) -> Qwen2ForCausalLM:
+    """The same weights in transformers: the oracle for greedy parity."""
+    return Qwen2ForCausalLM.from_pretrained(qwen_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def stt_model(qwen_dir: Path) -> STTForCausalLM:
+    return STTForCausalLM.from_pretrained(qwen_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def chat_format(chat_tokenizer) -> ChatFormat:
+    return ChatFormat(chat_tokenizer)
+
+
+@pytest.fixture
+def engine(stt_model, chat_tokenizer, chat_format) -> Engine:
+    return Engine(stt_model, chat_tokenizer, chat_format)
+
+
+class ScriptedModel:
+    """A real model whose next token is overridden at given absolute positions: `script[p] = t` makes the token at
+    position p be t (all other logits -inf), so any sampling setting picks it. Everything else is the real model,
+    including the KV cache, so fast-forward and step-by-step runs still exercise real forwards."""
+
+    def __init__(self, model: Any, script: Mapping[int, int]) -> None:
+        self._model = model
+        self.script = dict(script)
+        self.calls: list[tuple[int, int]] = []  # (batch, width) of every extend/decode call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def extend(self, ids: torch.Tensor, lengths: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
+        self.calls.append(tuple(ids.shape))
+        out = self._model.extend(ids, lengths, cache, **kwargs)
+        for row, position in enumerate(cache.seen.tolist()):
+            token = self.script.get(position)
+            if token is not None:
+                out.logits[row] = float("-inf")
+                out.logits[row, token] = 0.0
+        return out
+
+    def decode(self, ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
+        return self.extend(ids[:, None], torch.ones_like(ids), cache, **kwargs)
+
+
+@pytest.fixture
+def scripted(stt_model, chat_tokenizer, chat_format):
+    """Build an Engine over the tiny model with a position script."""
+
+    def build(script: Mapping[int, int], **engine_kwargs: Any) -> tuple[Engine, ScriptedModel]:
+        model = ScriptedModel(stt_model, script)
+        return Engine(model, chat_tokenizer, chat_format, **engine_kwargs), model
+
+    return build
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread, and the test machine's cores are shared with other tests."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

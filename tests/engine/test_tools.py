@@ -1,0 +1,159 @@
+"""The tool state machine driven by a scripted model, and fast-forward against the one-token-per-step path."""
+
+from __future__ import annotations
+
+import pytest
+
+from chatapp.engine.events import ToolEvent
+from chatapp.settings import GenerationSettings
+
+GREEDY = GenerationSettings(max_tokens=40, routing="off")
+
+
+@pytest.fixture
+def ids(chat_format):
+    """Token ids by name, and helpers to write scripts."""
+
+    class Ids:
+        start, end = chat_format.python_start_id, chat_format.python_end_id
+        out_start, out_end = chat_format.output_start_id, chat_format.output_end_id
+        stop = chat_format.assistant_end_id
+
+        @staticmethod
+        def text(s: str) -> list[int]:
+            return chat_format.encode_text(s)
+
+        @staticmethod
+        def prompt(s: str = "What is 3*4?") -> list[int]:
+            return chat_format.render_for_completion([{"role": "user", "content": s}])
+
+    return Ids
+
+
+def script_at(position: int, *runs: list[int] | None) -> dict[int, int]:
+    """Tokens the model writes from `position` on; a `None` run is a gap the engine fills (forced output) of the
+    given length, written as `[None] * n`."""
+    script, at = {}, position
+    for run in runs:
+        for token in run:
+            if token is not None:
+                script[at] = token
+            at += 1
+    return script
+
+
+def block(ids, text: str) -> list[None]:
+    """Positions taken by a forced output block holding `text`."""
+    return [None] * (len(ids.text(text)) + 2)
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_a_call_forces_its_result_and_flags_it(scripted, ids, fast_forward: bool) -> None:
+    prompt = ids.prompt()
+    call = [ids.start, *ids.text("3*4"), ids.end]
+    after = ids.text("12")
+    engine, model = scripted(script_at(len(prompt), call, block(ids, "12"), after, [ids.stop]))
+    result = engine.generate_batch([prompt], GREEDY.with_(fast_forward=fast_forward))[0]
+
+    output = [ids.out_start, *ids.text("12"), ids.out_end]
+    assert result.tokens == [*call, *output, *after]
+    assert result.forced == [False] * len(call) + [True] * len(output) + [False] * len(after)
+    assert result.finish_reason == "stop"
+    assert result.tool_events == [
+        ToolEvent("call", "calculator", "3*4"),
+        ToolEvent("result", "calculator", "3*4", "12"),
+    ]
+    assert result.text == "<|python_start|>3*4<|python_end|><|output_start|>12<|output_end|>12"
+    widths = [width for _, width in model.calls[1:]]
+    assert max(widths) == (len(output) if fast_forward else 1)
+
+
+def test_events_arrive_with_their_tokens(scripted, ids) -> None:
+    prompt = ids.prompt()
+    engine, _ = scripted(script_at(len(prompt), [ids.start, *ids.text("1+1"), ids.end], block(ids, "2"), [ids.stop]))
+    events = [e for step in engine.generate([prompt], GREEDY) for e in step.tokens]
+    with_tool = [(e.token, e.tool.kind) for e in events if e.tool is not None]
+    assert with_tool == [(ids.end, "call"), (ids.out_start, "result")]
+
+
+def test_a_refused_expression_is_shown_as_an_error_block(scripted, ids) -> None:
+    prompt = ids.prompt()
+    expr = ids.text("2**10")
+    engine, _ = scripted(script_at(len(prompt), [ids.start, *expr, ids.end], [None] * 30))
+    result = engine.generate_batch([prompt], GREEDY.with_(max_tokens=len(expr) + 3))[0]
+    refusal = result.tool_events[1]
+    assert refusal.kind == "refusal" and "not allowed" in refusal.output
+    shown = ids.text(f"error: {refusal.output}")
+    start = len(expr) + 2
+    assert result.tokens[start : start + len(shown) + 2] == [ids.out_start, *shown, ids.out_end]
+    assert all(result.forced[start : start + len(shown) + 2])
+
+
+def test_a_call_that_never_closes_is_cut_and_refused(scripted, ids) -> None:
+    prompt = ids.prompt()
+    engine, _ = scripted(script_at(len(prompt), [ids.start, *ids.text("1") * 30]), max_expression_tokens=5)
+    result = engine.generate_batch([prompt], GREEDY.with_(max_tokens=12))[0]
+    ones = ids.text("1") * 5
+    assert result.tokens[:8] == [ids.start, *ones, ids.end, ids.out_start]
+    assert result.forced[:8] == [False] * 6 + [True, True]  # the closing marker is forced too
+    assert [e.kind for e in result.tool_events] == ["call", "refusal"]
+    assert result.tool_events[1].output == "expression longer than 5 tokens"
+
+
+def test_an_open_call_at_max_tokens_ends_the_row_with_a_refusal(scripted, ids) -> None:
+    prompt = ids.prompt()
+    engine, _ = scripted(script_at(len(prompt), [ids.start, *ids.text("1") * 30]))
+    result = engine.generate_batch([prompt], GREEDY.with_(max_tokens=4))[0]
+    assert result.finish_reason == "length" and len(result.tokens) == 4
+    assert result.tool_events == [
+        ToolEvent("refusal", "calculator", "111", "unfinished call: the reply hit max_tokens")
+    ]
+
+
+def test_forced_tokens_do_not_count_toward_max_tokens(scripted, ids) -> None:
+    prompt = ids.prompt()
+    call = [ids.start, *ids.text("3*4"), ids.end]
+    engine, _ = scripted(script_at(len(prompt), call))
+    result = engine.generate_batch([prompt], GREEDY.with_(max_tokens=len(call) + 3))[0]
+    assert result.sampled_tokens == len(call) + 3
+    assert result.forced.count(True) == len(ids.text("12")) + 2
+    assert result.finish_reason == "length"
+
+
+def test_a_call_closed_by_the_last_sampled_token_still_shows_its_result(scripted, ids) -> None:
+    prompt = ids.prompt()
+    call = [ids.start, *ids.text("3*4"), ids.end]
+    engine, _ = scripted(script_at(len(prompt), call))
+    result = engine.generate_batch([prompt], GREEDY.with_(max_tokens=len(call)))[0]
+    assert result.tokens[-1] == ids.out_end and result.finish_reason == "length"
+
+
+def test_many_calls_grow_the_cache_past_its_first_allocation(scripted, ids) -> None:
+    """The cache is sized for prompt + max_tokens + slack; forced output beyond the slack makes it grow."""
+    prompt = ids.prompt()
+    call = [ids.start, *ids.text("1+1"), ids.end]
+    runs = [run for _ in range(25) for run in (call, block(ids, "2"))]
+    engine, _ = scripted(script_at(len(prompt), *runs))
+    result = engine.generate_batch([prompt], GREEDY.with_(max_tokens=25 * len(call)))[0]
+    assert result.forced.count(True) == 25 * (len(ids.text("2")) + 2) > 64
+    assert [e.kind for e in result.tool_events] == ["call", "result"] * 25
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fast_forward_emits_exactly_the_step_by_step_tokens(scripted, ids, temperature: float) -> None:
+    """Ragged batches: one row fast-forwards its tool output while the others advance one token per call."""
+    prompts = [ids.prompt(), ids.prompt("Hello! How are you today? Tell me about Paris."), ids.prompt("Hi")]
+    short = len(prompts[0])
+    engine, model = scripted(script_at(short, [ids.start, *ids.text("37*45"), ids.end]))
+    settings = GenerationSettings(max_tokens=30, temperature=temperature, seed=5, routing="off")
+    runs = {}
+    for fast_forward in (False, True):
+        model.calls.clear()
+        steps = list(engine.generate(prompts, settings.with_(fast_forward=fast_forward), num_samples=2))
+        runs[fast_forward] = sorted(((e.row, e.token, e.forced) for s in steps for e in s.tokens), key=lambda t: t[0])
+        calls = len(model.calls)
+        assert max(width for _, width in model.calls[1:]) == (len(ids.text("1665")) + 2 if fast_forward else 1)
+        assert any(e.forced for s in steps for e in s.tokens)
+        runs[f"{fast_forward}-calls"] = calls
+    assert runs[True] == runs[False]
+    assert runs["True-calls"] < runs["False-calls"]
