@@ -111,6 +111,104 @@ def calc(
     typer.echo(result.text)
 
 
+program_app = typer.Typer(help="TTFA programs: show a compiled program, check a program file.", no_args_is_help=True)
+app.add_typer(program_app, name="program")
+
+TokenizerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--tokenizer",
+        help="A tokenizer.json, or a model directory holding one, to compile for (default: the default model's).",
+    ),
+]
+
+
+def _program_tokenizer(tokenizer: str | None):
+    """The tokenizer a program is compiled for: a tokenizer.json, a model directory, or the default model's."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from chatapp.errors import ModelDirError
+    from chatapp.settings import default_model_dir
+
+    path = Path(tokenizer).expanduser() if tokenizer else default_model_dir()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for missing or malformed files
+        raise ModelDirError(
+            f"cannot read tokenizer {path}: {err}", hint="pass --tokenizer PATH (a tokenizer.json or a model directory)"
+        ) from None
+
+
+@program_app.command("show")
+def program_show(
+    program: Annotated[str, typer.Argument(help="A built-in program (chat, think, calc, json) or a .toml file.")],
+    tokenizer: TokenizerOption = None,
+) -> None:
+    """Print a compiled program, one zone per line: feed tokens, triggers, jumps, budgets, tags."""
+    from chatapp.ttfa import disassemble, load_program
+
+    try:
+        vocab = _program_tokenizer(tokenizer)
+        compiled = load_program(program, vocab)
+    except ChatappError as err:
+        raise fail(err) from None
+    typer.echo(disassemble(compiled, vocab))
+    for warning in compiled.warnings:
+        err_console.print(f"warning: {warning}", markup=False, soft_wrap=True)
+
+
+@program_app.command("check")
+def program_check(
+    file: Annotated[str, typer.Argument(help="The .toml program file (or a built-in name) to check.")],
+    tokenizer: TokenizerOption = None,
+) -> None:
+    """Compile a program and report `ok` (plus any warnings), or its first error as FILE:LINE (exit code 1)."""
+    from chatapp.ttfa import load_program
+
+    try:
+        compiled = load_program(file, _program_tokenizer(tokenizer))
+    except ChatappError as err:
+        raise fail(err) from None
+    for warning in compiled.warnings:
+        err_console.print(f"warning: {warning}", markup=False, soft_wrap=True)
+    typer.echo(f"ok: {compiled.name} ({len(compiled.zones)} zones, {len(compiled.warnings)} warnings)")
+
+
+@app.command()
+def run(
+    model: Annotated[
+        str | None, typer.Option("--model", help="Model directory (default: the embedded default model).")
+    ] = None,
+    program: Annotated[
+        str | None,
+        typer.Option("--program", help="TTFA program: a built-in name (chat, think, calc, json) or a .toml file."),
+    ] = None,
+    db: Annotated[
+        str | None, typer.Option("--db", help="Chat history database (default: history.sqlite3 in the data dir).")
+    ] = None,
+    device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")] = None,
+) -> None:
+    """Open the chat TUI: streamed tokens (sampled vs forced), zone tags, routing heatmap, tool calls, history."""
+    from pathlib import Path
+
+    from chatapp.ui import make_app
+
+    try:
+        chat = make_app(
+            model_dir=Path(model).expanduser() if model else None,
+            program=program,
+            db_path=Path(db).expanduser() if db else None,
+            device=device,
+        )
+    except ChatappError as err:
+        raise fail(err) from None
+    chat.run()
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

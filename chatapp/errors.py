@@ -19,7 +19,25 @@ class ModelDirError(ChatappError):
 
 
 class ProgramError(ChatappError):
-    """A TTFA program (TOML file, builder or name) does not compile."""
+    """A TTFA program (TOML file, builder or name) does not compile.
+
+    `file`, `line` (1-based) and `zone` locate the fault, each None when unknown; the message starts with them,
+    compiler style: `think.toml:12: zone 'think': ...`.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        hint: str | None = None,
+        file: str | None = None,
+        line: int | None = None,
+        zone: str | None = None,
+    ) -> None:
+        self.file, self.line, self.zone = file, line, zone
+        place = ":".join(str(part) for part in (file, line) if part is not None)
+        where = ": ".join(part for part in (place, f"zone {zone!r}" if zone else "") if part)
+        super().__init__(f"{where}: {message}" if where else message, hint=hint)
 
 
 class ConstraintError(ChatappError):

@@ -1,0 +1,40 @@
+"""Finding programs by name (the built-ins shipped under `programs/`) or by path, and compiling them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from chatapp.errors import ProgramError
+from chatapp.ttfa.compiler import compile_program
+from chatapp.ttfa.program import Program
+from chatapp.ttfa.source import ProgramSource, load_program_source
+
+PROGRAMS_DIR = Path(__file__).with_name("programs")
+BUILTIN_PROGRAMS: tuple[str, ...] = ("chat", "think", "calc", "json")
+
+
+def program_path(name_or_path: str | Path) -> Path:
+    """The file behind a built-in name or a path; raises `ProgramError` if there is none."""
+    if str(name_or_path) in BUILTIN_PROGRAMS:
+        return PROGRAMS_DIR / f"{name_or_path}.toml"
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    if path.suffix == ".toml" or path.parent != Path("."):
+        raise ProgramError(f"program file {path} does not exist", hint="pass a built-in name or a .toml path")
+    raise ProgramError(
+        f"no built-in program named {str(name_or_path)!r}",
+        hint=f"use one of {', '.join(BUILTIN_PROGRAMS)}, or the path of a .toml program file",
+    )
+
+
+def load_program_source_by_name(name_or_path: str | Path) -> ProgramSource:
+    """The parsed (not yet compiled) program named `name_or_path`."""
+    return load_program_source(program_path(name_or_path))
+
+
+def load_program(name_or_path: str | Path, tokenizer: Tokenizer) -> Program:
+    """Load a built-in program by name (chat, think, calc, json) or a `.toml` file, compiled for `tokenizer`."""
+    return compile_program(load_program_source_by_name(name_or_path), tokenizer)

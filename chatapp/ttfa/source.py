@@ -1,0 +1,277 @@
+"""Programs as humans write them: a TOML file or the Python builder, both producing a `ProgramSource`.
+
+A program is a list of zones; the TOML form is
+
+```toml
+name = "think"
+tags = ["think", "answer"]          # every tag a zone may carry, declared up front
+max_genned_per_zone = 1024           # optional default budget of every zone
+pad = "<|assistant_end|>"            # optional; emitted once the program has halted
+
+[[zones]]
+label = "think"
+force = "<think>"                   # text forced at the start of the zone (tokenized canonically)
+until = "</think>"                  # step trigger: a token, a list of tokens, or {contains = "text"}
+timeout_token = "</think>"          # optional: emitted on timeout (default: the first `until` token)
+jump_on = ["<|python_start|>"]      # optional second exit ...
+goto = "tool"                       # ... to this zone's label, or "halt"
+budget = 256                        # optional: most tokens in the zone, feed and exit token included; 0 = forced-only
+tags = ["think"]
+```
+
+Token names are the tokens' texts ("</think>", "\\n", " the"); `{contains = "\\n"}` means every ordinary token whose
+text contains "\\n", so a newline still triggers when BPE merged it into ".\\n" or "\\n\\n".
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from chatapp.errors import ProgramError
+
+
+@dataclass(frozen=True)
+class Contains:
+    """A token set: every ordinary (non-special) token whose text contains `text`."""
+
+    text: str
+
+
+TokenSpec = str | tuple[str, ...] | Contains
+"""One token by its text, a list of tokens, or a `Contains` set."""
+
+
+@dataclass(frozen=True)
+class ZoneSource:
+    label: str
+    force: str = ""
+    until: TokenSpec | None = None
+    timeout_token: str | None = None
+    jump_on: TokenSpec | None = None
+    goto: str | None = None
+    tags: tuple[str, ...] = ()
+    budget: int | None = None
+    line: int | None = None  # of the zone's `[[zones]]` header
+    key_lines: dict[str, int] = field(default_factory=dict, compare=False)  # key -> line, for messages
+
+    def line_of(self, key: str) -> int | None:
+        """The line of `key` in this zone (the zone's header line when the key is not written)."""
+        return self.key_lines.get(key, self.line)
+
+
+@dataclass(frozen=True)
+class ProgramSource:
+    name: str
+    zones: tuple[ZoneSource, ...]
+    tags: tuple[str, ...] = ()
+    max_genned_per_zone: int | None = None
+    pad: str | None = None
+    description: str = ""
+    file: str | None = None
+    key_lines: dict[str, int] = field(default_factory=dict, compare=False)
+
+
+class ProgramBuilder:
+    """Build a program in Python with the TOML fields: `ProgramBuilder("p", tags=["a"]).zone("z", ...)`."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        tags: list[str] | tuple[str, ...] = (),
+        max_genned_per_zone: int | None = None,
+        pad: str | None = None,
+        description: str = "",
+    ) -> None:
+        self._program = ProgramSource(name, (), tuple(tags), max_genned_per_zone, pad, description)
+
+    def zone(
+        self,
+        label: str,
+        *,
+        force: str = "",
+        until: str | list[str] | tuple[str, ...] | Contains | None = None,
+        timeout_token: str | None = None,
+        jump_on: str | list[str] | tuple[str, ...] | Contains | None = None,
+        goto: str | None = None,
+        tags: list[str] | tuple[str, ...] = (),
+        budget: int | None = None,
+    ) -> ProgramBuilder:
+        """Append a zone; returns the builder so calls chain."""
+        zone = ZoneSource(
+            label, force, _freeze(until), timeout_token, _freeze(jump_on), goto, tuple(tags), budget, line=None
+        )
+        self._program = replace(self._program, zones=(*self._program.zones, zone))
+        return self
+
+    def build(self) -> ProgramSource:
+        return self._program
+
+
+def _freeze(spec: str | list[str] | tuple[str, ...] | Contains | None) -> TokenSpec | None:
+    return tuple(spec) if isinstance(spec, list) else spec
+
+
+# -- TOML ----------------------------------------------------------------------------------------------------------
+
+_PROGRAM_KEYS = {"name", "description", "tags", "max_genned_per_zone", "pad", "zones"}
+_ZONE_KEYS = {"label", "force", "until", "timeout_token", "jump_on", "goto", "tags", "budget"}
+_EXAMPLES = {
+    "name": 'name = "think"',
+    "description": 'description = "Think, then answer."',
+    "tags": 'tags = ["think", "answer"]',
+    "max_genned_per_zone": "max_genned_per_zone = 512",
+    "pad": 'pad = "<|assistant_end|>"',
+    "label": 'label = "think"',
+    "force": 'force = "<think>"',
+    "until": 'until = "</think>", until = [".", "!"] or until = {contains = "\\n"}',
+    "jump_on": 'jump_on = "<|python_start|>"',
+    "timeout_token": 'timeout_token = "</think>"',
+    "goto": 'goto = "answer" or goto = "halt"',
+    "budget": "budget = 256",
+}
+_ZONE_HEADER = re.compile(r"^\s*\[\[\s*zones\s*\]\]")
+_TABLE_HEADER = re.compile(r"^\s*\[")
+_KEY = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*=")
+
+
+def parse_program_toml(text: str, file: str | None = None, default_name: str = "program") -> ProgramSource:
+    """Parse a program file. Type errors are reported with the file and line of the offending key."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        line = _decode_error_line(err)
+        raise ProgramError(f"not valid TOML: {err}", hint="fix the TOML syntax", file=file, line=line) from None
+    top_lines, zone_lines = _key_lines(text)
+
+    def fail(message: str, key: str | None = None, zone: int | None = None, hint: str | None = None) -> ProgramError:
+        if zone is None:
+            line = top_lines.get(key) if key else None
+            return ProgramError(message, hint=hint, file=file, line=line)
+        header, keys = zone_lines[zone] if zone < len(zone_lines) else (None, {})
+        label = data["zones"][zone].get("label") if isinstance(data["zones"][zone].get("label"), str) else None
+        return ProgramError(message, hint=hint, file=file, line=keys.get(key, header) if key else header, zone=label)
+
+    if unknown := sorted(set(data) - _PROGRAM_KEYS):
+        raise fail(f"unknown key {unknown[0]!r}", unknown[0], hint=f"program keys are {sorted(_PROGRAM_KEYS)}")
+    for key, expected, ok in (
+        ("name", "a string", lambda v: isinstance(v, str)),
+        ("description", "a string", lambda v: isinstance(v, str)),
+        ("tags", "a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
+        ("max_genned_per_zone", "an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+        ("pad", "a token (string)", lambda v: isinstance(v, str)),
+    ):
+        if key in data and not ok(data[key]):
+            raise fail(f"{key} must be {expected}", key, hint=f"for example: {_EXAMPLES[key]}")
+    zones_data = data.get("zones")
+    if not isinstance(zones_data, list) or not zones_data:
+        raise fail("the program declares no [[zones]]", "zones", hint="add at least one [[zones]] table")
+    zones = []
+    for index, zone in enumerate(zones_data):
+        if not isinstance(zone, dict):
+            raise fail("each entry of zones must be a table", "zones", hint="write zones as [[zones]] tables")
+        if unknown := sorted(set(zone) - _ZONE_KEYS):
+            raise fail(f"unknown key {unknown[0]!r}", unknown[0], index, hint=f"zone keys are {sorted(_ZONE_KEYS)}")
+        field_error = _zone_type_error(zone)
+        if field_error is not None:
+            key, expected = field_error
+            raise fail(f"{key} must be {expected}", key, index, hint=f"for example: {_EXAMPLES[key]}")
+        header, keys = zone_lines[index] if index < len(zone_lines) else (None, {})
+        zones.append(
+            ZoneSource(
+                label=zone["label"],
+                force=zone.get("force", ""),
+                until=_token_spec(zone.get("until")),
+                timeout_token=zone.get("timeout_token"),
+                jump_on=_token_spec(zone.get("jump_on")),
+                goto=zone.get("goto"),
+                tags=tuple(zone.get("tags", ())),
+                budget=zone.get("budget"),
+                line=header,
+                key_lines=keys,
+            )
+        )
+    return ProgramSource(
+        name=data.get("name", default_name),
+        zones=tuple(zones),
+        tags=tuple(data.get("tags", ())),
+        max_genned_per_zone=data.get("max_genned_per_zone"),
+        pad=data.get("pad"),
+        description=data.get("description", ""),
+        file=file,
+        key_lines=top_lines,
+    )
+
+
+def load_program_source(path: Path) -> ProgramSource:
+    """Read and parse a program file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ProgramError(
+            f"cannot read program file {path}: {err.strerror}", hint="pass a built-in name or a .toml path"
+        ) from None
+    return parse_program_toml(text, file=str(path), default_name=path.stem)
+
+
+def _is_token_spec(value: object) -> bool:
+    if isinstance(value, str):
+        return True
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(v, str) for v in value)
+    return isinstance(value, dict) and set(value) == {"contains"} and isinstance(value["contains"], str)
+
+
+def _zone_type_error(zone: dict) -> tuple[str, str] | None:
+    """The first key of `zone` with a value of the wrong type, and what it should be."""
+    if not isinstance(zone.get("label"), str) or not zone.get("label"):
+        return "label", "a non-empty string"
+    checks = (
+        ("force", "a string", lambda v: isinstance(v, str)),
+        ("until", 'a token, a list of tokens or {contains = "text"}', _is_token_spec),
+        ("jump_on", 'a token, a list of tokens or {contains = "text"}', _is_token_spec),
+        ("timeout_token", "a token (string)", lambda v: isinstance(v, str)),
+        ("goto", 'a zone label or "halt"', lambda v: isinstance(v, str)),
+        ("tags", "a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
+        ("budget", "an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    )
+    for key, expected, ok in checks:
+        if key in zone and not ok(zone[key]):
+            return key, expected
+    return None
+
+
+def _token_spec(value: str | list[str] | dict | None) -> TokenSpec | None:
+    if isinstance(value, dict):
+        return Contains(value["contains"])
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _key_lines(text: str) -> tuple[dict[str, int], list[tuple[int, dict[str, int]]]]:
+    """Lines of top-level keys, and per `[[zones]]` table its header line and key lines (1-based).
+
+    tomllib keeps no positions, so this scans the source: enough for the flat layout programs use (top-level
+    keys, then `[[zones]]` tables of `key = value` lines).
+    """
+    top: dict[str, int] = {}
+    zones: list[tuple[int, dict[str, int]]] = []
+    current: dict[str, int] | None = top
+    for number, line in enumerate(text.splitlines(), start=1):
+        if _ZONE_HEADER.match(line):
+            zones.append((number, {}))
+            current = zones[-1][1]
+        elif _TABLE_HEADER.match(line):
+            current = None  # some other table: its keys are not ours
+        elif current is not None and (match := _KEY.match(line)):
+            current.setdefault(match.group(1), number)
+    return top, zones
+
+
+def _decode_error_line(err: tomllib.TOMLDecodeError) -> int | None:
+    line = getattr(err, "lineno", None)
+    if line is None and (match := re.search(r"line (\d+)", str(err))):
+        line = int(match.group(1))
+    return line
