@@ -4,10 +4,13 @@ The config stays `model_type = "qwen2"` on disk so an STT directory still loads 
 `transformers.Qwen2ForCausalLM` (the router weights are then ignored). An STT directory is recognised by the
 `stt_layers` key in its config.json; a plain Qwen2 config loads with fresh routers and `routing_trained = False`.
 
-Defaults follow the public STT code (REFERENCES.md), with two deliberate changes that address its failure modes:
-- `g_reg_target`: the gating regulariser pulls each layer's mean gate towards a target rate instead of towards
-  zero. With the plain `mean(g)` penalty the only gradient reaching `o_ce`/`m_cu` points down forever, which is
-  exactly how the public runs collapsed to selecting nothing. `g_reg_target = None` restores the spec's `mean(g)`.
+Defaults follow the public STT code (REFERENCES.md), with deliberate changes that address its failure modes
+(`normalize_surprise` is the third, explained in `layers.PredictiveRouter`):
+- `g_reg_target`: the gating regulariser pulls each layer's (soft) fraction of gates above `g_threshold`
+  towards a target rate instead of pushing g towards zero. With the plain `mean(g)` penalty the only gradient
+  reaching `o_ce`/`m_cu` points down forever, which is how the public runs collapsed to selecting nothing.
+  Measuring the fraction above the threshold (rather than mean g) keeps the target meaningful while β is still
+  small and every g sits near 0.75. `g_reg_target = None` restores the spec's `mean(g)`.
 - `router_threshold`: the student is a BCE-calibrated estimate of P(teacher selects), so its decision threshold
   is 0.5 (the Bayes decision), separate from `g_threshold`, which thresholds the teacher's gate score.
 """
@@ -51,11 +54,15 @@ class STTConfig(Qwen2Config):
     beta_schedule: str = "cosine"
     # Window (in tokens) of the causal moving average of D_st used by the CU criterion.
     ma_window: int = 100
+    # Measure CE and CU in units of that moving average (see PredictiveRouter); False: the spec's raw units.
+    normalize_surprise: bool = True
     tpn_loss_weight: float = 0.05
     causal_loss_weight: float = 0.01
     g_reg_loss_weight: float = 0.001
-    # Target mean gate per layer for the regulariser; None means the spec's plain mean(g) penalty.
+    # Target for each layer's soft selected fraction mean(σ((g - g_threshold) / g_reg_temperature)) in the
+    # regulariser (squared distance); None means the spec's plain mean(g) penalty.
     g_reg_target: float | None = 0.5
+    g_reg_temperature: float = 0.05
     lr_base: float = 1e-5
     lr_transition_network: float = 1e-3
     lr_predictive_router: float = 1e-2

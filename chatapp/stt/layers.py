@@ -125,11 +125,19 @@ class PredictiveRouter(nn.Module):
 
     `o_ce` and `m_cu` are parameters when learnable, buffers otherwise; both enter through softplus so the
     criteria stay well defined whatever the optimiser does to them.
+
+    With `normalize_surprise` (the default) both criteria are divided by the moving average of D_st, i.e.
+    measured in units of the layer's typical residual. CU keeps its sign exactly (the spec's CU is MA times the
+    normalised one); CE's bias log(softplus(o_ce)) then means the same thing in a 64-wide toy model, whose
+    residuals are ~1e-3, and in a Qwen2.5 layer, whose residuals are ~1e2. Without it, β and the biases
+    would have to be retuned for every model and layer, and a bias that dwarfs the surprises routes every token
+    the same way with saturated (zero) gradients.
     """
 
     def __init__(self, config: STTConfig) -> None:
         super().__init__()
         self.ma_window = config.ma_window
+        self.normalize = config.normalize_surprise
         for name, init, learn in (
             ("o_ce", config.o_ce_init, config.learn_o_ce),
             ("m_cu", config.m_cu_init, config.learn_m_cu),
@@ -148,8 +156,10 @@ class PredictiveRouter(nn.Module):
 
     def gate(self, d_st: torch.Tensor, d_ch: torch.Tensor, beta_ce: float, beta_cu: float) -> torch.Tensor:
         """g in [0, 1] (B, T): the probabilistic OR of the expected-event (CE) and unexpected-event (CU) criteria."""
-        ce = d_st - (d_ch - torch.log(F.softplus(self.o_ce)))
-        cu = d_st - F.softplus(self.m_cu) * causal_moving_average(d_st, self.ma_window)
+        ma = causal_moving_average(d_st, self.ma_window)
+        scale = ma.clamp_min(torch.finfo(ma.dtype).tiny) if self.normalize else torch.ones_like(ma)
+        ce = (d_st - d_ch) / scale + torch.log(F.softplus(self.o_ce))
+        cu = (d_st - F.softplus(self.m_cu) * ma) / scale
         p_ce = torch.sigmoid(beta_ce * ce)
         p_cu = torch.sigmoid(beta_cu * cu)
         return p_ce + p_cu - p_ce * p_cu

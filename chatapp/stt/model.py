@@ -24,6 +24,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, Qwen2RotaryEm
 from chatapp.stt.cache import KVCache
 from chatapp.stt.config import STTConfig
 from chatapp.stt.layers import DecoderBlock, STTLayer
+from chatapp.stt.teacher import EvalMode, EvalOutput, TrainOutput, forward_eval, forward_train
 
 Routing = Literal["student", "off"]
 
@@ -227,6 +228,53 @@ class STTForCausalLM(nn.Module):
         if gather is None:
             return out
         return hidden.scatter(1, gather[..., None].expand_as(out), out)
+
+    # ------------------------------------------------------------------------------------------ training, eval
+    def forward_train(
+        self, ids: torch.Tensor, loss_mask: torch.Tensor | None = None, *, step: int | None = None
+    ) -> TrainOutput:
+        """Teacher-mode training forward (§3.1, §5) at optimiser step `step` (for the β schedules)."""
+        return forward_train(self, ids, loss_mask, step=step)
+
+    def forward_eval(
+        self, ids: torch.Tensor, mode: EvalMode | None = None, *, threshold: float | None = None
+    ) -> EvalOutput:
+        """Full-sequence logits with routing "off", by the "teacher" or by the "student" (causal router).
+
+        `mode=None` follows the config: student when `use_causal_router_in_validation`, teacher otherwise.
+        """
+        if mode is None:
+            student = self.config.use_causal_router_in_validation and self.config.train_causal_router
+            mode = "student" if student else "teacher"
+        return forward_eval(self, ids, mode, threshold=threshold)
+
+    def parameter_groups(self, lr_scale: float = 1.0, weight_decay: float = 0.0) -> list[dict]:
+        """The four optimiser groups of §6, each with its own learning rate from the config (times `lr_scale`).
+
+        Norm weights, biases and the router's scalar biases get no weight decay.
+        """
+        config = self.config
+        lrs = {
+            "base_model": config.lr_base,
+            "stt_transition_network": config.lr_transition_network,
+            "stt_predictive_router": config.lr_predictive_router,
+            "stt_causal_router": config.lr_causal_router,
+        }
+        buckets: dict[tuple[str, bool], list[nn.Parameter]] = {}
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            group = next((g for g in lrs if g != "base_model" and f".{g.removeprefix('stt_')}." in name), "base_model")
+            buckets.setdefault((group, param.ndim >= 2), []).append(param)
+        return [
+            {
+                "name": group,
+                "params": params,
+                "lr": lrs[group] * lr_scale,
+                "weight_decay": weight_decay if decays else 0.0,
+            }
+            for (group, decays), params in sorted(buckets.items())
+        ]
 
     # ---------------------------------------------------------------------------------------------- persistence
     @classmethod

@@ -1,0 +1,260 @@
+"""Full-sequence passes: the teacher's training forward (`seeds/stt.md` §3.1 and §5) and evaluation forwards.
+
+Training runs one dense pass per layer. In an STT layer the TPN predicts each token's residual from the previous
+token's block output, the predictive router turns the two surprises into the gate g, and g becomes binary
+targets (threshold or top-k) that the causal router learns with BCE from the layer's inputs only.
+
+Gradient routing keeps each loss on its own parameter group: the surprises are computed from detached residuals
+and predictions, so the gate regulariser reaches only `o_ce`/`m_cu` (never the base model or the TPN), the TPN
+sees a detached input, and the causal router sees detached inputs.
+
+Routed passes over a whole sequence (teacher evaluation, student evaluation and the optional gated second
+training pass) use an attention mask in which only selected tokens are keys: the same maths as the sparse KV
+cache at inference, written independently of it, which makes each a check on the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+
+from chatapp.stt.config import STTConfig, betas_at
+from chatapp.stt.layers import STTLayer, routed_causal_mask, self_attention_sink
+
+if TYPE_CHECKING:
+    from chatapp.stt.model import STTForCausalLM
+
+EvalMode = Literal["off", "teacher", "student"]
+STAT_NAMES = (
+    "teacher_fraction",
+    "student_fraction",
+    "mean_g",
+    "accuracy",
+    "f1",
+    "tpn_loss",
+    "causal_loss",
+    "g_reg",
+)
+
+
+@dataclass
+class TrainOutput:
+    """A training forward: logits (B, T, V), the weighted total loss, its parts and per-STT-layer statistics."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor
+    losses: dict[str, torch.Tensor]  # "lm", "tpn", "causal", "g_reg" (unweighted) and "total"
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (L_stt,) detached, see STAT_NAMES
+
+
+@dataclass
+class EvalOutput:
+    """An evaluation forward: logits (B, T, V); per STT layer router probabilities and routing decisions."""
+
+    logits: torch.Tensor
+    router_probs: torch.Tensor  # (L_stt, B, T) causal-router probabilities (on the inputs this mode produced)
+    selected: torch.Tensor  # (L_stt, B, T) bool: the layer's block ran for the token
+    teacher_targets: torch.Tensor | None = None  # (L_stt, B, T) bool, in teacher mode
+
+
+@dataclass
+class _LayerSignals:
+    """What the teacher computes in one STT layer."""
+
+    g: torch.Tensor
+    targets: torch.Tensor
+    causal_logits: torch.Tensor | None
+    tpn_loss: torch.Tensor
+
+
+def previous_tokens(x: torch.Tensor) -> torch.Tensor:
+    """x shifted one step along the sequence, with zeros at t = 0: the x_{t-1} of every token."""
+    return F.pad(x[:, :-1], (0, 0, 1, 0))
+
+
+def select_targets(g: torch.Tensor, config: STTConfig) -> torch.Tensor:
+    """Binary routing targets (B, T) from the gate: threshold on g, or the top ⌊γT⌋ tokens of each row.
+
+    The result is a mask, so the chosen tokens keep their sequence order wherever they are gathered later
+    (the public code's unsorted top-k indices let tokens attend to the future).
+    """
+    if config.use_g_threshold_selection:
+        return g >= config.g_threshold
+    k = max(1, int(config.capacity * g.shape[-1]))
+    chosen = g.topk(k, dim=-1).indices.sort(dim=-1).values
+    return torch.zeros_like(g, dtype=torch.bool).scatter(-1, chosen, True)
+
+
+def soft_fraction(g: torch.Tensor, config: STTConfig) -> torch.Tensor:
+    """A differentiable estimate of the fraction of tokens whose gate clears `g_threshold`."""
+    return torch.sigmoid((g - config.g_threshold) / config.g_reg_temperature).mean()
+
+
+def gate_regulariser(g: torch.Tensor, config: STTConfig) -> torch.Tensor:
+    """The spec's mean(g), or (with `g_reg_target`) the squared distance of the soft selected fraction to it."""
+    if config.g_reg_target is None:
+        return g.mean()
+    return (soft_fraction(g, config) - config.g_reg_target).pow(2)
+
+
+def _f1(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """F1 of boolean predictions (1.0 when both are empty: perfect agreement on 'select nothing')."""
+    tp = (predicted & target).sum().float()
+    denominator = (predicted.sum() + target.sum()).float()
+    return torch.where(denominator > 0, 2 * tp / denominator.clamp(min=1), torch.ones_like(tp))
+
+
+def _teacher_signals(
+    layer: STTLayer, x: torch.Tensor, y: torch.Tensor, betas: tuple[float, float], config: STTConfig
+) -> _LayerSignals:
+    """§3.1 steps 2–6 from a layer's input x and dense output y."""
+    residual = (y - x).detach()
+    predicted = layer.transition_network(previous_tokens(y).detach())
+    tpn_loss = F.mse_loss(predicted.float(), residual.float())
+    d_st, d_ch = layer.predictive_router.surprises(residual, predicted.detach())
+    g = layer.predictive_router.gate(d_st, d_ch, *betas)
+    targets = select_targets(g.detach(), config)
+    causal_logits = None
+    if layer.causal_router is not None:
+        causal_logits = layer.causal_router(x.detach(), previous_tokens(x).detach()).float()
+    return _LayerSignals(g=g, targets=targets, causal_logits=causal_logits, tpn_loss=tpn_loss)
+
+
+def _routed_block(layer: STTLayer, x: torch.Tensor, cos, sin, selected: torch.Tensor) -> torch.Tensor:
+    """The block's output for selected tokens when only selected tokens are keys; unselected tokens are x."""
+    y = layer.block(x, cos, sin, self_attention_sink(routed_causal_mask(selected)))
+    return torch.where(selected[..., None], y, x)
+
+
+def _embed(model: STTForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden = model.model.embed_tokens(ids)
+    positions = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    return hidden, cos, sin
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """Next-token cross-entropy; `loss_mask[b, t]` (when given) says whether token t is a training target."""
+    per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+    if loss_mask is None:
+        return per_token.mean()
+    weights = loss_mask[:, 1:].flatten().to(per_token.dtype)
+    return (per_token * weights).sum() / weights.sum().clamp(min=1)
+
+
+def forward_train(
+    model: STTForCausalLM, ids: torch.Tensor, loss_mask: torch.Tensor | None = None, *, step: int | None = None
+) -> TrainOutput:
+    """The teacher-mode training forward on full (B, T) sequences; see the module docstring."""
+    config = model.config
+    betas = betas_at(config, step)
+    hidden, cos, sin = _embed(model, ids)
+    causal = self_attention_sink()
+    zero = hidden.new_zeros((), dtype=torch.float32)
+    tpn_losses, causal_losses, g_regs, rows = [], [], [], []
+    for layer in model.model.layers:
+        x = hidden
+        hidden = layer.block(x, cos, sin, causal)
+        if not isinstance(layer, STTLayer):
+            continue
+        signals = _teacher_signals(layer, x, hidden, betas, config)
+        targets = signals.targets
+        if config.gated_second_pass:
+            # Straight-through gate: 1 in the forward pass (hard routing, as at inference), g's gradient backward.
+            gate = (targets.to(signals.g.dtype) + signals.g - signals.g.detach())[..., None]
+            routed = layer.block(x, cos, sin, self_attention_sink(routed_causal_mask(targets)))
+            hidden = torch.where(targets[..., None], x + gate.to(x.dtype) * (routed - x), x)
+        if signals.causal_logits is not None:
+            causal_loss = F.binary_cross_entropy_with_logits(signals.causal_logits, targets.float())
+            predicted = torch.sigmoid(signals.causal_logits.detach()) >= config.router_threshold
+        else:
+            causal_loss, predicted = zero, torch.ones_like(targets)
+        g_reg = gate_regulariser(signals.g, config)
+        tpn_losses.append(signals.tpn_loss)
+        causal_losses.append(causal_loss)
+        g_regs.append(g_reg)
+        rows.append(
+            torch.stack(
+                [
+                    targets.float().mean(),
+                    predicted.float().mean(),
+                    signals.g.detach().mean(),
+                    (predicted == targets).float().mean(),
+                    _f1(predicted, targets),
+                    signals.tpn_loss.detach(),
+                    causal_loss.detach(),
+                    g_reg.detach(),
+                ]
+            )
+        )
+    logits = model.lm_head(model.model.norm(hidden))
+    losses = {
+        "lm": lm_loss(logits, ids, loss_mask),
+        "tpn": torch.stack(tpn_losses).mean() if tpn_losses else zero,
+        "causal": torch.stack(causal_losses).mean() if causal_losses else zero,
+        "g_reg": torch.stack(g_regs).mean() if g_regs else zero,
+    }
+    total = (
+        losses["lm"]
+        + config.tpn_loss_weight * losses["tpn"]
+        + config.causal_loss_weight * losses["causal"]
+        + config.g_reg_loss_weight * losses["g_reg"]
+    )
+    losses["total"] = total
+    table = torch.stack(rows) if rows else hidden.new_zeros(0, len(STAT_NAMES))
+    stats = {name: table[:, i].detach() for i, name in enumerate(STAT_NAMES)}
+    return TrainOutput(logits=logits, loss=total, losses=losses, stats=stats)
+
+
+@torch.no_grad()
+def forward_eval(
+    model: STTForCausalLM, ids: torch.Tensor, mode: EvalMode = "student", *, threshold: float | None = None
+) -> EvalOutput:
+    """Full-sequence logits with routing off, by the teacher (upper bound) or by the student (as at inference).
+
+    Teacher mode runs each STT layer densely to get g, then recomputes the block for its targets only. The
+    causal router's probabilities are reported on the inputs the mode produced, so comparing them with the
+    teacher's targets measures the student where the teacher routes.
+    """
+    if mode not in ("off", "teacher", "student"):
+        raise ValueError(f"mode must be 'off', 'teacher' or 'student', got {mode!r}")
+    config = model.config
+    if mode == "student" and not config.train_causal_router:
+        raise ValueError("student evaluation needs a causal router (train_causal_router = false in this config)")
+    cutoff = config.router_threshold if threshold is None else threshold
+    betas = betas_at(config, None)
+    hidden, cos, sin = _embed(model, ids)
+    causal = self_attention_sink()
+    probs, chosen, targets_out = [], [], []
+    for layer in model.model.layers:
+        x = hidden
+        if not isinstance(layer, STTLayer):
+            hidden = layer.block(x, cos, sin, causal)
+            continue
+        if layer.causal_router is not None:
+            prob = torch.sigmoid(layer.causal_router(x, previous_tokens(x)).float())
+        else:
+            prob = torch.ones(ids.shape, device=ids.device)
+        if mode == "off":
+            selected = torch.ones_like(ids, dtype=torch.bool)
+            hidden = layer.block(x, cos, sin, causal)
+        elif mode == "teacher":
+            selected = _teacher_signals(layer, x, layer.block(x, cos, sin, causal), betas, config).targets
+            targets_out.append(selected)
+            hidden = _routed_block(layer, x, cos, sin, selected)
+        else:
+            selected = prob >= cutoff
+            hidden = _routed_block(layer, x, cos, sin, selected)
+        probs.append(prob)
+        chosen.append(selected)
+    logits = model.lm_head(model.model.norm(hidden))
+    empty = torch.zeros(0, *ids.shape, device=ids.device)
+    return EvalOutput(
+        logits=logits,
+        router_probs=torch.stack(probs) if probs else empty,
+        selected=torch.stack(chosen) if chosen else empty.bool(),
+        teacher_targets=torch.stack(targets_out) if targets_out else None,
+    )
