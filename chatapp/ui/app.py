@@ -1,0 +1,475 @@
+"""The chat TUI: a transcript and an input on the left, the model's internals on the right.
+
+The app owns no model: it drives a `ChatBackend` and consumes `Step` events. Generation runs in a thread worker
+that hands batches to the UI (see `streaming`); every batch is saved to the history database before it is drawn,
+so whatever was on screen survives a crash. Widgets each own one thing and talk through messages: the transcript
+posts `TokenSelected`, the input posts `Submitted`, the worker posts `StepsArrived` / `GenerationEnded`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.content import Content
+from textual.widgets import Footer, Header, Static
+from textual.worker import Worker, WorkerCancelled, WorkerFailed, get_current_worker
+
+from chatapp.engine.events import Step, TokenEvent
+from chatapp.errors import ChatappError
+from chatapp.settings import config_dir, data_dir, history_db_path
+from chatapp.ui.backend import ChatBackend, StepStream
+from chatapp.ui.commands import ChatCommands
+from chatapp.ui.export import export_conversation
+from chatapp.ui.history import HistoryStore
+from chatapp.ui.screens.help import WIDGET_KEYS, HelpFacts, HelpScreen, binding_keys
+from chatapp.ui.screens.history import HistoryScreen, ResumeChoice
+from chatapp.ui.screens.program import ProgramChoice, ProgramScreen
+from chatapp.ui.screens.settings import SettingsChoice, SettingsScreen
+from chatapp.ui.stats import AnswerStats
+from chatapp.ui.streaming import Generation, GenerationEnded, Outcome, StepBatcher, StepsArrived
+from chatapp.ui.tokens import message_content, plain_text
+from chatapp.ui.widgets.heatmap import RoutingHeatmap
+from chatapp.ui.widgets.panels import StatsPanel, TokenInspector, ZonePills
+from chatapp.ui.widgets.prompt import PromptInput
+from chatapp.ui.widgets.transcript import AssistantMessage, Transcript, UserMessage
+
+_TITLE_LENGTH = 48
+
+
+class ChatApp(App[None]):
+    """Chat with a model and watch it think."""
+
+    CSS_PATH = ["app.tcss", "screens.tcss"]
+    TITLE = "chatapp"
+    COMMANDS = App.COMMANDS | {ChatCommands}
+    BINDINGS = [
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+r", "regenerate", "Regenerate"),
+        Binding("ctrl+e", "edit_last", "Edit last", priority=True),
+        Binding("f2", "settings", "Settings"),
+        Binding("f3", "switch_program", "Program"),
+        Binding("f4", "history", "History"),
+        Binding("ctrl+s", "export", "Export", show=False),
+        Binding("ctrl+y", "copy_answer", "Copy answer", show=False, priority=True),
+        Binding("f1", "help", "Help"),
+    ]
+
+    def __init__(
+        self,
+        backend: ChatBackend,
+        store: HistoryStore,
+        *,
+        clock: Callable[[], float] = time.time,
+        cursor_blink: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.store = store
+        self.clock = clock
+        self.conversation_id: int | None = None
+        self.generation: Generation | None = None
+        self.editing = False
+        self._worker: Worker[None] | None = None
+        self._cursor_blink = self.animation_level != "none" if cursor_blink is None else cursor_blink
+        self.sub_title = self._sub_title()
+
+    # --- layout ---------------------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        info = self.backend.info
+        yield Header()
+        with Horizontal(id="main"):
+            with Vertical(id="chat"):
+                with Transcript(id="transcript"):
+                    yield Static(self._welcome(), id="welcome")
+                yield PromptInput(self.store.recent_prompts(), id="prompt")
+            with Vertical(id="side"):
+                yield ZonePills(id="zones")
+                yield RoutingHeatmap(info.stt_layers, id="heatmap")
+                yield TokenInspector(info.stt_layers, id="inspector")
+                yield StatsPanel(id="stats")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        prompt = self.query_one(PromptInput)
+        prompt.cursor_blink = self._cursor_blink
+        prompt.border_title = "message · enter send · ctrl+j newline · esc stop"
+        heatmap = self.query_one(RoutingHeatmap)
+        heatmap.border_title = "routing · layers × tokens"
+        if not self.backend.info.stt_layers:
+            heatmap.border_subtitle = "model has no STT layers"
+        self.query_one(ZonePills).set_program(self.backend.program)
+        prompt.focus()
+
+    def _welcome(self) -> Content:
+        info = self.backend.info
+        return Content.assemble(
+            ("chatapp", "bold"),
+            f" · {info.name} on {info.device} · {info.num_layers} layers, {len(info.stt_layers)} STT\n",
+            ("Type a message and press Enter. ", "dim"),
+            ("F1", "bold $accent"),
+            (" help · ", "dim"),
+            ("ctrl+p", "bold $accent"),
+            (" commands", "dim"),
+        )
+
+    def _sub_title(self) -> str:
+        program = self.backend.program
+        return f"{self.backend.info.name} · program: {program.name if program else 'none'}"
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.query_one(Transcript)
+
+    @property
+    def is_generating(self) -> bool:
+        return self.generation is not None
+
+    # --- sending --------------------------------------------------------------------------------------------------
+    @on(PromptInput.Submitted)
+    def _on_submit(self, event: PromptInput.Submitted) -> None:
+        if self.is_generating:
+            self.notify("Still answering: press Esc to stop first.", severity="warning")
+            event.prompt.set_text(event.text)
+            return
+        if self.editing:
+            self._resend_edited(event.text)
+        else:
+            self.send(event.text)
+
+    def send(self, text: str) -> None:
+        """Show and save the user's message, then stream the answer."""
+        if (stream := self._open(lambda: self.backend.send(text))) is None:
+            self.query_one(PromptInput).set_text(text)
+            return
+        self._ensure_conversation(text)
+        self._add_user_message(text)
+        self._start(stream)
+
+    def _resend_edited(self, text: str) -> None:
+        if (stream := self._open(lambda: self.backend.edit_last(text))) is None:
+            self.query_one(PromptInput).set_text(text)
+            return
+        self.editing = False
+        self.query_one(PromptInput).border_subtitle = ""
+        self._drop_last_exchange()
+        self._add_user_message(text)
+        self._start(stream)
+
+    def _open(self, open_stream: Callable[[], StepStream]) -> StepStream | None:
+        """Start a backend call on the UI thread: it validates (context, settings) before anything is shown, and
+        only iterating the stream does the work. A user-caused error is shown and nothing changes."""
+        try:
+            return open_stream()
+        except ChatappError as err:
+            self.notify(str(err), title="Cannot answer", severity="error")
+            return None
+
+    def _ensure_conversation(self, first_message: str) -> None:
+        if self.conversation_id is None:
+            title = first_message.strip().splitlines()[0][:_TITLE_LENGTH]
+            program = self.backend.program.name if self.backend.program else None
+            self.conversation_id = self.store.create_conversation(title, model=self.backend.info.name, program=program)
+
+    def _add_user_message(self, text: str) -> None:
+        assert self.conversation_id is not None
+        self._remove_welcome()
+        message_id = self.store.add_message(self.conversation_id, "user", text)
+        self.transcript.add(UserMessage(text, message_id=message_id))
+
+    def _remove_welcome(self) -> None:
+        for welcome in self.query("#welcome"):
+            welcome.remove()
+
+    def _start(self, stream: StepStream) -> None:
+        """Create the answer (on screen and in the database) and generate it in a thread worker."""
+        assert self.conversation_id is not None
+        message_id = self.store.add_message(self.conversation_id, "assistant", "", status="streaming")
+        answer = AssistantMessage(message_id=message_id)
+        self.transcript.add(answer)
+        self.generation = Generation(answer, message_id, AnswerStats(num_layers=self.backend.info.num_layers))
+        self.query_one(RoutingHeatmap).set_tokens([])
+        self.query_one(TokenInspector).show(None)
+        self.query_one(StatsPanel).show(self.generation.stats)
+        self._worker = self._generate(self.generation, stream)
+
+    @work(thread=True, exclusive=True, group="generation", exit_on_error=True)
+    def _generate(self, generation: Generation, stream: StepStream) -> None:
+        """Iterate the backend's stream in this thread, posting batches; stop as soon as the worker is cancelled."""
+        worker = get_current_worker()
+        batcher = StepBatcher()
+        outcome: Outcome = "complete"
+        error: str | None = None
+        try:
+            for step in stream:
+                if (batch := batcher.add(step)) is not None:
+                    self.post_message(StepsArrived(generation, batch))
+                if worker.is_cancelled:
+                    outcome = "interrupted"
+                    self.backend.cancel(stream)
+                    break
+        except ChatappError as err:
+            outcome, error = "error", str(err)
+        finally:
+            stream.close()  # a no-op once exhausted; frees the engine's batch otherwise
+            self.post_message(GenerationEnded(generation, batcher.flush(), outcome, error))
+
+    @on(StepsArrived)
+    def _on_steps(self, message: StepsArrived) -> None:
+        self._apply(message.generation, message.steps)
+
+    @on(GenerationEnded)
+    def _on_generation_ended(self, message: GenerationEnded) -> None:
+        generation = message.generation
+        events = self._apply(generation, message.steps)
+        last = events[-1] if events else None
+        outcome, detail = message.outcome, message.error
+        answer = generation.answer
+        assert isinstance(answer, AssistantMessage)
+        if last is None and answer.events:
+            last = answer.events[-1]
+        if last is not None and last.finish_reason == "error":
+            outcome, detail = "error", last.error
+        elif last is not None and last.finish_reason == "cancelled":
+            outcome = "interrupted"
+        elif outcome == "complete" and last is not None and last.finish_reason in ("length", "context"):
+            detail = "stopped at max tokens" if last.finish_reason == "length" else "context is full"
+        self.store.finish_message(
+            generation.message_id,
+            "complete" if outcome == "complete" else "interrupted",
+            message_content(answer.events),
+        )
+        if answer.is_attached:
+            answer.set_status(outcome, detail)
+        if self.generation is generation:
+            self.generation = None
+
+    def _apply(self, generation: Generation, steps: list[Step]) -> list[TokenEvent]:
+        """Save a batch, then draw it: transcript, heatmap, zone pills, stats."""
+        answer = generation.answer
+        assert isinstance(answer, AssistantMessage)
+        events: list[TokenEvent] = []
+        for step in steps:
+            row_events = [event for event in step.tokens if event.row == 0]
+            generation.stats.add_step(step, row_events)
+            events.extend(row_events)
+        generation.steps += len(steps)
+        if not events:
+            return events
+        self.store.append_tokens(
+            generation.message_id, generation.written, events, message_content([*answer.events, *events])
+        )
+        generation.written += len(events)
+        if not answer.is_attached:
+            return events
+        transcript = self.transcript
+        at_bottom = transcript.is_at_bottom
+        answer.extend(events)
+        transcript.follow_if(at_bottom)
+        if self.generation is generation:
+            heatmap = self.query_one(RoutingHeatmap)
+            heatmap.extend(events)
+            self.query_one(ZonePills).set_active(events[-1].tags, events[-1].zone)
+            self.query_one(StatsPanel).show(generation.stats)
+        return events
+
+    # --- token inspection -----------------------------------------------------------------------------------------
+    @on(AssistantMessage.TokenSelected)
+    def _on_token_selected(self, message: AssistantMessage.TokenSelected) -> None:
+        self.query_one(TokenInspector).show(message.event, message.index)
+        heatmap = self.query_one(RoutingHeatmap)
+        if self.generation is None or self.generation.answer is not message.answer:
+            heatmap.set_tokens(message.answer.events, selected=message.index)
+        else:
+            heatmap.select(message.index)
+
+    # --- actions --------------------------------------------------------------------------------------------------
+    def action_stop(self) -> None:
+        """Esc: stop the answer being generated, or leave edit mode."""
+        if self._worker is not None and self.is_generating:
+            self._worker.cancel()
+        elif self.editing:
+            self.editing = False
+            prompt = self.query_one(PromptInput)
+            prompt.border_subtitle = ""
+            prompt.set_text("")
+
+    async def _stop_and_wait(self) -> None:
+        """Cancel a running generation and wait until its worker has finished with the backend."""
+        worker = self._worker
+        if worker is None or worker.is_finished:
+            return
+        worker.cancel()
+        with contextlib.suppress(WorkerCancelled, WorkerFailed):
+            await worker.wait()
+
+    async def action_new_chat(self) -> None:
+        await self._stop_and_wait()
+        self.backend.new_session()
+        self.conversation_id = None
+        self.generation = None
+        self.editing = False
+        await self.transcript.remove_children()
+        await self.transcript.mount(Static(self._welcome(), id="welcome"))
+        self._reset_panels()
+        self.query_one(PromptInput).focus()
+
+    def _reset_panels(self) -> None:
+        self.query_one(RoutingHeatmap).set_tokens([])
+        self.query_one(TokenInspector).show(None)
+        self.query_one(StatsPanel).show(AnswerStats())
+        self.query_one(ZonePills).set_program(self.backend.program)
+
+    def _last_widget(self, kind: type) -> object | None:
+        widgets = [w for w in self.transcript.children if isinstance(w, UserMessage | AssistantMessage)]
+        return widgets[-1] if widgets and isinstance(widgets[-1], kind) else None
+
+    def action_regenerate(self) -> None:
+        if self.is_generating:
+            self.notify("Still answering: press Esc to stop first.", severity="warning")
+            return
+        answer = self._last_widget(AssistantMessage)
+        if not isinstance(answer, AssistantMessage):
+            self.notify("Nothing to regenerate yet.", severity="warning")
+            return
+        if (stream := self._open(self.backend.regenerate)) is None:
+            return
+        self.store.delete_message(answer.message_id)
+        answer.remove()
+        self._start(stream)
+
+    def action_edit_last(self) -> None:
+        if self.is_generating:
+            self.notify("Still answering: press Esc to stop first.", severity="warning")
+            return
+        users = list(self.transcript.query(UserMessage))
+        if not users:
+            self.notify("No message to edit yet.", severity="warning")
+            return
+        self.editing = True
+        prompt = self.query_one(PromptInput)
+        prompt.set_text(users[-1].text)
+        prompt.border_subtitle = "editing last message · enter resend · esc cancel"
+        prompt.focus()
+
+    def _drop_last_exchange(self) -> None:
+        """Remove the last user message and everything after it (its answer), on screen and in the database."""
+        children = list(self.transcript.children)
+        last_user = max(i for i, w in enumerate(children) if isinstance(w, UserMessage))
+        for widget in children[last_user:]:
+            if isinstance(widget, UserMessage | AssistantMessage):
+                self.store.delete_message(widget.message_id)
+            widget.remove()
+
+    def action_settings(self) -> None:
+        def applied(choice: SettingsChoice | None) -> None:
+            if choice is not None:
+                self.notify("Settings saved for the next answer.")
+
+        self.push_screen(SettingsScreen(self.backend), applied)
+
+    def action_switch_program(self) -> None:
+        def switched(choice: ProgramChoice | None) -> None:
+            if choice is None:
+                return
+            self.query_one(ZonePills).set_program(choice.program)
+            self.sub_title = self._sub_title()
+            if self.conversation_id is not None:
+                self.store.set_program(self.conversation_id, choice.program.name if choice.program else None)
+
+        self.push_screen(ProgramScreen(self.backend), switched)
+
+    def action_history(self) -> None:
+        self.push_screen(HistoryScreen(self.store, current=self.conversation_id), self._resume)
+
+    async def _resume(self, choice: ResumeChoice | None) -> None:
+        if choice is None:
+            return
+        await self._stop_and_wait()
+        conversation = self.store.load(choice.conversation_id)
+        self.backend.new_session([m.chat_message() for m in conversation.messages])
+        self.conversation_id = conversation.summary.id
+        self.generation = None
+        self.editing = False
+        await self.transcript.remove_children()
+        widgets: list[UserMessage | AssistantMessage] = []
+        for stored in conversation.messages:
+            if stored.role == "user":
+                widgets.append(UserMessage(plain_text(stored.content), message_id=stored.id))
+            else:
+                widgets.append(AssistantMessage(stored.tokens, status=stored.status, message_id=stored.id))
+        await self.transcript.mount_all(widgets)
+        self.transcript.scroll_end(animate=False, immediate=False)
+        self._reset_panels()
+        answers = [w for w in widgets if isinstance(w, AssistantMessage)]
+        if answers:
+            self.query_one(RoutingHeatmap).set_tokens(answers[-1].events)
+        self.notify(f"Resumed “{conversation.summary.title}”.")
+
+    def action_export(self) -> None:
+        if self.conversation_id is None:
+            self.notify("Nothing to export yet.", severity="warning")
+            return
+        markdown, data = export_conversation(
+            self.store.load(self.conversation_id), data_dir() / "exports", now=self.clock()
+        )
+        self.notify(f"Exported to {markdown} and {data.name}.")
+
+    def action_copy_answer(self) -> None:
+        answer = self._last_answer()
+        if answer is None:
+            self.notify("No answer to copy yet.", severity="warning")
+            return
+        self.copy_to_clipboard(plain_text(message_content(answer.events)))
+        self.notify("Copied the last answer.")
+
+    def _last_answer(self) -> AssistantMessage | None:
+        answers = self.transcript.answers()
+        return answers[-1] if answers else None
+
+    def action_help(self) -> None:
+        facts = HelpFacts(
+            keys=(*binding_keys(self.BINDINGS), ("ctrl+p", "command palette"), ("ctrl+q", "quit"), *WIDGET_KEYS),
+            paths=(
+                ("history database", str(self.store.path)),
+                ("config", str(config_dir())),
+                ("exports", str(data_dir() / "exports")),
+                ("model", self.backend.info.path),
+            ),
+        )
+        self.push_screen(HelpScreen(facts))
+
+    def on_unmount(self) -> None:
+        self.store.close()
+
+
+def make_app(
+    *,
+    model_dir: Path | None = None,
+    program: str | None = None,
+    db_path: Path | None = None,
+    device: str | None = None,
+    backend: ChatBackend | None = None,
+    clock: Callable[[], float] = time.time,
+    cursor_blink: bool | None = None,
+) -> ChatApp:
+    """Build the chat app: load the model (unless a backend is given), the program and the history database.
+
+    Raises `ModelDirError` / `ProgramError` before any UI starts, so the CLI can report them plainly.
+    """
+    if backend is None:
+        from chatapp.settings import default_model_dir
+        from chatapp.ui.backend import EngineBackend
+
+        backend = EngineBackend.load(Path(model_dir) if model_dir else default_model_dir(), device=device)
+    if program is not None:
+        backend.switch_program(program)
+    store = HistoryStore(Path(db_path) if db_path else history_db_path(), clock=clock)
+    return ChatApp(backend, store, clock=clock, cursor_blink=cursor_blink)

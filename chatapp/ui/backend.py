@@ -1,0 +1,196 @@
+"""The boundary between the TUI and whatever generates tokens.
+
+The app drives a `ChatBackend`: create a session (empty or resumed from history), send a message, regenerate or
+edit the last one, switch the TTFA program, change settings, cancel. Every generating call returns a stream of
+`Step` events, which is all the UI ever sees of generation: no tensors cross this line. `EngineBackend` wraps the
+real `chatapp.engine.ChatSession`; the tests drive the app with a scripted backend that yields predetermined Steps.
+
+Threading: the app iterates a stream in a worker thread and cancels it from that same thread (a generator cannot
+be closed while another thread is inside it), so `cancel` is only ever called by the thread iterating the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from chatapp.engine.events import Step
+from chatapp.settings import GenerationSettings
+
+StepStream = Generator[Step, None, None]
+"""A generating call's events. Stopping early (`close()`) cancels it; the partial answer stays in the session."""
+
+Message = dict[str, Any]
+"""A chat message as `chatapp.chat` defines it: `{"role": ..., "content": str | list[part]}`."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the UI shows about the loaded model."""
+
+    name: str
+    path: str
+    device: str
+    num_layers: int
+    stt_layers: tuple[int, ...]  # the order of `TokenEvent.router_probs`
+    context_size: int
+    supports_tools: bool
+
+
+@dataclass(frozen=True)
+class ProgramInfo:
+    """The active TTFA program: its name (or file path) and the zone tags it declares, in declaration order."""
+
+    name: str
+    tags: tuple[str, ...]
+
+
+class ChatBackend(Protocol):
+    """What the chat app needs from a model. Generating calls return a `StepStream` for row 0."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def settings(self) -> GenerationSettings: ...
+
+    @property
+    def constraint(self) -> str | None: ...
+
+    @property
+    def program(self) -> ProgramInfo | None: ...
+
+    def builtin_programs(self) -> Sequence[str]:
+        """Names accepted by `switch_program` besides a `.toml` file path."""
+        ...
+
+    def new_session(self, history: Sequence[Message] = ()) -> None:
+        """Start a fresh conversation, or one that continues `history` (a resumed chat)."""
+        ...
+
+    def send(self, text: str) -> StepStream:
+        """Append a user message and stream the assistant's answer."""
+        ...
+
+    def regenerate(self) -> StepStream:
+        """Drop the last assistant answer and answer the last user message again."""
+        ...
+
+    def edit_last(self, text: str) -> StepStream:
+        """Replace the last user message (dropping the answer to it) and stream a new answer."""
+        ...
+
+    def switch_program(self, name_or_path: str | None) -> ProgramInfo | None:
+        """Use a built-in program, a `.toml` program file, or none (`None`) from the next answer on.
+
+        Raises `ProgramError` (naming the file and the fix) when it does not load; the old program stays active.
+        """
+        ...
+
+    def configure(self, settings: GenerationSettings, constraint: str | None) -> None:
+        """Use these settings and regex constraint from the next answer on; `ConstraintError` if it won't compile."""
+        ...
+
+    def cancel(self, stream: StepStream) -> None:
+        """Stop a stream early, keeping the partial answer (called from the thread that iterates the stream)."""
+        ...
+
+
+class EngineBackend:
+    """`ChatBackend` over the real engine: one `ChatSession` at a time on a loaded STT model."""
+
+    def __init__(self, engine: Any, *, model_dir: Path, settings: GenerationSettings | None = None) -> None:
+        self._engine = engine
+        self._model_dir = model_dir
+        self._settings = settings or GenerationSettings()
+        self._constraint: str | None = None
+        self._program: ProgramInfo | None = None
+        self._program_object: Any = None
+        self._session: Any = None
+        model = engine.model
+        config = model.config
+        self._info = ModelInfo(
+            name=model_dir.name,
+            path=str(model_dir),
+            device=str(engine.device),
+            num_layers=int(config.num_hidden_layers),
+            stt_layers=tuple(engine.stt_layers),
+            context_size=int(engine.context_size),
+            supports_tools=bool(engine.chat_format.supports_tools),
+        )
+        self.new_session()
+
+    @classmethod
+    def load(cls, model_dir: Path, *, device: str | None = None) -> EngineBackend:
+        """Load a model directory (raises `ModelDirError` naming what is missing)."""
+        from chatapp.engine.engine import Engine
+        from chatapp.models.loader import load_model
+
+        loaded = load_model(model_dir, device=device)
+        engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+        return cls(engine, model_dir=loaded.path)
+
+    # --- properties -------------------------------------------------------------------------------------------
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def settings(self) -> GenerationSettings:
+        return self._settings
+
+    @property
+    def constraint(self) -> str | None:
+        return self._constraint
+
+    @property
+    def program(self) -> ProgramInfo | None:
+        return self._program
+
+    # --- session ----------------------------------------------------------------------------------------------
+    def builtin_programs(self) -> Sequence[str]:
+        from chatapp.ttfa import BUILTIN_PROGRAMS
+
+        return tuple(BUILTIN_PROGRAMS)
+
+    def new_session(self, history: Sequence[Message] = ()) -> None:
+        self._session = self._engine.session()
+        # A resumed conversation costs nothing now: with an empty cache the session renders and prefills all its
+        # messages with the next turn.
+        self._session.messages.extend(dict(message) for message in history)
+
+    def send(self, text: str) -> StepStream:
+        return self._session.send(text, self._settings, **self._options())
+
+    def regenerate(self) -> StepStream:
+        return self._session.regenerate(self._settings, **self._options())
+
+    def edit_last(self, text: str) -> StepStream:
+        return self._session.edit_last(text, self._settings, **self._options())
+
+    def switch_program(self, name_or_path: str | None) -> ProgramInfo | None:
+        if name_or_path is None:
+            self._program, self._program_object = None, None
+            return None
+        from chatapp.ttfa import load_program
+
+        program = load_program(name_or_path, self._engine.tokenizer)
+        self._program_object = program
+        self._program = ProgramInfo(name=name_or_path, tags=tuple(program.tag_names))
+        return self._program
+
+    def configure(self, settings: GenerationSettings, constraint: str | None) -> None:
+        if constraint:
+            from chatapp.trie.regex import compile_regex
+
+            compile_regex(constraint)  # raises ConstraintError naming the regex
+        self._settings = settings
+        self._constraint = constraint or None
+
+    def cancel(self, stream: StepStream) -> None:
+        stream.close()
+
+    def _options(self) -> dict[str, Any]:
+        return {"program": self._program_object, "constraint": self._constraint}

@@ -1,0 +1,72 @@
+"""Export a saved conversation as Markdown (to read) and JSON (to process, with per-token forced flags and tags)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from chatapp.ui.history import Conversation, StoredMessage
+
+
+def to_markdown(conversation: Conversation) -> str:
+    summary = conversation.summary
+    lines = [f"# {summary.title}", ""]
+    lines.append(f"model: {summary.model or '?'} · program: {summary.program or 'none'}")
+    for message in conversation.messages:
+        lines += ["", f"## {message.role}" + (" (interrupted)" if message.status == "interrupted" else ""), ""]
+        lines.append(_markdown_content(message))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _markdown_content(message: StoredMessage) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    pieces: list[str] = []
+    for part in message.content:
+        if part["type"] == "python":
+            pieces.append(f"\n\n```python\n{part['text']}\n```\n")
+        elif part["type"] == "python_output":
+            pieces.append(f"\n```text\n{part['text']}\n```\n\n")
+        else:
+            pieces.append(part["text"])
+    return "".join(pieces).strip()
+
+
+def to_json(conversation: Conversation) -> dict[str, Any]:
+    summary = conversation.summary
+    return {
+        "title": summary.title,
+        "model": summary.model,
+        "program": summary.program,
+        "created": summary.created,
+        "messages": [
+            {
+                "role": m.role,
+                "content": m.content,
+                "status": m.status,
+                "tokens": [
+                    {"id": t.token, "text": t.text, "forced": t.forced, "special": t.special, "tags": list(t.tags)}
+                    for t in m.tokens
+                ],
+            }
+            for m in conversation.messages
+        ],
+    }
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40] or "chat"
+
+
+def export_conversation(conversation: Conversation, directory: Path, *, now: float) -> tuple[Path, Path]:
+    """Write `<slug>-<time>.md` and `.json` into `directory`; returns both paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = f"{_slug(conversation.summary.title)}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}"
+    markdown = directory / f"{stem}.md"
+    data = directory / f"{stem}.json"
+    markdown.write_text(to_markdown(conversation), encoding="utf-8")
+    data.write_text(json.dumps(to_json(conversation), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return markdown, data

@@ -1,0 +1,284 @@
+"""Chat history in SQLite: conversations, messages, and every assistant token with its forced flag and zone tags.
+
+Written incrementally: an assistant message is created as `streaming` before its first token and its tokens are
+appended batch by batch as the UI shows them, so a crash or a kill mid-answer loses nothing that was on screen.
+A message still marked `streaming` when read back was cut off and is reported as `interrupted`. WAL mode keeps
+those small frequent commits cheap and lets a second instance read while one writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from chatapp.engine.events import TokenEvent, ToolEvent
+
+MessageStatus = Literal["complete", "streaming", "interrupted"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id INTEGER PRIMARY KEY,
+    title TEXT NOT NULL,
+    model TEXT NOT NULL DEFAULT '',
+    program TEXT,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    position INTEGER NOT NULL,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL,            -- JSON: a string, or a list of {"type", "text"} parts
+    status TEXT NOT NULL DEFAULT 'complete',
+    created REAL NOT NULL,
+    UNIQUE (conversation_id, position)
+);
+CREATE TABLE IF NOT EXISTS tokens (
+    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    position INTEGER NOT NULL,
+    token INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    forced INTEGER NOT NULL,
+    special INTEGER NOT NULL,
+    zone TEXT,
+    tags TEXT NOT NULL,               -- JSON list of zone tags
+    router_probs TEXT,                -- JSON list, one per STT layer, or NULL
+    computed TEXT,                    -- '1'/'0' per STT layer, or NULL
+    tool TEXT,                        -- JSON ToolEvent, or NULL
+    finish_reason TEXT,
+    error TEXT,
+    PRIMARY KEY (message_id, position)
+);
+"""
+
+
+@dataclass(frozen=True)
+class ConversationSummary:
+    """One row of the history list."""
+
+    id: int
+    title: str
+    model: str
+    program: str | None
+    created: float
+    updated: float
+    messages: int
+
+
+@dataclass
+class StoredMessage:
+    """A message read back from the store; assistant messages carry their tokens."""
+
+    id: int
+    role: str
+    content: str | list[dict[str, str]]
+    status: MessageStatus
+    tokens: list[TokenEvent] = field(default_factory=list)
+
+    def chat_message(self) -> dict[str, Any]:
+        """The message as the chat format wants it (for resuming the conversation in a backend)."""
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass
+class Conversation:
+    summary: ConversationSummary
+    messages: list[StoredMessage]
+
+
+class HistoryStore:
+    """All access to the history database. Used from the UI thread only (sqlite3 connections are per thread)."""
+
+    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
+        self._db = sqlite3.connect(self.path)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL is durable against a killed process (what we guard against) without an fsync per batch.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+        self._db.commit()
+
+    def close(self) -> None:
+        self._db.close()
+
+    # --- conversations ------------------------------------------------------------------------------------------
+    def create_conversation(self, title: str, *, model: str = "", program: str | None = None) -> int:
+        now = self._clock()
+        with self._db:
+            cursor = self._db.execute(
+                "INSERT INTO conversations (title, model, program, created, updated) VALUES (?, ?, ?, ?, ?)",
+                (title, model, program, now, now),
+            )
+        return int(cursor.lastrowid or 0)
+
+    def list_conversations(self) -> list[ConversationSummary]:
+        rows = self._db.execute(
+            """SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS n
+               FROM conversations c ORDER BY c.updated DESC, c.id DESC"""
+        ).fetchall()
+        return [self._summary(row) for row in rows]
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        with self._db:
+            self._db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
+
+    def set_program(self, conversation_id: int, program: str | None) -> None:
+        with self._db:
+            self._db.execute("UPDATE conversations SET program = ? WHERE id = ?", (program, conversation_id))
+
+    def delete(self, conversation_id: int) -> None:
+        with self._db:
+            self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    def load(self, conversation_id: int) -> Conversation:
+        row = self._db.execute(
+            """SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS n
+               FROM conversations c WHERE c.id = ?""",
+            (conversation_id,),
+        ).fetchone()
+        if row is None:
+            raise KeyError(conversation_id)
+        messages = [
+            StoredMessage(
+                id=m["id"],
+                role=m["role"],
+                content=json.loads(m["content"]),
+                status="interrupted" if m["status"] == "streaming" else m["status"],
+                tokens=self._tokens(m["id"]),
+            )
+            for m in self._db.execute(
+                "SELECT * FROM messages WHERE conversation_id = ? ORDER BY position", (conversation_id,)
+            )
+        ]
+        return Conversation(self._summary(row), messages)
+
+    def recent_prompts(self, limit: int = 200) -> list[str]:
+        """The user's last prompts across all conversations, oldest first (seeds the input's up/down history)."""
+        rows = self._db.execute(
+            "SELECT content FROM messages WHERE role = 'user' ORDER BY created DESC, id DESC LIMIT ?", (limit,)
+        ).fetchall()
+        prompts = [json.loads(row["content"]) for row in reversed(rows)]
+        return [p for p in prompts if isinstance(p, str)]
+
+    # --- messages -----------------------------------------------------------------------------------------------
+    def add_message(
+        self,
+        conversation_id: int,
+        role: str,
+        content: str | list[dict[str, str]],
+        *,
+        status: MessageStatus = "complete",
+    ) -> int:
+        now = self._clock()
+        with self._db:
+            (position,) = self._db.execute(
+                "SELECT COALESCE(MAX(position) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,)
+            ).fetchone()
+            cursor = self._db.execute(
+                "INSERT INTO messages (conversation_id, position, role, content, status, created)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (conversation_id, position, role, json.dumps(content), status, now),
+            )
+            self._touch(conversation_id, now)
+        return int(cursor.lastrowid or 0)
+
+    def append_tokens(
+        self,
+        message_id: int,
+        first_position: int,
+        events: Sequence[TokenEvent],
+        content: str | list[dict[str, str]],
+    ) -> None:
+        """Append a batch of an answer's tokens and the answer's content so far, in one transaction."""
+        with self._db:
+            self._db.executemany(
+                "INSERT OR REPLACE INTO tokens VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [_token_row(message_id, first_position + i, event) for i, event in enumerate(events)],
+            )
+            self._db.execute("UPDATE messages SET content = ? WHERE id = ?", (json.dumps(content), message_id))
+
+    def finish_message(
+        self, message_id: int, status: MessageStatus, content: str | list[dict[str, str]] | None = None
+    ) -> None:
+        with self._db:
+            if content is not None:
+                self._db.execute("UPDATE messages SET content = ? WHERE id = ?", (json.dumps(content), message_id))
+            self._db.execute("UPDATE messages SET status = ? WHERE id = ?", (status, message_id))
+
+    def update_content(self, message_id: int, content: str | list[dict[str, str]]) -> None:
+        with self._db:
+            self._db.execute("UPDATE messages SET content = ? WHERE id = ?", (json.dumps(content), message_id))
+
+    def delete_message(self, message_id: int) -> None:
+        with self._db:
+            self._db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+
+    # --- internals ----------------------------------------------------------------------------------------------
+    def _touch(self, conversation_id: int, now: float) -> None:
+        self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+
+    def _tokens(self, message_id: int) -> list[TokenEvent]:
+        rows = self._db.execute("SELECT * FROM tokens WHERE message_id = ? ORDER BY position", (message_id,))
+        return [_token_event(row) for row in rows]
+
+    @staticmethod
+    def _summary(row: sqlite3.Row) -> ConversationSummary:
+        return ConversationSummary(
+            id=row["id"],
+            title=row["title"],
+            model=row["model"],
+            program=row["program"],
+            created=row["created"],
+            updated=row["updated"],
+            messages=row["n"],
+        )
+
+
+def _token_row(message_id: int, position: int, event: TokenEvent) -> tuple[Any, ...]:
+    tool = event.tool
+    return (
+        message_id,
+        position,
+        event.token,
+        event.text,
+        int(event.forced),
+        int(event.special),
+        event.zone,
+        json.dumps(list(event.tags)),
+        None if event.router_probs is None else json.dumps([round(p, 4) for p in event.router_probs]),
+        None if event.computed is None else "".join("1" if c else "0" for c in event.computed),
+        None if tool is None else json.dumps([tool.kind, tool.tool, tool.expression, tool.output]),
+        event.finish_reason,
+        event.error,
+    )
+
+
+def _token_event(row: sqlite3.Row) -> TokenEvent:
+    tool = None
+    if row["tool"] is not None:
+        kind, name, expression, output = json.loads(row["tool"])
+        tool = ToolEvent(kind, name, expression, output)
+    return TokenEvent(
+        row=0,
+        token=row["token"],
+        forced=bool(row["forced"]),
+        text=row["text"],
+        special=bool(row["special"]),
+        tags=tuple(json.loads(row["tags"])),
+        zone=row["zone"],
+        router_probs=None if row["router_probs"] is None else tuple(json.loads(row["router_probs"])),
+        computed=None if row["computed"] is None else tuple(c == "1" for c in row["computed"]),
+        tool=tool,
+        finish_reason=row["finish_reason"],
+        error=row["error"],
+    )

@@ -1,0 +1,1 @@
+"""Modal screens of the chat TUI: settings, program, history, help."""

@@ -1,0 +1,139 @@
+"""The routing heatmap: STT layers down, tokens across, router probability as colour.
+
+Two layers share a row through the upper half block: `▀` draws the upper layer in the foreground and the lower
+layer in the background. A layer that skipped a token leaves its half empty (`▄` when only the lower layer
+computed, `·` when both skipped), so "computed or skipped" reads from the shape alone and colour only adds the
+probability. Tokens that never went through the model (the final stop token) are blank. It is a `ScrollView`
+that renders only the visible lines, follows new tokens while scrolled to the right end, and marks the selected
+token's column with `▲` under the grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.segment import Segment
+from rich.style import Style
+from textual.geometry import Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from chatapp.engine.events import TokenEvent
+
+# A perceptual ramp (viridis' end points and middle) for router probability 0 → 1.
+_RAMP = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
+Column = tuple[tuple[float, ...], tuple[bool, ...]] | None
+
+
+def probability_colour(p: float) -> str:
+    """Hex colour of a router probability on the ramp (clamped to [0, 1])."""
+    p = min(max(p, 0.0), 1.0) * (len(_RAMP) - 1)
+    i = min(int(p), len(_RAMP) - 2)
+    t = p - i
+    lo, hi = _RAMP[i], _RAMP[i + 1]
+    r, g, b = (round(a + (b - a) * t) for a, b in zip(lo, hi, strict=True))
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def cell(upper: tuple[float, bool] | None, lower: tuple[float, bool] | None) -> tuple[str, str | None, str | None]:
+    """Glyph, foreground and background colours of one cell holding two layers of one token."""
+    up = upper is not None and upper[1]
+    down = lower is not None and lower[1]
+    if up and down:
+        return "▀", probability_colour(upper[0]), probability_colour(lower[0])  # type: ignore[index]
+    if up:
+        return "▀", probability_colour(upper[0]), None  # type: ignore[index]
+    if down:
+        return "▄", probability_colour(lower[0]), None  # type: ignore[index]
+    if upper is None and lower is None:
+        return " ", None, None
+    return "·", None, None
+
+
+class RoutingHeatmap(ScrollView, can_focus=True):
+    """STT layers × tokens of one answer (the one streaming, or the one whose token is selected)."""
+
+    def __init__(self, stt_layers: Sequence[int] = (), *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.stt_layers = tuple(stt_layers)
+        self.columns: list[Column] = []
+        self.selected: int | None = None
+        self._gutter = max((len(self._label(r)) for r in range(self.rows)), default=0) + 1
+
+    def on_mount(self) -> None:
+        # Exactly the grid, the ruler and the horizontal scrollbar: the layer count is fixed for a model.
+        self.styles.height = self.rows + 1 + self.styles.scrollbar_size_horizontal + self.styles.gutter.height
+
+    @property
+    def rows(self) -> int:
+        """Grid rows: two layers per row, plus the selection ruler."""
+        return (len(self.stt_layers) + 1) // 2
+
+    def _label(self, row: int) -> str:
+        layers = self.stt_layers[2 * row : 2 * row + 2]
+        return "/".join(f"L{layer}" for layer in layers)
+
+    def set_tokens(self, events: Sequence[TokenEvent], selected: int | None = None) -> None:
+        """Show a whole answer (e.g. a resumed one, or the answer whose token was selected)."""
+        self.columns = [self._column(event) for event in events]
+        self.selected = selected
+        self._resize(follow=selected is None)
+        if selected is not None:
+            self.scroll_to_column(selected)
+
+    def extend(self, events: Sequence[TokenEvent]) -> None:
+        """Append streamed tokens; keep following the newest while the view is at the right end."""
+        follow = self.scroll_x >= self.max_scroll_x
+        self.columns.extend(self._column(event) for event in events)
+        self._resize(follow=follow)
+
+    def select(self, index: int | None) -> None:
+        self.selected = index
+        if index is not None:
+            self.scroll_to_column(index)
+        self.refresh()
+
+    def scroll_to_column(self, index: int) -> None:
+        visible = max(self.scrollable_content_region.width - self._gutter, 1)
+        if not self.scroll_x <= index < self.scroll_x + visible:
+            self.scroll_to(x=max(index - visible // 2, 0), animate=False, immediate=True)
+
+    def _resize(self, *, follow: bool) -> None:
+        self.virtual_size = Size(self._gutter + len(self.columns), self.rows + 1)
+        if follow:
+            self.scroll_to(x=self.max_scroll_x, animate=False, immediate=True)
+        self.refresh()
+
+    @staticmethod
+    def _column(event: TokenEvent) -> Column:
+        if event.router_probs is None or event.computed is None:
+            return None
+        return event.router_probs, event.computed
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        row = y + scroll_y
+        width = self.scrollable_content_region.width
+        visible = max(width - self._gutter, 0)
+        columns = range(scroll_x, min(scroll_x + visible, len(self.columns)))
+        label_style = Style(dim=True)
+        if row == self.rows:
+            ruler = "".join("▲" if i == self.selected else " " for i in columns)
+            segments = [Segment(" " * self._gutter), Segment(ruler, Style(bold=True))]
+        elif row < self.rows:
+            segments = [Segment(self._label(row).ljust(self._gutter), label_style)]
+            segments.extend(self._cell_segment(self.columns[i], row) for i in columns)
+        else:
+            segments = []
+        # Segments carry only their own colours; the widget's style underneath supplies the background.
+        base = self.rich_style
+        return Strip(segments).apply_style(base).simplify().extend_cell_length(width, base).crop(0, width)
+
+    def _cell_segment(self, column: Column, row: int) -> Segment:
+        if column is None:
+            return Segment(" ")
+        probs, computed = column
+        upper = (probs[2 * row], computed[2 * row]) if 2 * row < len(probs) else None
+        lower = (probs[2 * row + 1], computed[2 * row + 1]) if 2 * row + 1 < len(probs) else None
+        glyph, fg, bg = cell(upper, lower)
+        return Segment(glyph, Style(color=fg, bgcolor=bg, dim=glyph == "·"))

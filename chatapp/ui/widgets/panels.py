@@ -1,0 +1,120 @@
+"""Side-panel widgets: zone-tag pills, the selected token's details, and generation stats."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from textual.content import Content
+from textual.widgets import Static
+
+from chatapp.engine.events import TokenEvent
+from chatapp.ui.backend import ProgramInfo
+from chatapp.ui.stats import AnswerStats
+from chatapp.ui.tokens import display_text
+
+
+class ZonePills(Static):
+    """The active program's zone tags; the tags of the latest token's zone are lit (● and reversed) live."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.program: ProgramInfo | None = None
+        self.active: tuple[str, ...] = ()
+        self.zone: str | None = None
+
+    def on_mount(self) -> None:
+        self._redraw()
+
+    def set_program(self, program: ProgramInfo | None) -> None:
+        self.program, self.active, self.zone = program, (), None
+        self._redraw()
+
+    def set_active(self, tags: Sequence[str], zone: str | None) -> None:
+        tags = tuple(tags)
+        if (tags, zone) != (self.active, self.zone):
+            self.active, self.zone = tags, zone
+            self._redraw()
+
+    def _redraw(self) -> None:
+        if self.program is None:
+            self.border_title = "program: none"
+            self.update(Content.styled("no TTFA program: every token is sampled", "dim"))
+            return
+        self.border_title = f"program: {self.program.name}"
+        if not self.program.tags:
+            self.update(Content.styled("this program declares no zone tags", "dim"))
+            return
+        parts: list[str | tuple[str, str]] = []
+        for tag in self.program.tags:
+            lit = tag in self.active
+            parts.append((f" {'●' if lit else '○'} {tag} ", "bold reverse $accent" if lit else "$text-muted"))
+            parts.append(" ")
+        if self.zone:
+            parts.append(("\nzone ", "dim"))
+            parts.append(self.zone)
+        self.update(Content.assemble(*parts))
+
+
+class TokenInspector(Static):
+    """Everything known about the selected token: id, forced or sampled, zone tags, per-layer routing."""
+
+    def __init__(self, stt_layers: Sequence[int] = (), *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.stt_layers = tuple(stt_layers)
+        self.border_title = "token"
+
+    def on_mount(self) -> None:
+        self.show(None)
+
+    def show(self, event: TokenEvent | None, index: int | None = None) -> None:
+        if event is None:
+            self.update(Content.styled("click a token, or shift+tab then ←/→", "dim"))
+            return
+        shown = display_text(event)
+        parts: list[str | tuple[str, str]] = [
+            (f"#{index} " if index is not None else "", "dim"),
+            (repr(shown), "bold"),
+            f"  id {event.token}\n",
+            ("forced", "underline $accent") if event.forced else "sampled",
+            ("  special" if event.special else "", "$warning"),
+            "\n",
+            ("zone ", "dim"),
+            event.zone or "—",
+            ("  tags ", "dim"),
+            ", ".join(event.tags) or "—",
+        ]
+        if event.tool is not None:
+            parts += ["\n", ("tool ", "dim"), f"{event.tool.kind} {event.tool.expression}"]
+            if event.tool.output is not None:
+                parts.append(f" → {event.tool.output}")
+        if event.router_probs is None or event.computed is None:
+            parts += ["\n", ("routing: not fed to the model", "dim")]
+        else:
+            for layer, p, computed in zip(self.stt_layers, event.router_probs, event.computed, strict=False):
+                parts += ["\n", (f"L{layer:<3}", "dim"), f"{p:5.2f} ", "█ computed" if computed else "· skipped"]
+        self.update(Content.assemble(*parts))
+
+
+class StatsPanel(Static):
+    """Tokens/s, forced share, compute saved and context use of the current (or last) answer."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.border_title = "stats"
+
+    def on_mount(self) -> None:
+        self.show(AnswerStats())
+
+    def show(self, stats: AnswerStats) -> None:
+        context = f"{stats.context_used}/{stats.context_size}" if stats.context_size else str(stats.context_used)
+        rows = [
+            ("tokens/s", f"{stats.tokens_per_second:.1f}"),
+            ("tokens", f"{stats.tokens}  (prompt {stats.prompt_tokens})"),
+            ("forced", f"{stats.forced_fraction:.0%}"),
+            ("compute saved", f"{stats.compute_saved_fraction:.0%}  (STT skip {stats.stt_skipped_fraction:.0%})"),
+            ("context", context),
+        ]
+        parts: list[str | tuple[str, str]] = []
+        for i, (name, value) in enumerate(rows):
+            parts += ["\n" if i else "", (f"{name:<14}", "dim"), value]
+        self.update(Content.assemble(*parts))

@@ -1,0 +1,124 @@
+"""The app on the real engine: a tiny random STT checkpoint, the embedded default model, and `chatapp run` errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from chatapp.cli import app as cli
+from chatapp.errors import ConstraintError, ProgramError
+from chatapp.settings import GenerationSettings, default_model_dir
+from chatapp.ui import make_app
+from chatapp.ui.backend import EngineBackend
+from chatapp.ui.tokens import message_content
+from tests.ui.conftest import SIZE, FixedClock, send_and_wait
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Path:
+    """A random 4-layer STT model (layers 1 and 3 routed, routers spread so some tokens skip) with the chat
+    tokenizer, saved like a real model directory."""
+    from chatapp.stt import STTConfig, STTForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_stt")
+    torch.manual_seed(0)
+    config = STTConfig(
+        vocab_size=chat_tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        routing_trained=True,
+    )
+    model = STTForCausalLM(config).eval()
+    with torch.no_grad():
+        for index in model.stt_layer_indices:
+            router = model.model.layers[index].causal_router
+            router.up.weight.normal_(std=0.5)
+            router.out.weight.normal_(std=0.5)
+            router.out.bias.zero_()
+    model.save_pretrained(path)
+    chat_tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+GREEDY = GenerationSettings(max_tokens=12)
+
+
+def _bare_engine_answer(model_dir: Path, text: str) -> list:
+    """The oracle: the same turn through a bare ChatSession, no UI."""
+    backend = EngineBackend.load(model_dir, device="cpu")
+    session = backend._engine.session()
+    return [event for step in session.send(text, GREEDY) for event in step.tokens]
+
+
+@pytest.mark.asyncio
+async def test_tui_shows_exactly_what_the_engine_generates(tiny_model_dir, tmp_path):
+    backend = EngineBackend.load(tiny_model_dir, device="cpu")
+    backend.configure(GREEDY, None)
+    app = make_app(backend=backend, db_path=tmp_path / "h.sqlite3", clock=FixedClock(), cursor_blink=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "What is 37*45?")
+        shown = app.transcript.answers()[-1].events
+        assert shown == _bare_engine_answer(tiny_model_dir, "What is 37*45?")
+        assert backend.info.stt_layers == (1, 3)
+        assert all(e.router_probs is None or len(e.router_probs) == 2 for e in shown)
+        # The session now holds the exchange, so the next turn continues the conversation.
+        assert backend._session.messages[-1] == {"role": "assistant", "content": message_content(shown)}
+
+
+def test_engine_backend_validates_programs_and_constraints(tiny_model_dir, tmp_path):
+    backend = EngineBackend.load(tiny_model_dir, device="cpu")
+    assert set(backend.builtin_programs()) >= {"chat", "think", "calc", "json"}
+    program = backend.switch_program("calc")
+    assert program is not None and (program.name, program.tags) == ("calc", ("tool", "answer"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("this is [not toml")
+    with pytest.raises(ProgramError):
+        backend.switch_program(str(bad))
+    assert backend.program == program  # unchanged after a failed switch
+    with pytest.raises(ConstraintError):
+        backend.configure(GREEDY, "[a-z")
+    backend.configure(GREEDY, "[a-z]+")
+    assert backend.constraint == "[a-z]+"
+
+
+def test_run_reports_a_bad_model_dir(tmp_path):
+    result = CliRunner().invoke(cli, ["run", "--model", str(tmp_path / "nope")])
+    assert result.exit_code == 1
+    assert "does not exist" in result.output and "Traceback" not in result.output
+
+
+def test_run_reports_a_bad_program_file(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("zones = [[[")
+    result = CliRunner().invoke(cli, ["run", "--model", str(tiny_model_dir), "--program", str(bad)])
+    assert result.exit_code == 1
+    assert "bad.toml" in result.output and "Traceback" not in result.output
+
+
+DEFAULT_MODEL = default_model_dir()
+
+
+@pytest.mark.skipif(
+    not (DEFAULT_MODEL / "config.json").is_file(),
+    reason="the embedded default model (chatapp/models/default/) has not been trained yet: `make train-default`",
+)
+@pytest.mark.asyncio
+async def test_default_model_answers_headless(tmp_path):
+    """`chatapp run` with no arguments: the default model answers a short greedy question in the TUI."""
+    app = make_app(db_path=tmp_path / "h.sqlite3", clock=FixedClock(), cursor_blink=False)
+    app.backend.configure(GenerationSettings(max_tokens=24), None)
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "What is the capital of France?")
+        answer = app.transcript.answers()[-1]
+        assert answer.status == "complete"
+        assert answer.events and message_content(answer.events)
+        assert (
+            answer.events == _bare_engine_answer(DEFAULT_MODEL, "What is the capital of France?")[: len(answer.events)]
+        )

@@ -1,0 +1,108 @@
+"""Token display, segmentation and content reconstruction (pure functions shared by transcript, store, export)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from chatapp.ui.stats import AnswerStats
+from chatapp.ui.streaming import StepBatcher
+from chatapp.ui.tokens import Segmenter, display_text, marker, message_content, plain_text, segment_events
+from tests.ui.scripted import calculator_answer, greeting, steps, think_answer, tok
+
+
+def test_markers_are_readable_never_raw():
+    assert marker("<|python_start|>") == "⟨python⟩"
+    assert marker("<|output_end|>") == "⟨/output⟩"
+    assert marker("<|assistant_end|>") == "⟨end⟩"
+    assert marker("<think>") == "⟨think⟩"
+    assert marker("<|im_end|>") == "⟨im_end⟩"
+    for event in calculator_answer() + think_answer():
+        assert "<|" not in display_text(event)
+
+
+def test_typed_special_text_stays_text():
+    """A user-visible token whose text merely looks special is not a special token and is shown verbatim."""
+    assert display_text(tok("<|python_start|>")) == "<|python_start|>"
+
+
+def test_tool_call_is_one_segment_between_text():
+    events = calculator_answer()
+    segments = segment_events(events)
+    assert [s.kind for s in segments] == ["text", "tool", "text"]
+    tool = segments[1]
+    assert events[tool.start].text == "<|python_start|>"
+    assert events[tool.end - 1].text == "<|output_end|>"
+    assert tool.call is not None and tool.call.expression == "37*45"
+    assert tool.outcome is not None and tool.outcome.output == "1665"
+    assert segments[0].start == 0 and segments[-1].end == len(events)
+
+
+@given(st.data())
+def test_incremental_segmentation_matches_whole(data):
+    """Feeding the stream in arbitrary batches gives the same segments as feeding it at once."""
+    events = calculator_answer() + calculator_answer("2+2", "4")
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(events) - 1), max_size=8)))
+    segmenter = Segmenter()
+    for start, end in zip([0, *cuts], [*cuts, len(events)], strict=True):
+        segmenter.feed(events[start:end])
+    assert segmenter.segments == segment_events(events)
+
+
+def test_message_content_rebuilds_chat_parts():
+    assert message_content(greeting()) == "Hello! How can I help you today?"
+    assert message_content(think_answer()) == "<think>Paris is the capital.</think>The capital of France is Paris."
+    assert message_content(calculator_answer()) == [
+        {"type": "text", "text": "Let me compute that."},
+        {"type": "python", "text": "37*45"},
+        {"type": "python_output", "text": "1665"},
+        {"type": "text", "text": " 37*45 is 1665."},
+    ]
+    assert (
+        plain_text(message_content(calculator_answer()))
+        == "Let me compute that.⟨python⟩37*45⟨/python⟩ = 1665 37*45 is 1665."
+    )
+
+
+def test_stats_from_steps():
+    events = think_answer()
+    stats = AnswerStats(num_layers=8)
+    for step in steps(events, prompt_tokens=12, seconds=0.02):
+        stats.add_step(step, step.tokens)
+    forced = sum(e.forced for e in events)
+    assert stats.tokens == len(events)
+    assert stats.forced_fraction == forced / len(events)
+    assert abs(stats.tokens_per_second - 50.0) < 1e-9
+    fed = [e for e in events if e.computed is not None]
+    skipped = sum(not c for e in fed for c in e.computed)
+    assert stats.stt_skipped_fraction == pytest.approx(skipped / (4 * len(fed)))
+    assert stats.compute_saved_fraction == pytest.approx(skipped / (8 * len(fed)))
+    # The final stop token is never fed to the model, so it does not occupy the context.
+    assert stats.context_used == 12 + len(fed)
+    assert stats.context_size == 2048
+
+
+def test_batcher_releases_at_most_once_per_interval():
+    """With steps arriving every 10 ms, a 1/30 s batcher hands over a batch every 4th step, never per token."""
+    now = [0.0]
+    batcher = StepBatcher(interval=1 / 30, clock=lambda: now[0])
+    batches = []
+    all_steps = steps(greeting() * 4)
+    for step in all_steps:
+        now[0] += 0.010
+        if (batch := batcher.add(step)) is not None:
+            batches.append(batch)
+    batches.append(batcher.flush())
+    assert [s for batch in batches for s in batch] == all_steps
+    assert all(len(batch) == 4 for batch in batches[:-1])
+    assert len(batches) < len(all_steps) / 3
+
+
+def test_batcher_hands_slow_steps_over_at_once():
+    """A step that took longer than the interval is shown without waiting for the next one."""
+    now = [0.0]
+    batcher = StepBatcher(interval=1 / 30, clock=lambda: now[0])
+    for step in steps(greeting()):
+        now[0] += 0.2
+        assert batcher.add(step) == [step]
