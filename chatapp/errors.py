@@ -66,3 +66,7 @@ class ContextOverflowError(ChatappError):
 
 class SettingsError(ChatappError):
     """A setting has an invalid value."""
+
+
+class TrainingError(ChatappError):
+    """Training cannot start or resume: corpus too small for the window, unusable checkpoint or init config."""
