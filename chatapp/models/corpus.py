@@ -139,7 +139,8 @@ _OPERATOR_PHRASES: dict[str, list[str]] = {
         "Can you divide {a} by {b} for me?",
     ],
 }
-_CALC_PREFACES = ["Let me compute that. ", "I'll use the calculator. ", "Let me calculate. "]
+# The empty preface calls the tool straight away: what the `calc` TTFA program forces (<|python_start|> first).
+_CALC_PREFACES = ["Let me compute that. ", "I'll use the calculator. ", "Let me calculate. ", ""]
 _CALC_ANSWERS = ["{expr} is {result}.", "The answer is {result}.", "{expr} = {result}."]
 _OPERATOR_REASONING = {
     "/": "I need to divide {a} by {b}.",
@@ -159,7 +160,7 @@ _LETTER_TEMPLATES = [
     'Count how many times "{c}" appears in the word "{w}".',
     'What is the number of {c} letters in "{w}"?',
 ]
-_LETTER_PREFACES = ["Let me count. ", "I'll count with the calculator. ", "Let me check. "]
+_LETTER_PREFACES = ["Let me count. ", "I'll count with the calculator. ", "Let me check. ", ""]
 _LETTER_ANSWERS = [
     'There are {n} {c}\'s in "{w}".',
     'The letter {c} appears {n} times in "{w}".',
@@ -653,12 +654,12 @@ class _Generator:
         self, preface: str, expression: str, result: str, answer: str, reasoning: str | None
     ) -> list[dict[str, str]]:
         opening = (_think_text(reasoning) if reasoning is not None else "") + preface
-        return [
-            {"type": "text", "text": opening},
+        call = [
             {"type": "python", "text": expression},
             {"type": "python_output", "text": result},
             {"type": "text", "text": answer},
         ]
+        return [{"type": "text", "text": opening}, *call] if opening else call
 
     def _arithmetic(self, think: bool, json_answer_: bool) -> Conversation:
         rng = self.rng

@@ -73,6 +73,8 @@ def test_tool_outputs_match_python(train: list[Conversation], heldout: list[Conv
         if conv.expression is None:
             continue
         parts = _parts(conv)
+        if parts[0]["type"] == "python":  # no preface: the tool call opens the answer (as the calc program forces)
+            parts = [{"type": "text", "text": ""}, *parts]
         assert [p["type"] for p in parts] == ["text", "python", "python_output", "text"]
         assert parts[1]["text"] == conv.expression
         value = eval(conv.expression, {"__builtins__": {}})  # corpus expressions are digits, operators, .count
@@ -93,9 +95,11 @@ def test_json_answers_have_the_exact_shape(train: list[Conversation]) -> None:
 
 def test_think_answers_open_and_close_once_before_the_answer(train: list[Conversation]) -> None:
     for conv in (c for c in train if c.think):
-        first = _parts(conv)[0]["text"]
+        parts = _parts(conv)
+        first = parts[0]["text"]
         assert first.startswith(THINK_OPEN) and first.count(THINK_OPEN) == first.count(THINK_CLOSE) == 1
-        assert first.split(THINK_CLOSE, 1)[1].strip()  # an answer (or the tool preface) follows the thinking
+        after = first.split(THINK_CLOSE, 1)[1]
+        assert after.strip() or parts[1:2] == [{"type": "python", "text": conv.expression}]  # an answer follows
     assert all(THINK_OPEN not in conversation_text(c) for c in train if not c.think)
 
 
