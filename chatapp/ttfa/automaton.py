@@ -52,7 +52,7 @@ def ttfa_step(state: TTFAState, tables: Tables, tokens: torch.Tensor) -> StepOut
     forced = feeding | (model_choice > cls)  # feeding, or the timeout replaced the model's token
     out = torch.where(forced, torch.where(feeding, feed_token, timeout_token), tokens)
     new_pc = tables.flat.take(block_base + choice)
-    new_gen = gen * (choice == 0)  # entering a zone (even the same one) restarts its count
+    new_gen = gen.masked_fill(choice > 0, 0)  # entering a zone (even the same one) restarts its count
     return StepOutput(TTFAState(new_pc, new_gen), out, forced, tables.tags.index_select(0, pc))
 
 
