@@ -1,0 +1,145 @@
+"""Loading a model directory (the embedded default, a chatapp checkpoint, or a local Qwen2 checkpoint).
+
+A model directory is Hugging Face-shaped: `config.json`, `model.safetensors` (or sharded safetensors with an index)
+and `tokenizer.json`. Everything is read from disk; nothing is ever downloaded. Problems a user can cause (a wrong
+path, a missing or corrupt file) are reported as `ModelDirError` naming the directory, the file and the fix, before
+any weights are touched where possible.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from chatapp.errors import ModelDirError
+from chatapp.settings import default_model_dir
+
+if TYPE_CHECKING:
+    import torch
+    from tokenizers import Tokenizer
+
+    from chatapp.chat import AnyChatFormat
+    from chatapp.stt import STTForCausalLM
+
+_REBUILD_HINT = "run `make train-default` to rebuild the embedded default model"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine: weights on their device, the raw tokenizer and the chat format."""
+
+    model: STTForCausalLM
+    tokenizer: Tokenizer
+    chat_format: AnyChatFormat
+    path: Path
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """`None` or "auto" picks CUDA when it is available, else the CPU."""
+    import torch
+
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ModelDirError(f"unknown device {device!r}", hint="use 'cpu', 'cuda', 'cuda:N' or 'auto'") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelDirError(f"device {device!r} was asked for but CUDA is not available", hint="use --device cpu")
+    return resolved
+
+
+def load_model(
+    path: str | Path | None = None, device: str | None = None, dtype: torch.dtype | None = None
+) -> LoadedModel:
+    """Load a model directory; `path=None` loads the embedded default model shipped in the package.
+
+    Weights stored in half precision are loaded as float32 unless `dtype` says otherwise: the default model is tiny,
+    and float32 keeps CPU generation exact and fast.
+    """
+    import torch
+
+    model_dir = Path(path).expanduser() if path is not None else default_model_dir()
+    hint = _REBUILD_HINT if path is None else None
+    check_model_dir(model_dir, hint=hint)
+    tokenizer = _load_tokenizer(model_dir, hint)
+
+    from chatapp.chat import chat_format_for
+    from chatapp.stt import STTForCausalLM
+
+    chat_format = chat_format_for(tokenizer, model_dir)
+    resolved = resolve_device(device)
+    try:
+        model = STTForCausalLM.from_pretrained(model_dir, device=resolved, dtype=dtype or torch.float32)
+    except ModelDirError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise ModelDirError(
+            f"cannot load the weights in {model_dir}: {err}",
+            hint=hint or "check that config.json and the safetensors files come from the same checkpoint",
+        ) from None
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
+
+
+def check_model_dir(model_dir: Path, hint: str | None = None) -> None:
+    """Raise `ModelDirError` unless `model_dir` has a readable config.json, weights and tokenizer.json."""
+    if not model_dir.exists():
+        raise ModelDirError(
+            f"model directory {model_dir} does not exist",
+            hint=hint or "pass the path of a directory holding config.json, model.safetensors and tokenizer.json",
+        )
+    if not model_dir.is_dir():
+        raise ModelDirError(f"{model_dir} is not a directory", hint=hint or "pass the model's directory, not a file")
+    _read_config(model_dir, hint)
+    if not _weight_files(model_dir):
+        raise ModelDirError(
+            f"{model_dir} has no weights: model.safetensors is missing",
+            hint=hint or "copy model.safetensors (or the model-*.safetensors shards and their index) into it",
+        )
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ModelDirError(
+            f"{model_dir} has no tokenizer.json",
+            hint=hint or "copy tokenizer.json from the checkpoint (chatapp reads the fast-tokenizer file only)",
+        )
+
+
+def _read_config(model_dir: Path, hint: str | None) -> dict[str, Any]:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ModelDirError(
+            f"{model_dir} has no config.json", hint=hint or "copy config.json from the checkpoint into the directory"
+        )
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelDirError(
+            f"{config_path} is not valid JSON: {err}", hint=hint or "restore config.json from the checkpoint"
+        ) from None
+    if not isinstance(config, dict) or "hidden_size" not in config:
+        raise ModelDirError(
+            f"{config_path} is not a model config (no 'hidden_size')",
+            hint=hint or "restore config.json from the checkpoint",
+        )
+    return config
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    return sorted(model_dir.glob("model-*.safetensors"))
+
+
+def _load_tokenizer(model_dir: Path, hint: str | None) -> Tokenizer:
+    from tokenizers import Tokenizer
+
+    tokenizer_path = model_dir / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(tokenizer_path))
+    except Exception as err:  # tokenizers raises a bare Exception for malformed files
+        raise ModelDirError(
+            f"cannot read {tokenizer_path}: {err}", hint=hint or "restore tokenizer.json from the checkpoint"
+        ) from None

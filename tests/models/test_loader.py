@@ -1,0 +1,116 @@
+"""load_model: a model directory in, model + tokenizer + chat format out; bad directories name the file and the fix."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatapp.chat import ChatFormat
+from chatapp.errors import ModelDirError
+from chatapp.models.loader import LoadedModel, load_model, resolve_device
+from chatapp.stt import STTConfig, STTForCausalLM
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Path:
+    """A tiny random STT checkpoint with the shared chat tokenizer."""
+    torch.manual_seed(0)
+    config = STTConfig(
+        vocab_size=chat_tokenizer.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    directory = tmp_path_factory.mktemp("model")
+    STTForCausalLM(config).save_pretrained(directory)
+    chat_tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def broken_copy(model_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(model_dir, target)
+    return target
+
+
+def test_loads_model_tokenizer_and_chat_format(model_dir: Path) -> None:
+    loaded = load_model(model_dir, device="cpu")
+    assert isinstance(loaded, LoadedModel) and loaded.path == model_dir
+    assert isinstance(loaded.chat_format, ChatFormat) and loaded.chat_format.tokenizer is loaded.tokenizer
+    assert loaded.model.dtype == torch.float32 and loaded.model.device.type == "cpu"
+    assert not loaded.model.training
+    assert loaded.model.config.vocab_size == loaded.tokenizer.get_vocab_size()
+
+
+def test_half_precision_weights_load_as_float32(model_dir: Path, tmp_path: Path) -> None:
+    target = broken_copy(model_dir, tmp_path)
+    reference = load_model(model_dir, device="cpu").model
+    reference.to(torch.float16).save_pretrained(target)
+    loaded = load_model(target, device="cpu").model
+    assert loaded.dtype == torch.float32
+    assert torch.equal(loaded.lm_head.weight, reference.lm_head.weight.float())
+
+
+def test_device_auto_is_cuda_only_when_present() -> None:
+    assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("auto") == resolve_device(None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_cuda_is_a_clear_error(model_dir: Path) -> None:
+    with pytest.raises(ModelDirError, match="CUDA is not available"):
+        load_model(model_dir, device="cuda")
+
+
+def test_missing_directory_names_it(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ModelDirError, match="does not exist") as info:
+        load_model(missing)
+    assert str(missing) in str(info.value) and info.value.hint
+
+
+@pytest.mark.parametrize(
+    ("remove", "message"),
+    [
+        ("tokenizer.json", "no tokenizer.json"),
+        ("config.json", "no config.json"),
+        ("model.safetensors", "model.safetensors"),
+    ],
+)
+def test_missing_file_is_named(model_dir: Path, tmp_path: Path, remove: str, message: str) -> None:
+    target = broken_copy(model_dir, tmp_path)
+    (target / remove).unlink()
+    with pytest.raises(ModelDirError, match=message) as info:
+        load_model(target)
+    assert str(target) in str(info.value) and info.value.hint
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("config.json", "{not json", "config.json is not valid JSON"),
+        ("config.json", "[1, 2]", "config.json is not a model config"),
+        ("tokenizer.json", "{}", "cannot read .*tokenizer.json"),
+        ("model.safetensors", "garbage", "cannot read the weights"),
+    ],
+)
+def test_corrupt_file_is_named(model_dir: Path, tmp_path: Path, name: str, content: str, message: str) -> None:
+    target = broken_copy(model_dir, tmp_path)
+    (target / name).write_text(content, encoding="utf-8")
+    with pytest.raises(ModelDirError, match=message) as info:
+        load_model(target)
+    assert info.value.hint
+
+
+def test_default_model_errors_point_at_make_train_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("chatapp.models.loader.default_model_dir", lambda: tmp_path / "default")
+    with pytest.raises(ModelDirError) as info:
+        load_model()
+    assert "make train-default" in (info.value.hint or "")
