@@ -57,11 +57,26 @@ async def wait_until(pilot, predicate: Callable[[], object], *, timeout: float =
         await pilot.pause(0.01)
 
 
-async def send_and_wait(pilot, text: str) -> None:
-    """Type a message, press Enter, and wait for the answer to finish."""
+async def ready(pilot) -> None:
+    """Wait until the app is mounted and the input has focus (a snapshot's `run_before` starts before that)."""
     app = pilot.app
+    await wait_until(pilot, lambda: app.query("#prompt") and app.query_one("#prompt").has_focus, what="the app")
+
+
+async def submit(pilot, text: str) -> None:
+    """Type a message into the input and press Enter."""
+    await ready(pilot)
     await pilot.click("#prompt")
-    app.query_one("#prompt").insert(text)
+    pilot.app.query_one("#prompt").insert(text)
     await pilot.press("enter")
-    await wait_until(pilot, lambda: not app.is_generating, what="the answer to finish")
+
+
+async def send_and_wait(pilot, text: str) -> None:
+    """Send a message and wait until its answer is on screen and finished."""
+    app = pilot.app
+    answers = len(app.transcript.answers())
+    await submit(pilot, text)
+    await wait_until(
+        pilot, lambda: len(app.transcript.answers()) > answers and not app.is_generating, what="the answer to finish"
+    )
     await pilot.pause()

@@ -18,7 +18,7 @@ from chatapp.ui.widgets.heatmap import RoutingHeatmap
 from chatapp.ui.widgets.panels import TokenInspector, ZonePills
 from chatapp.ui.widgets.prompt import PromptInput
 from chatapp.ui.widgets.transcript import AssistantMessage, ToolCallBlock, UserMessage
-from tests.ui.conftest import SIZE, send_and_wait, wait_until
+from tests.ui.conftest import SIZE, send_and_wait, submit, wait_until
 from tests.ui.scripted import ScriptedBackend, calculator_answer, greeting, think_answer
 
 pytestmark = pytest.mark.asyncio
@@ -125,7 +125,8 @@ async def test_a_refused_turn_changes_nothing(build_app, tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await send_and_wait(pilot, "hi")
         backend.refuse = ContextOverflowError("this turn needs 2100 tokens of context but the model holds 2048")
-        await send_and_wait(pilot, "a very long message")
+        await submit(pilot, "a very long message")
+        await pilot.pause()
         assert _texts(app) == [("user", "hi"), ("assistant", "Hello! How can I help you today?")]
         assert app.query_one(PromptInput).text == "a very long message"
         assert any("2100 tokens" in n.message for n in app._notifications)

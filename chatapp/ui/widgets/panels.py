@@ -11,6 +11,7 @@ from chatapp.engine.events import TokenEvent
 from chatapp.ui.backend import ProgramInfo
 from chatapp.ui.stats import AnswerStats
 from chatapp.ui.tokens import display_text
+from chatapp.ui.widgets.heatmap import probability_colour
 
 
 class ZonePills(Static):
@@ -91,7 +92,9 @@ class TokenInspector(Static):
             parts += ["\n", ("routing: not fed to the model", "dim")]
         else:
             for layer, p, computed in zip(self.stt_layers, event.router_probs, event.computed, strict=False):
-                parts += ["\n", (f"L{layer:<3}", "dim"), f"{p:5.2f} ", "█ computed" if computed else "· skipped"]
+                # The glyph matches the heatmap's cell: coloured block when computed, dot when skipped.
+                glyph = ("█", probability_colour(p)) if computed else ("·", "dim")
+                parts += ["\n", (f"L{layer:<3}", "dim"), f"{p:5.2f} ", glyph, " computed" if computed else " skipped"]
         self.update(Content.assemble(*parts))
 
 

@@ -1,0 +1,126 @@
+"""SVG snapshots of the chat app (pytest-textual-snapshot). Regenerate with `pytest tests/ui --snapshot-update`.
+
+Everything on screen is deterministic: the scripted backend's tokens and step timings, a fixed clock for stored
+timestamps, no cursor blink, no animations (TEXTUAL_ANIMATIONS=none in tests/conftest.py), no toasts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chatapp.ui.history import HistoryStore
+from chatapp.ui.tokens import message_content
+from chatapp.ui.widgets.transcript import AssistantMessage
+from tests.ui.conftest import SIZE, FixedClock, ready, send_and_wait, submit, wait_until
+from tests.ui.scripted import ScriptedBackend, calculator_answer, greeting, think_answer
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "history.sqlite3"
+
+
+def _answer(pilot, index: int = -1) -> AssistantMessage:
+    return pilot.app.transcript.answers()[index]
+
+
+def test_empty_app(snap_compare, build_app):
+    assert snap_compare(build_app(), terminal_size=SIZE)
+
+
+def test_forced_and_sampled_tokens(snap_compare, build_app):
+    backend = ScriptedBackend([greeting(), think_answer()])
+
+    async def run_before(pilot) -> None:
+        await send_and_wait(pilot, "hi")
+        await send_and_wait(pilot, "What is the capital of France?")
+
+    assert snap_compare(build_app(backend), terminal_size=SIZE, run_before=run_before)
+
+
+def test_expanded_tool_call(snap_compare, build_app):
+    backend = ScriptedBackend([calculator_answer()])
+
+    async def run_before(pilot) -> None:
+        await send_and_wait(pilot, "What is 37*45?")
+        await pilot.click("ToolCallBlock CollapsibleTitle")
+        await wait_until(pilot, lambda: not pilot.app.query_one("ToolCallBlock").collapsed)
+
+    assert snap_compare(build_app(backend), terminal_size=SIZE, run_before=run_before)
+
+
+def test_routing_heatmap_with_selected_token(snap_compare, build_app):
+    backend = ScriptedBackend([greeting() * 3])
+
+    async def run_before(pilot) -> None:
+        await send_and_wait(pilot, "Say hello three times")
+        answer = _answer(pilot)
+        answer.focus()
+        await pilot.press("home", *["right"] * 12)
+
+    assert snap_compare(build_app(backend), terminal_size=SIZE, run_before=run_before)
+
+
+def test_zone_tags_under_think_program(snap_compare, build_app):
+    backend = ScriptedBackend([think_answer()])
+    backend.switch_program("think")
+
+    async def run_before(pilot) -> None:
+        await send_and_wait(pilot, "What is the capital of France?")
+        answer = _answer(pilot)
+        answer.focus()
+        await pilot.press("home", "right", "right")  # a token inside the think zone
+
+    assert snap_compare(build_app(backend), terminal_size=SIZE, run_before=run_before)
+
+
+def test_settings_screen(snap_compare, build_app):
+    assert snap_compare(build_app(), terminal_size=SIZE, press=["f2"])
+
+
+def test_history_list(snap_compare, build_app, db):
+    clock = FixedClock()
+    store = HistoryStore(db, clock=clock)
+    for title, program, events in (
+        ("What is 37*45?", "calc", calculator_answer()),
+        ("Capital of France", "think", think_answer()),
+        ("hi", None, greeting()),
+    ):
+        cid = store.create_conversation(title, model="scripted-8L", program=program)
+        store.add_message(cid, "user", title)
+        mid = store.add_message(cid, "assistant", "", status="streaming")
+        store.append_tokens(mid, 0, events, message_content(events))
+        store.finish_message(mid, "complete")
+    store.close()
+    assert snap_compare(build_app(db=db, clock=clock), terminal_size=SIZE, press=["f4"])
+
+
+def test_bad_program_file_error(snap_compare, build_app, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the error names the path as typed: keep it short and fixed
+    Path("bad.toml").write_text("zones = [[[")
+
+    async def run_before(pilot) -> None:
+        await ready(pilot)
+        await pilot.press("f3")
+        await wait_until(pilot, lambda: pilot.app.screen.query("#program-path"))
+        await pilot.click("#program-path")
+        await pilot.press(*"bad.toml", "enter")
+        await wait_until(pilot, lambda: pilot.app.screen.query_one("#error").display)
+
+    assert snap_compare(build_app(), terminal_size=SIZE, run_before=run_before)
+
+
+def test_interrupted_answer(snap_compare, build_app):
+    backend = ScriptedBackend([greeting()])
+    backend.hold_after = 5
+
+    async def run_before(pilot) -> None:
+        await submit(pilot, "hi")
+        await wait_until(pilot, backend.held.is_set)
+        await pilot.press("escape")
+        backend.release.set()
+        await wait_until(pilot, lambda: not pilot.app.is_generating)
+
+    assert snap_compare(build_app(backend), terminal_size=SIZE, run_before=run_before)
