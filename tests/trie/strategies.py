@@ -27,5 +27,10 @@ def _extend(children: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
     )
 
 
-regexes = st.recursive(st.sampled_from(ATOMS), _extend, max_leaves=8)
+def regexes_over(atoms: list[str]) -> st.SearchStrategy[str]:
+    """Regexes over `atoms` with concatenation, alternation, repetition and optional parts."""
+    return st.recursive(st.sampled_from(atoms), _extend, max_leaves=8)
+
+
+regexes = regexes_over(ATOMS)
 """Regexes over literals, classes (negated too), `.`, alternation, repetition and optional parts."""
