@@ -268,11 +268,14 @@ class Engine:
         """Prefill `feeds` (one per prompt) into `cache`, then decode until every row finished."""
         started = time.perf_counter()
         first = rows[0].settings
-        logits, prompt_routing = self._prefill(feeds, cache, first.routing, first.routing_threshold)
-        if num_samples > 1:
-            index = torch.arange(len(feeds), device=self.device).repeat_interleave(num_samples)
-            cache = cache.select_rows(index)
-            logits = logits.index_select(0, index)
+        # inference_mode (cheaper than no_grad) is entered per step, never across a `yield`: the consumer's own
+        # code must not run in it.
+        with torch.inference_mode():
+            logits, prompt_routing = self._prefill(feeds, cache, first.routing, first.routing_threshold)
+            if num_samples > 1:
+                index = torch.arange(len(feeds), device=self.device).repeat_interleave(num_samples)
+                cache = cache.select_rows(index)
+                logits = logits.index_select(0, index)
         for row, feed in zip(rows, (f for f in feeds for _ in range(num_samples)), strict=True):
             row.seen += len(feed)
         info = self._prompt_info(feeds, rows, num_samples, prompt_routing, time.perf_counter() - started)
@@ -288,10 +291,11 @@ class Engine:
         )
         index = 0
         while batch.active:
-            step = self._step(batch, index)
+            with torch.inference_mode():
+                step = self._step(batch, index)
+                self._maybe_compact(batch)
             yield step if index else Step(step.index, step.tokens, step.seconds, step.active_rows, prompt=info)
             index += 1
-            self._maybe_compact(batch)
 
     def _prefill(
         self, feeds: list[list[int]], cache: Any, routing: str, threshold: float | None

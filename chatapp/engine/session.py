@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from chatapp.engine.events import Step
 from chatapp.errors import ContextOverflowError, ConversationError
 from chatapp.settings import GenerationSettings
@@ -82,7 +84,9 @@ class ChatSession:
     ) -> Iterator[Step]:
         """Add a user message and stream the answer. Errors (context, bad settings) raise here, not mid-stream."""
         _check_unsupported(program, constraint)
-        base = _TurnStart(self._cache.mark() if self._ids else None, len(self._ids), len(self.messages))
+        with torch.inference_mode():
+            mark = self._cache.mark() if self._ids else None
+        base = _TurnStart(mark, len(self._ids), len(self.messages))
         return self._start_turn({"role": "user", "content": text}, settings, base)
 
     def regenerate(self, settings: GenerationSettings, program: Any = None, constraint: Any = None) -> Iterator[Step]:
@@ -132,16 +136,18 @@ class ChatSession:
         early). Nothing changes until the consumer asks for the first step, so a turn that is never started
         leaves the session as it was."""
         engine = self.engine
-        if fresh or base.mark is None or self._cache is None:
-            self._ids = []
-            self._cache = engine.model.new_cache(1, min(self.context_size, INITIAL_CACHE))
-        else:
-            del self._ids[base.token_count :]
-            self._cache.restore(base.mark)
-        needed = min(self.context_size, len(self._ids) + len(segment) + settings.max_tokens)
-        if needed > self._cache.max_len:
-            self._cache.grow(needed)
-        self._last = _TurnStart(self._cache.mark() if self._ids else None, len(self._ids), len(messages) - 1)
+        with torch.inference_mode():  # the engine fills the cache in inference mode; edit it in the same mode
+            if fresh or base.mark is None or self._cache is None:
+                self._ids = []
+                self._cache = engine.model.new_cache(1, min(self.context_size, INITIAL_CACHE))
+            else:
+                del self._ids[base.token_count :]
+                self._cache.restore(base.mark)
+            needed = min(self.context_size, len(self._ids) + len(segment) + settings.max_tokens)
+            if needed > self._cache.max_len:
+                self._cache.grow(needed)
+            mark = self._cache.mark() if self._ids else None
+        self._last = _TurnStart(mark, len(self._ids), len(messages) - 1)
         self.messages = messages
         row = engine._new_row(0, settings, seen=len(self._ids))
         self._ids.extend(segment)
