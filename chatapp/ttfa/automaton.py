@@ -63,32 +63,48 @@ def ttfa_ptr(state: TTFAState, tables: Tables) -> torch.Tensor:
 
 
 def ttfa_pending_feed(state: TTFAState, tables: Tables) -> torch.Tensor:
-    """Feed tokens left in each row's current zone (0 for HALT rows, which have no feed)."""
-    return (tables.rows.index_select(0, state.pc)[:, FEED_LEN] - state.gen).clamp(min=0)
+    """Feed tokens each row will emit before the model's next token: the rest of the current zone's feed, plus the
+    feeds of the zones a forced-only zone hands over to (0 for HALT rows)."""
+    row = tables.rows.index_select(0, state.pc)
+    return (row[:, FEED_LEN] - state.gen).clamp(min=0) + tables.run_after.index_select(0, state.pc)
 
 
-def ttfa_advance(state: TTFAState, tables: Tables, n: torch.Tensor) -> tuple[TTFAState, torch.Tensor]:
+def ttfa_advance(state: TTFAState, tables: Tables, n: torch.Tensor) -> TTFAState:
     """The state after each row emits its next `n[b]` feed tokens (requires `n <= pending feed`).
 
     Equal to `n[b]` calls of `ttfa_step` on the feed tokens: feeding only counts `gen` up, and the one transition
-    a feed token can cause, leaving a forced-only zone with its last token, happens at the end of the run.
-    Also returns the tags those tokens carry (the current zone's).
+    a feed token can cause, leaving a forced-only zone with its last token, is taken at each zone boundary the run
+    crosses. The loop bound is a property of the programs (`tables.hops`), not of the data, so nothing syncs.
     """
     pc, gen = state
-    row = tables.rows.index_select(0, pc)
-    gen = gen + n
-    leave = (n > 0) & (gen >= row[:, BUDGET])
-    new_pc = torch.where(leave, tables.flat.take(row[:, BLOCK_BASE] + NEXT), pc)
-    return TTFAState(new_pc, gen * ~leave), tables.tags.index_select(0, pc)
+    for _ in range(tables.hops + 1):
+        row = tables.rows.index_select(0, pc)
+        taken = torch.minimum(n, (row[:, FEED_LEN] - gen).clamp(min=0))
+        gen = gen + taken
+        n = n - taken
+        leave = (taken > 0) & (gen >= row[:, BUDGET])
+        pc = torch.where(leave, tables.flat.take(row[:, BLOCK_BASE] + NEXT), pc)
+        gen = gen.masked_fill(leave, 0)
+    return TTFAState(pc, gen)
+
+
+def _feed_positions(state: TTFAState, tables: Tables, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions in `data` of each row's next `k` feed tokens (clamped in bounds) and which of them are feed."""
+    index = ttfa_ptr(state, tables)[:, None] + torch.arange(k, device=state.pc.device)
+    valid = torch.arange(k, device=state.pc.device) < ttfa_pending_feed(state, tables)[:, None]
+    return index.clamp(max=tables.data.numel() - 1), valid
 
 
 def ttfa_peek_feed(state: TTFAState, tables: Tables, k: int) -> torch.Tensor:
-    """The next `k` feed tokens per row, `[B, k]`; positions past the zone's feed hold the row's pad token."""
-    row = tables.rows.index_select(0, state.pc)
-    end = row[:, START] + row[:, FEED_LEN]
-    index = ttfa_ptr(state, tables)[:, None] + torch.arange(k, device=state.pc.device)
-    tokens = tables.data[torch.minimum(index, end[:, None])]
-    return torch.where(index < end[:, None], tokens, tables.pad.index_select(0, state.pc)[:, None])
+    """The next `k` feed tokens per row, `[B, k]`; positions past the pending feed hold the row's pad token."""
+    index, valid = _feed_positions(state, tables, k)
+    return torch.where(valid, tables.data[index], tables.pad.index_select(0, state.pc)[:, None])
+
+
+def ttfa_peek_feed_tags(state: TTFAState, tables: Tables, k: int) -> torch.Tensor:
+    """Tags `[B, k, N]` of the zones the next `k` feed tokens will be emitted in (all False past the feed)."""
+    index, valid = _feed_positions(state, tables, k)
+    return tables.tags[tables.data_zone[index]] & valid[:, :, None]
 
 
 class Automaton:
@@ -126,16 +142,19 @@ class Automaton:
         """The next `k` feed tokens per row `[B, k]`, padded with the row's pad past its pending feed."""
         return ttfa_peek_feed(self.state, self.tables, k)
 
-    def advance(self, n: torch.Tensor) -> torch.Tensor:
-        """Emit `n[b]` feed tokens of each row without stepping (fast-forward); returns their tags `[B, N]`.
+    def peek_feed_tags(self, k: int) -> torch.Tensor:
+        """`[B, k, N]`: the tags each of the next `k` feed tokens carries (a run may cross zones)."""
+        return ttfa_peek_feed_tags(self.state, self.tables, k)
+
+    def advance(self, n: torch.Tensor) -> None:
+        """Emit `n[b]` feed tokens of each row without stepping (fast-forward; `peek_feed` shows them).
 
         Leaves exactly the state `n[b]` `step` calls would. `n` must lie in `0..pending_feed()`; this is checked
         on the device without a host sync (`torch._assert_async`).
         """
         n = n.to(device=self.device, dtype=torch.int64)
         torch._assert_async(((n >= 0) & (n <= self.pending_feed())).all())
-        self.state, tags = ttfa_advance(self.state, self.tables, n)
-        return tags
+        self.state = ttfa_advance(self.state, self.tables, n)
 
     def halted(self) -> torch.Tensor:
         """`[B]` bool: rows whose program has halted (they only emit pad from now on)."""

@@ -33,8 +33,16 @@ class ReferenceRow:
         return self.pc == self.program.halt
 
     def pending_feed(self) -> int:
-        """Feed tokens of the current zone not yet emitted."""
-        return 0 if self.halted else self.program.end(self.pc) - self.ptr
+        """Feed tokens emitted before the model's next token: the rest of this zone's feed, and on through the
+        zones a forced-only zone hands over to."""
+        program, total, z, ptr = self.program, 0, self.pc, self.ptr
+        while z != program.halt:
+            total += program.end(z) - ptr
+            if program.budget(z) != 0 or program.end(z) == program.start(z):
+                break  # the model speaks next (an empty forced-only zone times out on the model's token)
+            z += 1
+            ptr = program.start(z)
+        return total
 
     def tags(self) -> tuple[str, ...]:
         """Tags of the current zone (HALT has none)."""

@@ -14,6 +14,8 @@ its size, so the op count is the cost):
   every token id outside the vocabulary.
 * Budgets are normalised so that one comparison `gen + 1 >= budget` covers both the timeout and the exit of a
   forced-only zone after its last feed token (see `normalized_budget`).
+* Feed runs across forced-only zones: a forced-only zone is followed by the next zone in program order, whose
+  feed comes next in `data` too, so the feed tokens known ahead (`run_after`) are one contiguous slice.
 * A HALT row has no feed, no triggers, budget 0, `pad` as timeout token and itself as every successor: each step
   "times out" into the same state and emits pad, forced. So `step` has no special case for halted rows.
 """
@@ -45,7 +47,10 @@ class Tables(NamedTuple):
     pad: torch.Tensor  # [R] int64, the pad of the row's program
     tags: torch.Tensor  # [R, N] bool
     data: torch.Tensor  # [D + 1] int64; the trailing pad keeps gathers in bounds
+    data_zone: torch.Tensor  # [D + 1] int64: the row whose feed holds each data position (for feed tags)
+    run_after: torch.Tensor  # [R] int64: feed tokens that follow this zone's feed with no model token between
     width: int  # vocabulary size + 1 (the last column catches out-of-vocabulary ids)
+    hops: int  # most forced-only zones one run of feed crosses (bounds the loop in `advance`)
 
 
 def normalized_budget(budget: int, feed_len: int) -> int:
@@ -87,6 +92,9 @@ def link(programs: Sequence[Program], device: torch.device | str = "cpu") -> Lin
     entry: list[int] = []
     data: list[int] = []
     tag_rows: list[list[bool]] = []
+    data_zone: list[int] = []
+    run_after: list[int] = []
+    hops = 0
     targets: list[int] = []  # [stay, next, jump] per row
     step_slots: list[int] = []  # flat indices into `flat` of step-trigger classes
     jump_slots: list[int] = []
@@ -95,6 +103,9 @@ def link(programs: Sequence[Program], device: torch.device | str = "cpu") -> Lin
         row0, d0 = len(labels), len(data)
         entry.append(row0)
         data.extend(program.data)
+        after, program_hops = _feed_runs(program)
+        run_after += after
+        hops = max(hops, program_hops)
         for z in range(program.halt + 1):
             row = row0 + z
             base = row * block
@@ -119,6 +130,7 @@ def link(programs: Sequence[Program], device: torch.device | str = "cpu") -> Lin
             zone_base.append(row0)
             data_base.append(d0)
             tag_rows.append([name in tags for name in tag_names])
+            data_zone += [row] * feed_len
 
     flat = torch.zeros(len(rows), block, dtype=torch.int64)
     flat[:, :BLOCK_HEADER] = torch.tensor(targets, dtype=torch.int64).reshape(len(rows), BLOCK_HEADER)
@@ -127,6 +139,7 @@ def link(programs: Sequence[Program], device: torch.device | str = "cpu") -> Lin
     flat[torch.tensor(step_slots, dtype=torch.int64)] = STEP_CLASS
     flat[torch.tensor(jump_slots, dtype=torch.int64)] = JUMP_CLASS
     data.append(programs[0].pad)
+    data_zone.append(len(rows) - 1)  # the sentinel belongs to a HALT row: no tags
 
     def longs(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -138,7 +151,10 @@ def link(programs: Sequence[Program], device: torch.device | str = "cpu") -> Lin
         pad=longs(pad),
         tags=torch.tensor(tag_rows, dtype=torch.bool, device=device).reshape(len(rows), len(tag_names)),
         data=longs(data),
+        data_zone=longs(data_zone),
+        run_after=longs(run_after),
         width=width,
+        hops=hops,
     )
     return Linked(
         tables=tables,
@@ -148,3 +164,17 @@ def link(programs: Sequence[Program], device: torch.device | str = "cpu") -> Lin
         zone_base=longs(zone_base),
         data_base=longs(data_base),
     )
+
+
+def _feed_runs(program: Program) -> tuple[list[int], int]:
+    """Per row (zones and HALT): feed tokens emitted after this zone's own before the model's next token, and the
+    most forced-only zones such a run crosses. Only a forced-only zone with feed hands over without a model token
+    (an empty one times out on its first step instead)."""
+    zones = range(program.halt)
+    passes_on = [program.budget(z) == 0 and program.end(z) > program.start(z) for z in zones]
+    after, hops = [0] * (program.halt + 1), [0] * (program.halt + 1)
+    for z in reversed(zones):
+        if passes_on[z]:
+            after[z] = program.end(z + 1) - program.start(z + 1) + after[z + 1]
+            hops[z] = 1 + hops[z + 1]
+    return after, max(hops)

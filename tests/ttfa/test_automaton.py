@@ -58,25 +58,50 @@ def test_batched_step_matches_reference(progs: list[Program], data: st.DataObjec
 @settings(max_examples=80)
 @given(progs=st.lists(programs(), min_size=1, max_size=3), data=st.data())
 def test_advance_equals_steps_on_the_feed(progs: list[Program], data: st.DataObject) -> None:
-    """`advance(n)` leaves exactly the state of `n` steps, and `peek_feed` shows the tokens those steps emit."""
+    """`advance(n)` leaves exactly the state of `n` steps; `peek_feed` and `peek_feed_tags` show what they emit,
+    across forced-only zones too."""
     batch = data.draw(st.integers(1, 5), label="batch")
     row_program = data.draw(st.lists(st.integers(0, len(progs) - 1), min_size=batch, max_size=batch))
     automaton = Automaton(progs, row_program)
     rows = [ReferenceRow(progs[p]) for p in row_program]
     for _ in range(6):
         pending = automaton.pending_feed().tolist()
-        n = [data.draw(st.integers(0, p)) for p in pending]
-        peeked = automaton.peek_feed(max(pending, default=0) + 1).tolist()
-        tags = automaton.advance(torch.tensor(n)).tolist()
+        n = [data.draw(st.just(p) | st.integers(0, p)) for p in pending]  # often the whole run
+        k = max(pending, default=0) + 1
+        peeked = automaton.peek_feed(k).tolist()
+        peeked_tags = automaton.peek_feed_tags(k).tolist()
+        automaton.advance(torch.tensor(n))
         for b, row in enumerate(rows):
-            expected_tags = set(row.tags())
             emitted = [row.step(0) for _ in range(n[b])]
+            assert all(forced for _, forced, _ in emitted)
             assert [token for token, _, _ in emitted] == peeked[b][: n[b]]
-            assert all(forced and set(t) == expected_tags for _, forced, t in emitted)
-            assert set(tag_tuple(automaton, tags[b])) == expected_tags
-            assert peeked[b][pending[b]] == row.program.pad  # past the feed: pad
+            assert [set(t) for _, _, t in emitted] == [set(tag_tuple(automaton, t)) for t in peeked_tags[b][: n[b]]]
+            assert peeked[b][pending[b]] == row.program.pad  # past the feed: pad, no tags
+            assert not any(peeked_tags[b][pending[b]])
         assert_same_state(automaton, rows)
         step_both(automaton, rows, data.draw(model_tokens(batch)))
+
+
+def test_pending_feed_runs_through_forced_only_zones() -> None:
+    program = Program(
+        "p",
+        (
+            Zone("a", feed=(1, 2), budget=0, tags=("x",)),
+            Zone("b", feed=(3,), budget=0),
+            Zone("c", feed=(4, 5), until=frozenset({6}), tags=("y",)),
+        ),
+        ("x", "y"),
+        pad=0,
+        vocab_size=VOCAB,
+    )
+    automaton = Automaton([program], [0])
+    assert automaton.pending_feed().tolist() == [5]
+    assert automaton.peek_feed(6).tolist() == [[1, 2, 3, 4, 5, 0]]
+    assert automaton.peek_feed_tags(6).tolist() == [
+        [[True, False]] * 2 + [[False, False]] + [[False, True]] * 2 + [[False, False]]
+    ]
+    automaton.advance(torch.tensor([4]))
+    assert automaton.zone_labels() == ["c"] and automaton.local_state() == ([2], [4], [1])
 
 
 def test_advance_rejects_more_than_the_pending_feed() -> None:

@@ -54,8 +54,8 @@ def test_step_and_advance_trace_as_one_graph() -> None:
         result = compiled_step(state, tables, tokens)
         state = result.state
         assert (result.tokens.tolist(), result.forced.tolist(), result.tags.tolist()) == (out, forced, tags)
-    advanced, _ = compiled_advance(automaton.state, tables, automaton.pending_feed())
-    eager, _ = ttfa_advance(automaton.state, tables, automaton.pending_feed())
+    advanced = compiled_advance(automaton.state, tables, automaton.pending_feed())
+    eager = ttfa_advance(automaton.state, tables, automaton.pending_feed())
     assert all(torch.equal(a, b) for a, b in zip(advanced, eager, strict=True))
 
 
