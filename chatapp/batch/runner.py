@@ -67,7 +67,9 @@ class LinePreparer(Protocol):
 
     def program(self, name: str) -> Any: ...
 
-    def constraint(self, request: LineRequest) -> Any: ...
+    def constraint(self, request: LineRequest) -> Any:
+        """A new constraint object for one row (constraints carry per-row state)."""
+        ...
 
 
 class BatchProgress(Protocol):
@@ -259,7 +261,7 @@ def _prepare_jobs(preparer: LinePreparer, request: LineRequest, samples: Sequenc
     """The rows of one line; raises the `ChatappError` that makes the line fail."""
     prompt_ids = preparer.prompt_ids(request)
     program = preparer.program(request.program) if request.program is not None else None
-    constraint = preparer.constraint(request) if request.regex is not None or request.json_schema is not None else None
+    constrained = request.regex is not None or request.json_schema is not None
     return [
         RowJob(
             request=request,
@@ -267,7 +269,7 @@ def _prepare_jobs(preparer: LinePreparer, request: LineRequest, samples: Sequenc
             prompt_ids=prompt_ids,
             settings=request.settings.with_(seed=sample_seed(request.settings.seed, sample)),
             program=program,
-            constraint=constraint,
+            constraint=preparer.constraint(request) if constrained else None,
         )
         for sample in samples
     ]
