@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -147,42 +148,49 @@ def parse_program_toml(text: str, file: str | None = None, default_name: str = "
         raise ProgramError(f"not valid TOML: {err}", hint="fix the TOML syntax", file=file, line=line) from None
     top_lines, zone_lines = _key_lines(text)
 
-    def fail(message: str, key: str | None = None, zone: int | None = None, hint: str | None = None) -> ProgramError:
-        if zone is None:
-            line = top_lines.get(key) if key else None
-            return ProgramError(message, hint=hint, file=file, line=line)
-        header, keys = zone_lines[zone] if zone < len(zone_lines) else (None, {})
-        label = data["zones"][zone].get("label") if isinstance(data["zones"][zone].get("label"), str) else None
-        return ProgramError(message, hint=hint, file=file, line=keys.get(key, header) if key else header, zone=label)
+    def check(table: dict, allowed: set[str], lines: dict[str, int], header: int | None, zone: str | None) -> None:
+        """Unknown keys and wrongly typed values of one table, located at their line."""
+        if unknown := sorted(set(table) - allowed):
+            key = unknown[0]
+            raise ProgramError(
+                f"unknown key {key!r}",
+                hint=f"the keys are {sorted(allowed)}",
+                file=file,
+                line=lines.get(key),
+                zone=zone,
+            )
+        for key, value in table.items():
+            expected, valid = _TYPES[key]
+            if not valid(value):
+                raise ProgramError(
+                    f"{key} must be {expected}",
+                    hint=f"for example: {_EXAMPLES[key]}",
+                    file=file,
+                    line=lines.get(key, header),
+                    zone=zone,
+                )
 
-    if unknown := sorted(set(data) - _PROGRAM_KEYS):
-        raise fail(f"unknown key {unknown[0]!r}", unknown[0], hint=f"program keys are {sorted(_PROGRAM_KEYS)}")
-    for key, expected, ok in (
-        ("name", "a string", lambda v: isinstance(v, str)),
-        ("description", "a string", lambda v: isinstance(v, str)),
-        ("tags", "a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
-        ("max_genned_per_zone", "an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-        ("pad", "a token (string)", lambda v: isinstance(v, str)),
-    ):
-        if key in data and not ok(data[key]):
-            raise fail(f"{key} must be {expected}", key, hint=f"for example: {_EXAMPLES[key]}")
+    check({k: v for k, v in data.items() if k != "zones"}, _PROGRAM_KEYS, top_lines, None, None)
     zones_data = data.get("zones")
-    if not isinstance(zones_data, list) or not zones_data:
-        raise fail("the program declares no [[zones]]", "zones", hint="add at least one [[zones]] table")
+    if not isinstance(zones_data, list) or not zones_data or not all(isinstance(z, dict) for z in zones_data):
+        raise ProgramError(
+            "the program declares no [[zones]]",
+            hint="add at least one [[zones]] table",
+            file=file,
+            line=top_lines.get("zones"),
+        )
     zones = []
     for index, zone in enumerate(zones_data):
-        if not isinstance(zone, dict):
-            raise fail("each entry of zones must be a table", "zones", hint="write zones as [[zones]] tables")
-        if unknown := sorted(set(zone) - _ZONE_KEYS):
-            raise fail(f"unknown key {unknown[0]!r}", unknown[0], index, hint=f"zone keys are {sorted(_ZONE_KEYS)}")
-        field_error = _zone_type_error(zone)
-        if field_error is not None:
-            key, expected = field_error
-            raise fail(f"{key} must be {expected}", key, index, hint=f"for example: {_EXAMPLES[key]}")
         header, keys = zone_lines[index] if index < len(zone_lines) else (None, {})
+        label = zone.get("label") if isinstance(zone.get("label"), str) else None
+        check(zone, _ZONE_KEYS, keys, header, label)
+        if not label:
+            raise ProgramError(
+                "the zone has no label", hint='add label = "<name>"', file=file, line=keys.get("label", header)
+            )
         zones.append(
             ZoneSource(
-                label=zone["label"],
+                label=label,
                 force=zone.get("force", ""),
                 until=_token_spec(zone.get("until")),
                 timeout_token=zone.get("timeout_token"),
@@ -217,31 +225,42 @@ def load_program_source(path: Path) -> ProgramSource:
     return parse_program_toml(text, file=str(path), default_name=path.stem)
 
 
+def _is_string(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_string_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
 def _is_token_spec(value: object) -> bool:
-    if isinstance(value, str):
-        return True
     if isinstance(value, list):
-        return bool(value) and all(isinstance(v, str) for v in value)
-    return isinstance(value, dict) and set(value) == {"contains"} and isinstance(value["contains"], str)
+        return bool(value) and _is_string_list(value)
+    if isinstance(value, dict):
+        return set(value) == {"contains"} and isinstance(value["contains"], str)
+    return isinstance(value, str)
 
 
-def _zone_type_error(zone: dict) -> tuple[str, str] | None:
-    """The first key of `zone` with a value of the wrong type, and what it should be."""
-    if not isinstance(zone.get("label"), str) or not zone.get("label"):
-        return "label", "a non-empty string"
-    checks = (
-        ("force", "a string", lambda v: isinstance(v, str)),
-        ("until", 'a token, a list of tokens or {contains = "text"}', _is_token_spec),
-        ("jump_on", 'a token, a list of tokens or {contains = "text"}', _is_token_spec),
-        ("timeout_token", "a token (string)", lambda v: isinstance(v, str)),
-        ("goto", 'a zone label or "halt"', lambda v: isinstance(v, str)),
-        ("tags", "a list of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
-        ("budget", "an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    )
-    for key, expected, ok in checks:
-        if key in zone and not ok(zone[key]):
-            return key, expected
-    return None
+_TOKEN_SPEC = 'a token, a list of tokens or {contains = "text"}'
+# What each key holds, in both program and zone tables: (description for messages, check).
+_TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "name": ("a string", _is_string),
+    "description": ("a string", _is_string),
+    "tags": ("a list of strings", _is_string_list),
+    "max_genned_per_zone": ("an integer", _is_integer),
+    "pad": ("a token (string)", _is_string),
+    "label": ("a string", _is_string),
+    "force": ("a string", _is_string),
+    "until": (_TOKEN_SPEC, _is_token_spec),
+    "jump_on": (_TOKEN_SPEC, _is_token_spec),
+    "timeout_token": ("a token (string)", _is_string),
+    "goto": ('a zone label or "halt"', _is_string),
+    "budget": ("an integer", _is_integer),
+}
 
 
 def _token_spec(value: str | list[str] | dict | None) -> TokenSpec | None:

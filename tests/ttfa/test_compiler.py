@@ -55,6 +55,8 @@ ERRORS = {
     "unknown zone key": (HEADER + ZONE + 'untill = "x"\n', "unknown key 'untill'", 9, "one"),
     "wrong type": (HEADER + ZONE + 'budget = "ten"\n', "budget must be an integer", 9, "one"),
     "program key type": ('name = "t"\ntags = "a"\n' + ZONE, "tags must be a list of strings", 2, None),
+    "missing label": (HEADER + '\n[[zones]]\nforce = "Hi"\nuntil = "!"\n', "the zone has no label", 4, None),
+    "zones not tables": (HEADER + "zones = [1, 2]\n", "declares no [[zones]]", 3, None),
     "duplicate label": (HEADER + ZONE + ZONE, "label 'one' is used by two zones", 11, "one"),
     "reserved label": (HEADER + ZONE.replace('"one"', '"halt"'), "'halt' is reserved", 5, "halt"),
     "goto unknown label": (
