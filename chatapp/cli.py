@@ -209,6 +209,258 @@ def run(
     chat.run()
 
 
+@app.command()
+def generate(
+    prompt: Annotated[
+        str,
+        typer.Argument(help="The prompt to answer (sent as one user turn), or a .jsonl file (- for stdin) to batch."),
+    ],
+    model: Annotated[
+        str | None, typer.Option("--model", help="Model directory (default: the embedded default model).")
+    ] = None,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")] = 1.0,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most sampled tokens (forced ones are free).")] = 256,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed for sampling.")] = 0,
+    device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timing: tokens/s, forced %, ...")] = False,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="JSONL input: where records go (- = stdout, the default).")
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", min=1, help="JSONL input: rows per device batch (default 32).")
+    ] = None,
+    samples: Annotated[
+        int | None, typer.Option("--samples", min=1, help="JSONL input: samples per line that sets none (default 1).")
+    ] = None,
+    program: Annotated[
+        str | None, typer.Option("--program", help="JSONL input: TTFA program (name or .toml) for lines without one.")
+    ] = None,
+    ordered: Annotated[bool, typer.Option("--ordered", help="JSONL input: write records in input order.")] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="JSONL input: keep the (id, sample) records already in --output, add the rest.")
+    ] = False,
+    fsync: Annotated[bool, typer.Option("--fsync", help="JSONL input: fsync every record (survives power loss).")] = False,
+) -> None:
+    """Stream a reply to PROMPT: sampled tokens plain, forced tokens (tool output) in italic cyan.
+
+    Given a .jsonl file (or - for stdin) instead, generate every line in device batches: one JSON record per
+    (id, sample), an error record per bad line (exit code 1 if any), a summary on stderr.
+    """
+    from chatapp.batch.command import is_batch_input, reject_batch_options, run_batch_command
+    from chatapp.settings import GenerationSettings
+
+    try:
+        settings = GenerationSettings(
+            temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed
+        )
+        if is_batch_input(prompt):
+            from chatapp.batch.requests import BatchDefaults
+            from chatapp.batch.runner import BatchOptions
+
+            summary = run_batch_command(
+                prompt,
+                output=output or "-",
+                model=model,
+                device=device,
+                defaults=BatchDefaults(settings=settings, samples=samples or 1, program=program),
+                options=BatchOptions(batch_size=batch_size or 32, ordered=ordered),
+                resume=resume,
+                fsync=fsync,
+                console=err_console,
+            )
+            raise typer.Exit(summary.exit_code)
+        reject_batch_options(
+            {"--output": output, "--batch-size": batch_size, "--samples": samples, "--program": program,
+             "--ordered": ordered, "--resume": resume, "--fsync": fsync}
+        )
+        _generate_quick(prompt, settings, model, device, verbose)
+    except ChatappError as err:
+        raise fail(err) from None
+
+
+def _generate_quick(prompt: str, settings, model: str | None, device: str | None, verbose: bool) -> None:
+    """Quick mode of `generate`: load the model, stream one reply to the terminal."""
+    from rich.console import Console
+
+    from chatapp.engine.engine import Engine
+    from chatapp.engine.quick import stream_reply
+    from chatapp.models.loader import load_model
+
+    loaded = load_model(model, device)
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    stream_reply(engine, prompt, settings, Console(highlight=False), verbose=verbose)
+
+
+@app.command()
+def convert(
+    qwen2_dir: Annotated[str, typer.Argument(help="A local Qwen2 / Qwen2.5 checkpoint directory.")],
+    out_dir: Annotated[str, typer.Argument(help="Where to write the STT model directory.")],
+) -> None:
+    """Turn a Qwen2 checkpoint into an STT model directory (fresh routers; routing stays off until trained)."""
+    from chatapp.stt.io import convert_qwen2
+
+    try:
+        model = convert_qwen2(qwen2_dir, out_dir)
+    except ChatappError as err:
+        raise fail(err) from None
+    typer.echo(f"wrote {out_dir}: {model.config.num_hidden_layers} layers, STT layers {model.stt_layer_indices}")
+
+
+def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: str | None, device: str | None):
+    """(model, tokenizer, chat format or None, dir to copy tokenizer files from) for `train`."""
+    from pathlib import Path
+
+    import torch
+    from tokenizers import Tokenizer
+
+    from chatapp.chat import chat_format_for
+    from chatapp.errors import ModelDirError, TrainingError
+    from chatapp.models.loader import resolve_device
+    from chatapp.stt import STTConfig, STTForCausalLM
+
+    if (model_dir is None) == (init is None):
+        raise TrainingError("pass exactly one of --model DIR or --init CONFIG.json", hint="see `chatapp train --help`")
+    source = Path(model_dir or tokenizer_path or "").expanduser()
+    tokenizer_file = source / "tokenizer.json" if source.is_dir() else source
+    if not tokenizer_file.is_file():
+        raise ModelDirError(f"no tokenizer at {tokenizer_file}", hint="--init needs --tokenizer DIR|tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    resolved = resolve_device(device)
+    if model_dir is not None:
+        model = STTForCausalLM.from_pretrained(source, device=resolved, dtype=torch.float32)
+    else:
+        try:
+            config = STTConfig.from_json_file(str(Path(init).expanduser()))
+            config.validate_stt()
+        except Exception as err:  # any parse or validation failure is the config file's fault
+            raise TrainingError(f"cannot use {init} as a model config: {err}", hint="write an STTConfig JSON") from None
+        if config.vocab_size < tokenizer.get_vocab_size():
+            raise TrainingError(f"{init}: vocab_size {config.vocab_size} < the tokenizer's {tokenizer.get_vocab_size()}")
+        model = STTForCausalLM(config).to(resolved)
+    try:
+        chat_format = chat_format_for(tokenizer, source if source.is_dir() else None)
+    except ChatappError:
+        chat_format = None
+    return model, tokenizer, chat_format, tokenizer_file.parent
+
+
+@app.command()
+def train(
+    corpus: Annotated[str, typer.Argument(help="Training data: JSONL conversations ({'messages': [...]}) or text.")],
+    out: Annotated[str, typer.Option("--out", help="Output directory: checkpoints and the final model.")],
+    model: Annotated[str | None, typer.Option("--model", help="Model directory to fine-tune.")] = None,
+    init: Annotated[str | None, typer.Option("--init", help="STTConfig JSON to train from scratch.")] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option("--tokenizer", help="With --init: a tokenizer.json or a directory holding one.")
+    ] = None,
+    eval_corpus: Annotated[
+        str | None, typer.Option("--eval-corpus", help="Held-out data (default: 5% of CORPUS held out).")
+    ] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimiser steps.")] = 1000,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per step (per GPU).")] = 8,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per window.")] = 256,
+    lr_scale: Annotated[float, typer.Option("--lr-scale", help="Multiplies every group's learning rate.")] = 1.0,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Linear learning-rate warmup steps.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for batch order and held-out split.")] = 0,
+    eval_interval: Annotated[int, typer.Option("--eval-interval", min=0, help="Evaluate every N steps (0: end).")] = 0,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint in --out.")] = False,
+    device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")] = None,
+) -> None:
+    """Train an STT model (teacher targets, causal router, TPN, LM loss); multi-GPU with torchrun."""
+    from pathlib import Path
+
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from chatapp.models.training_data import load_sequences, split_heldout, token_stream
+    from chatapp.stt.io import copy_tokenizer_files
+    from chatapp.stt.train import TrainConfig, init_distributed
+    from chatapp.stt.train import train as run_training
+
+    try:
+        dist_info = init_distributed()
+        if dist_info.world_size > 1 and device is None:
+            device = f"cuda:{dist_info.local_rank}" if torch.cuda.is_available() else "cpu"
+        net, tok, chat_format, tokenizer_dir = _training_inputs(model, init, tokenizer, device)
+        sequences = load_sequences(corpus, tok, chat_format)
+        if eval_corpus is not None:
+            heldout = load_sequences(eval_corpus, tok, chat_format)
+        else:
+            sequences, heldout = split_heldout(sequences, 0.05, seed)
+        config = TrainConfig(
+            steps=steps, batch_size=batch_size, seq_len=seq_len, lr_scale=lr_scale, warmup_steps=warmup,
+            seed=seed, eval_interval=eval_interval,
+        )
+        console = Console(stderr=True)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console, disable=not dist_info.is_main) as progress:
+            task = progress.add_task("training", total=steps)
+
+            def on_step(report) -> None:
+                selected = " ".join(f"{f:.2f}" for f in report.teacher_fraction)
+                progress.update(
+                    task,
+                    completed=report.step,
+                    description=f"loss {report.losses['lm']:.3f}  {report.tokens_per_s:,.0f} tok/s  selected [{selected}]",
+                )
+                if report.eval is not None:
+                    ppl = "  ".join(f"{mode} {value:.2f}" for mode, value in report.eval.perplexity.items())
+                    progress.console.print(f"step {report.step}: held-out perplexity {ppl}; student F1 "
+                                           + " ".join(f"{f:.2f}" for f in report.eval.student_f1))
+
+            run_training(
+                net, token_stream(sequences), config, eval_data=token_stream(heldout), out_dir=out, resume=resume,
+                on_step=on_step, dist_info=dist_info,
+            )
+        if dist_info.is_main:
+            copy_tokenizer_files(tokenizer_dir, Path(out))
+            typer.echo(f"saved the trained model to {out}")
+    except ChatappError as err:
+        raise fail(err) from None
+
+
+@app.command(name="eval")
+def eval_model(
+    corpus: Annotated[str, typer.Argument(help="Held-out data: JSONL conversations or text.")],
+    model: Annotated[str | None, typer.Option("--model", help="Model directory (default: the embedded model).")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per window.")] = 256,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward.")] = 8,
+    max_batches: Annotated[int, typer.Option("--max-batches", min=1, help="Evaluate at most this many.")] = 50,
+    device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")] = None,
+) -> None:
+    """Held-out perplexity with routing off / teacher / student, per-layer selected fraction and student F1."""
+    from itertools import islice
+
+    from rich.table import Table
+
+    from chatapp.errors import TrainingError
+    from chatapp.models.loader import load_model
+    from chatapp.models.training_data import load_sequences, token_stream
+    from chatapp.stt.evaluation import evaluate
+
+    try:
+        loaded = load_model(model, device)
+        stream = token_stream(load_sequences(corpus, loaded.tokenizer, loaded.chat_format))
+        if stream.num_windows(seq_len) < 1:
+            raise TrainingError(f"{corpus} has {len(stream)} tokens, fewer than one window", hint="lower --seq-len")
+        report = evaluate(loaded.model, islice(stream.batches(batch_size, seq_len), max_batches))
+    except ChatappError as err:
+        raise fail(err) from None
+    console = Console(highlight=False)
+    table = Table(title=f"{loaded.path}: {report.tokens} tokens")
+    table.add_column("routing")
+    table.add_column("perplexity", justify="right")
+    table.add_column("selected per STT layer")
+    for mode, ppl in report.perplexity.items():
+        fractions = " ".join(f"{f:.2f}" for f in report.selected_fraction[mode])
+        table.add_row(mode, f"{ppl:.3f}", fractions)
+    console.print(table)
+    console.print("student vs teacher F1: " + " ".join(f"{f:.2f}" for f in report.student_f1)
+                  + "  accuracy: " + " ".join(f"{a:.2f}" for a in report.student_accuracy))
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

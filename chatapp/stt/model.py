@@ -230,6 +230,10 @@ class STTForCausalLM(nn.Module):
         return hidden.scatter(1, gather[..., None].expand_as(out), out)
 
     # ------------------------------------------------------------------------------------------ training, eval
+    def forward(self, ids: torch.Tensor, loss_mask: torch.Tensor | None = None, *, step: int | None = None) -> TrainOutput:
+        """The training forward, so that DistributedDataParallel (which hooks `forward`) can wrap the model."""
+        return forward_train(self, ids, loss_mask, step=step)
+
     def forward_train(
         self, ids: torch.Tensor, loss_mask: torch.Tensor | None = None, *, step: int | None = None
     ) -> TrainOutput:

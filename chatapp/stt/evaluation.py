@@ -1,0 +1,113 @@
+"""Held-out metrics of an STT model: perplexity with routing off / by the teacher / by the student, per-layer
+selected fractions, and how well the student (causal router) reproduces the teacher's decisions.
+
+Shared by `chatapp eval`, the training loop's periodic evaluation and the default-model build. F1 is reported
+beside accuracy because at low capacity "never select" already scores a high accuracy (REFERENCES.md, MoD).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from chatapp.stt.model import STTForCausalLM
+
+MODES = ("off", "teacher", "student")
+
+
+@dataclass
+class EvalReport:
+    """Aggregated metrics over the evaluated tokens; per-layer lists follow `model.stt_layer_indices`."""
+
+    tokens: int = 0
+    loss: dict[str, float] = field(default_factory=dict)  # mode -> mean next-token cross-entropy
+    selected_fraction: dict[str, list[float]] = field(default_factory=dict)  # mode -> per STT layer
+    student_accuracy: list[float] = field(default_factory=list)  # causal router vs teacher targets
+    student_f1: list[float] = field(default_factory=list)
+
+    @property
+    def perplexity(self) -> dict[str, float]:
+        return {mode: math.exp(min(loss, 50.0)) for mode, loss in self.loss.items()}
+
+    def compute_saved(self, mode: str = "student") -> float:
+        """Fraction of STT-layer block computations skipped in `mode` (0 when there are no STT layers)."""
+        fractions = self.selected_fraction.get(mode) or []
+        return 1.0 - sum(fractions) / len(fractions) if fractions else 0.0
+
+
+@dataclass
+class _Counts:
+    """Running sums for one evaluation."""
+
+    positions: int = 0
+    loss: dict[str, float] = field(default_factory=dict)
+    selected: dict[str, torch.Tensor] = field(default_factory=dict)
+    tp: torch.Tensor | None = None
+    fp: torch.Tensor | None = None
+    fn: torch.Tensor | None = None
+    tn: torch.Tensor | None = None
+
+
+def _token_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+
+
+@torch.no_grad()
+def evaluate(
+    model: STTForCausalLM,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
+    modes: tuple[str, ...] = MODES,
+) -> EvalReport:
+    """Evaluate `(ids, loss_mask)` batches (B, T); the loss counts tokens whose mask is set (all when None).
+
+    Selected fractions count every token of the batch (routing runs on prompts too). Student accuracy and F1
+    compare the causal router with the teacher's targets on the teacher-routed stream.
+    """
+    was_training = model.training
+    model.eval()
+    counts = _Counts()
+    tokens = 0  # supervised tokens: the loss denominator
+    threshold = model.config.router_threshold
+    for ids, mask in batches:
+        ids = ids.to(model.device)
+        weights = torch.ones_like(ids[:, 1:], dtype=torch.float32) if mask is None else mask[:, 1:].to(model.device).float()
+        tokens += int(weights.sum())
+        for mode in modes:
+            out = model.forward_eval(ids, mode)
+            loss = (_token_losses(out.logits, ids) * weights.flatten()).sum().item()
+            counts.loss[mode] = counts.loss.get(mode, 0.0) + loss
+            picked = out.selected.float().sum(dim=(1, 2))
+            counts.selected[mode] = counts.selected.get(mode, 0) + picked
+            if mode == "teacher" and out.teacher_targets is not None:
+                predicted = out.router_probs >= threshold
+                target = out.teacher_targets
+                for name, hits in (
+                    ("tp", predicted & target),
+                    ("fp", predicted & ~target),
+                    ("fn", ~predicted & target),
+                    ("tn", ~predicted & ~target),
+                ):
+                    total = hits.sum(dim=(1, 2)).double()
+                    previous = getattr(counts, name)
+                    setattr(counts, name, total if previous is None else previous + total)
+        counts.positions += ids.numel()
+    if was_training:
+        model.train()
+    report = EvalReport(tokens=tokens)
+    positions = counts.positions
+    for mode in modes:
+        if mode in counts.loss:
+            report.loss[mode] = counts.loss[mode] / max(tokens, 1)
+            report.selected_fraction[mode] = (counts.selected[mode] / max(positions, 1)).tolist()
+    if counts.tp is not None:
+        tp, fp, fn, tn = counts.tp, counts.fp, counts.fn, counts.tn
+        report.student_accuracy = ((tp + tn) / (tp + fp + fn + tn).clamp(min=1)).tolist()
+        denominator = 2 * tp + fp + fn
+        report.student_f1 = torch.where(denominator > 0, 2 * tp / denominator.clamp(min=1), 1.0).tolist()
+    return report

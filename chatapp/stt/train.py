@@ -1,0 +1,295 @@
+"""The STT training loop: token windows in, a trained model directory out.
+
+Input is a `TokenStream` (concatenated token ids and loss mask; how text becomes ids is the caller's business,
+this package stays a leaf). The stream is cut into non-overlapping windows; every epoch visits them in a seeded
+permutation, and the batch of step s on rank r is a pure function of (seed, s, r): resuming from a checkpoint
+replays exactly the batches an uninterrupted run would have seen, and ranks never share a window
+(DistributedSampler-style sharding).
+
+Multi-GPU runs use torchrun: `init_distributed()` reads RANK / WORLD_SIZE / LOCAL_RANK, the model is wrapped in
+DistributedDataParallel (its `forward` is the teacher's training forward), and rank 0 alone evaluates, reports
+and writes checkpoints. Checkpoints are `out_dir/checkpoints/step_NNNNNN/` directories written under a temporary
+name and renamed into place, with a `latest` pointer replaced atomically afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from chatapp.errors import TrainingError
+from chatapp.stt.evaluation import EvalReport, evaluate
+from chatapp.stt.io import load_state_dict, save_model
+from chatapp.stt.model import STTForCausalLM
+
+STATE_NAME = "trainer_state.pt"
+
+
+@dataclass
+class TokenStream:
+    """Training tokens laid end to end: ids (N,) and loss mask (N,) (True = the token is a prediction target)."""
+
+    ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+    @classmethod
+    def from_sequences(cls, sequences: Iterable[tuple[list[int], list[int]]]) -> TokenStream:
+        """Concatenate (ids, loss_mask) sequences, e.g. rendered conversations each starting with BOS."""
+        ids: list[int] = []
+        mask: list[int] = []
+        for seq_ids, seq_mask in sequences:
+            if len(seq_ids) != len(seq_mask):
+                raise ValueError(f"ids and loss mask differ in length ({len(seq_ids)} vs {len(seq_mask)})")
+            ids.extend(seq_ids)
+            mask.extend(seq_mask)
+        return cls(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool))
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def num_windows(self, seq_len: int) -> int:
+        return len(self) // seq_len
+
+    def windows(self, indices: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Windows `indices` as (ids, loss_mask), each (len(indices), seq_len)."""
+        offsets = indices[:, None] * seq_len + torch.arange(seq_len)[None, :]
+        return self.ids[offsets], self.loss_mask[offsets]
+
+    def batches(self, batch_size: int, seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every window once, in order (for evaluation)."""
+        count = self.num_windows(seq_len)
+        for start in range(0, count, batch_size):
+            yield self.windows(torch.arange(start, min(start + batch_size, count)), seq_len)
+
+
+@dataclass
+class TrainConfig:
+    """How to train (the model's own settings, e.g. per-group learning rates, live in its STTConfig)."""
+
+    steps: int = 1000
+    batch_size: int = 8  # windows per rank and step
+    seq_len: int = 256
+    lr_scale: float = 1.0  # multiplies every parameter group's learning rate
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine decay to this fraction of the peak
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_interval: int = 0  # 0: evaluate only at the end
+    eval_batches: int = 8
+    checkpoint_interval: int = 0  # 0: at every evaluation
+
+    def lr_factor(self, step: int) -> float:
+        """Linear warmup, then cosine decay to `min_lr_ratio`."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(self.steps - self.warmup_steps, 1)
+        progress = min((step - self.warmup_steps) / span, 1.0)
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepReport:
+    """What the loop reports after a step (rank 0 only)."""
+
+    step: int  # steps done
+    steps: int
+    losses: dict[str, float]
+    lr_factor: float
+    tokens_per_s: float
+    teacher_fraction: list[float]
+    student_f1: list[float]
+    eval: EvalReport | None = None
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_losses: dict[str, float] = field(default_factory=dict)
+    eval: EvalReport | None = None
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> DistInfo:
+    """Join the torchrun process group when WORLD_SIZE > 1 (NCCL on CUDA, gloo on CPU); single process otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return DistInfo(rank=rank, world_size=world, local_rank=local)
+
+
+class WindowSampler:
+    """Seeded per-epoch permutations of window indices, sharded by rank; the batch of a step is stateless."""
+
+    def __init__(self, num_windows: int, batch_size: int, seed: int, dist_info: DistInfo) -> None:
+        self.num_windows, self.batch_size, self.seed, self.dist = num_windows, batch_size, seed, dist_info
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            self._perms = {epoch: torch.randperm(self.num_windows, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))}
+        return self._perms[epoch]
+
+    def indices(self, step: int) -> torch.Tensor:
+        start = (step * self.dist.world_size + self.dist.rank) * self.batch_size
+        positions = range(start, start + self.batch_size)
+        return torch.stack([self._perm(p // self.num_windows)[p % self.num_windows] for p in positions])
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    pointer = out_dir / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = out_dir / "checkpoints" / pointer.read_text(encoding="utf-8").strip()
+    return path if path.is_dir() else None
+
+
+def save_checkpoint(model: STTForCausalLM, optimizer: torch.optim.Optimizer, step: int, config: TrainConfig, out_dir: Path) -> Path:
+    """Write step_NNNNNN/ atomically, point `latest` at it, then drop older checkpoints."""
+    root = out_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
+    try:
+        save_model(model, tmp)
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "train_config": asdict(config)}, tmp / STATE_NAME)
+        final = root / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fd, pointer_tmp = tempfile.mkstemp(dir=root, prefix=".latest.")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(name + "\n")
+    os.replace(pointer_tmp, root / "latest")
+    for old in root.glob("step_*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _load_checkpoint(model: STTForCausalLM, optimizer: torch.optim.Optimizer, path: Path) -> int:
+    try:
+        state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
+        model.load_state_dict(load_state_dict(path), strict=not model.config.tie_word_embeddings)
+        optimizer.load_state_dict(state["optimizer"])
+    except (OSError, RuntimeError, KeyError, ValueError) as err:
+        raise TrainingError(f"cannot resume from {path}: {err}", hint="delete the checkpoint or start without --resume") from None
+    return int(state["step"])
+
+
+# ------------------------------------------------------------------------------------------------------- the loop
+def _eval_batches(data: TokenStream, config: TrainConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(data.batches(config.batch_size, config.seq_len))[: config.eval_batches]
+
+
+def train(
+    model: STTForCausalLM,
+    data: TokenStream,
+    config: TrainConfig,
+    *,
+    eval_data: TokenStream | None = None,
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    on_step: Callable[[StepReport], None] | None = None,
+    dist_info: DistInfo | None = None,
+) -> TrainResult:
+    """Train `model` in place; with `out_dir`, checkpoint there and save the final model into it.
+
+    The saved model has `routing_trained = true`, so generation uses the student router from then on.
+    """
+    dist_info = dist_info or DistInfo()
+    windows = data.num_windows(config.seq_len)
+    if windows < 1:
+        raise TrainingError(
+            f"the training corpus has {len(data)} tokens, fewer than one window of {config.seq_len}",
+            hint="use a larger corpus or a smaller --seq-len",
+        )
+    out_dir = Path(out_dir) if out_dir is not None else None
+    sampler = WindowSampler(windows, config.batch_size, config.seed, dist_info)
+    groups = model.parameter_groups(config.lr_scale, config.weight_decay)
+    for group in groups:
+        group["base_lr"] = group["lr"]
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95))
+    start = 0
+    if resume and out_dir is not None and (checkpoint := latest_checkpoint(out_dir)) is not None:
+        start = _load_checkpoint(model, optimizer, checkpoint)
+    runner: torch.nn.Module = model
+    if dist_info.world_size > 1:
+        devices = [model.device.index] if model.device.type == "cuda" else None
+        runner = DistributedDataParallel(model, device_ids=devices)
+    evaluation_set = _eval_batches(eval_data, config) if eval_data is not None else []
+    checkpoint_every = config.checkpoint_interval or config.eval_interval
+    model.train()
+    losses: dict[str, float] = {}
+    report = None
+    for step in range(start, config.steps):
+        began = time.perf_counter()
+        factor = config.lr_factor(step)
+        for group in optimizer.param_groups:
+            group["lr"] = group["base_lr"] * factor
+        ids, mask = data.windows(sampler.indices(step), config.seq_len)
+        out = runner(ids.to(model.device), mask.to(model.device), step=step)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        done = step + 1
+        if not dist_info.is_main:
+            continue
+        losses = {name: value.item() for name, value in out.losses.items()}
+        elapsed = time.perf_counter() - began
+        report = None
+        last = done == config.steps
+        if evaluation_set and (last or (config.eval_interval and done % config.eval_interval == 0)):
+            report = evaluate(model, evaluation_set)
+        if on_step is not None:
+            on_step(
+                StepReport(
+                    step=done,
+                    steps=config.steps,
+                    losses=losses,
+                    lr_factor=factor,
+                    tokens_per_s=ids.numel() * dist_info.world_size / max(elapsed, 1e-9),
+                    teacher_fraction=out.stats["teacher_fraction"].tolist(),
+                    student_f1=out.stats["f1"].tolist(),
+                    eval=report,
+                )
+            )
+        if out_dir is not None and checkpoint_every and done % checkpoint_every == 0 and not last:
+            save_checkpoint(model, optimizer, done, config, out_dir)
+    model.eval()
+    model.config.routing_trained = True
+    if out_dir is not None and dist_info.is_main:
+        save_model(model, out_dir)
+    return TrainResult(steps=config.steps, final_losses=losses, eval=report)
