@@ -14,6 +14,7 @@ FORMAT_TEXTS = (
     "<think>Let me think about the letters one by one.</think>There are 3 r letters.",
     "Let me compute that. 37*45 is 1665. The quick brown fox jumps over the lazy dog.\n\nNew paragraph.\n",
     'She said "hello." Then "goodbye?" and "ok!"\n',
+    "A list:\n\n\n- one\n\n\n- two\n",  # runs of newlines, so BPE learns merged newline tokens
 )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chatapp.ttfa import Automaton, ProgramBuilder, compile_program, load_program
+from chatapp.ttfa import Automaton, Contains, ProgramBuilder, compile_program, load_program
 from chatapp.ttfa.program import Program
 from chatapp.ttfa.reference import ReferenceRow
 from chatapp.ttfa.vocab import TokenVocab
@@ -140,3 +140,21 @@ def test_think_budget_forces_the_end_of_thinking(ttfa_tokenizer) -> None:
     assert tokens[4] == end_of_thinking and forced[4]  # the 5th token of the zone
     assert forced[:5] == [True, False, False, False, True]
     assert tags[4] == ("think",) and tags[5] == ("answer",)
+
+
+def test_a_newline_trigger_fires_inside_merged_tokens(ttfa_tokenizer) -> None:
+    """`{contains = "\\n"}`: the model's paragraph break comes as a merged token, and the zone still ends there."""
+    vocab = TokenVocab(ttfa_tokenizer)
+    source = (
+        ProgramBuilder("line", tags=["line"])
+        .zone("line", until=Contains("\n"), tags=["line"])
+        .zone("rest", until="<|assistant_end|>")
+        .build()
+    )
+    program = compile_program(source, ttfa_tokenizer)
+    stream = model_stream(vocab, ["A list:\n\n\n- one", "<|assistant_end|>"])
+    merged = next(t for t in stream if "\n" in vocab.texts[t])
+    assert vocab.texts[merged] != "\n"  # BPE merged the newline with its neighbours
+    ((tokens, _, tags),) = run_batch([program], [stream])
+    ends = tokens.index(merged)
+    assert all(t == ("line",) for t in tags[: ends + 1]) and all(t == () for t in tags[ends + 1 :])
