@@ -58,9 +58,11 @@ async def wait_until(pilot, predicate: Callable[[], object], *, timeout: float =
 
 
 async def ready(pilot) -> None:
-    """Wait until the app is mounted and the input has focus (a snapshot's `run_before` starts before that)."""
-    app = pilot.app
-    await wait_until(pilot, lambda: app.query("#prompt") and app.query_one("#prompt").has_focus, what="the app")
+    """Wait until the screen has processed its start-up messages, as `run_test` does before it yields the pilot.
+
+    A snapshot's `run_before` starts earlier than that, and keys pressed then are lost."""
+    await pilot._wait_for_screen()
+    await wait_until(pilot, lambda: pilot.app.focused is not None, what="the app to focus a widget")
 
 
 async def submit(pilot, text: str) -> None:
