@@ -194,6 +194,12 @@ class TokTrie:
         return mask
 
 
+def padded_token_matrix(tokens: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """`(uint8[V, max_len] zero-padded rows, int64[V] lengths)`: all tokens as one array for vectorised scans."""
+    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    return _padded_matrix(b"".join(tokens), lengths), lengths
+
+
 def _padded_matrix(joined: bytes, lengths: np.ndarray) -> np.ndarray:
     """`uint8[len(lengths), max_len]`: the concatenated strings in `joined`, one per row, left-aligned, zero padded."""
     width = int(lengths.max(initial=1))

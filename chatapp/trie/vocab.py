@@ -1,6 +1,7 @@
 """`ConstraintVocab`: everything constraints need from one tokenizer, built once and shared by every row.
 
-Holds the token bytes, the trie, a compiled walker, a bounded cache of masks per (DFA, state, healing prefix), and
+Holds the token bytes, the trie, a compiled walker (for masks under a prefix), a sliced walker (for next-token
+masks: `slices.py`), a bounded cache of masks per (DFA, state, healing prefix), and
 the canonical tokenizer for fast-forward. Building it for a 150k vocabulary takes a fraction of a second.
 """
 
@@ -13,6 +14,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from chatapp.trie.dfa import ByteDFA
+from chatapp.trie.slices import SlicedWalker
 from chatapp.trie.token_bytes import VocabBytes, vocab_bytes
 from chatapp.trie.toktrie import TokTrie
 from chatapp.trie.walk import CompiledWalker
@@ -29,6 +31,7 @@ class ConstraintVocab:
     bytes: VocabBytes = field(repr=False)
     trie: TokTrie = field(repr=False)
     walker: CompiledWalker = field(repr=False)
+    sliced: SlicedWalker = field(repr=False)
     _masks: OrderedDict[tuple[ByteDFA, int, bytes], np.ndarray] = field(default_factory=OrderedDict, repr=False)
 
     @classmethod
@@ -36,7 +39,8 @@ class ConstraintVocab:
         """Index `tokenizer`; `vocab_size` may exceed the tokenizer's (a model head padded to a multiple of 64)."""
         vb = vocab_bytes(tokenizer, vocab_size)
         trie = TokTrie.build(vb.tokens)
-        return cls(tokenizer=tokenizer, bytes=vb, trie=trie, walker=CompiledWalker(trie))
+        sliced = SlicedWalker(vb.tokens, vb.vocab_size)
+        return cls(tokenizer=tokenizer, bytes=vb, trie=trie, walker=CompiledWalker(trie), sliced=sliced)
 
     @property
     def vocab_size(self) -> int:
@@ -64,7 +68,9 @@ class ConstraintVocab:
             self._masks.move_to_end(key)
             return cached
         node = self.trie.node_for(prefix)
-        if node is None:
+        if not prefix:
+            result = self.sliced.mask(dfa, state)
+        elif node is None:
             result = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
         else:
             result = self.walker.mask(dfa, dfa.step(state, prefix), node)

@@ -101,12 +101,8 @@ class CompiledWalker:
         return words[: (trie.vocab_size + 31) // 32].copy()
 
 
-def brute_force_mask(token_matrix: np.ndarray, token_lengths: np.ndarray, dfa: ByteDFA, state: int) -> np.ndarray:
-    """Boolean mask by running the DFA over every token's bytes at once (numpy, one column per byte position).
-
-    The oracle for tests and the baseline in the benchmark: O(V x max_len) work, no trie. `token_matrix` is
-    `uint8[V, L]` (zero padded), `token_lengths` `int[V]`; empty tokens are never allowed.
-    """
+def final_states(token_matrix: np.ndarray, token_lengths: np.ndarray, dfa: ByteDFA, state: int) -> np.ndarray:
+    """The DFA state after each token's bytes from `state`, for all tokens at once (numpy, one column per byte)."""
     states = np.full(len(token_lengths), state, dtype=np.int32)
     table = dfa.transitions
     for col in range(token_matrix.shape[1]):
@@ -114,4 +110,12 @@ def brute_force_mask(token_matrix: np.ndarray, token_lengths: np.ndarray, dfa: B
         if not active.any():
             break
         states[active] = table[states[active], token_matrix[active, col]]
-    return (states != DEAD) & (token_lengths > 0)
+    return states
+
+
+def brute_force_mask(token_matrix: np.ndarray, token_lengths: np.ndarray, dfa: ByteDFA, state: int) -> np.ndarray:
+    """Boolean mask by running the DFA over every token's bytes at once: the oracle for tests, O(V x max_len).
+
+    `token_matrix` is `uint8[V, L]` (zero padded), `token_lengths` `int[V]`; empty tokens are never allowed.
+    """
+    return (final_states(token_matrix, token_lengths, dfa, state) != DEAD) & (token_lengths > 0)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from chatapp.trie.bitmask import allowed_ids, bitmask_to_bools
 from chatapp.trie.dfa import DEAD
 from chatapp.trie.regex import compile_regex
+from chatapp.trie.slices import SlicedWalker
 from chatapp.trie.token_bytes import vocab_bytes
 from chatapp.trie.toktrie import TokTrie, _padded_matrix
 from chatapp.trie.walk import CompiledWalker, brute_force_mask
@@ -121,3 +122,31 @@ def test_cold_numba_cache_compiles_and_agrees(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[0, 1, 4, 5]"
     assert any((tmp_path / "numba").rglob("*.nbi")), "the compiled kernels were cached"
+
+
+@pytest.fixture(scope="module")
+def source_slices(source_vocab) -> SlicedWalker:
+    return SlicedWalker(source_vocab.bytes.tokens, source_vocab.bytes.vocab_size)
+
+
+@settings(max_examples=40)
+@given(regexes, st.lists(st.integers(0, 10**6), max_size=3))
+def test_sliced_walk_equals_full_walk(source_vocab, source_slices, rx, picks):
+    dfa = compile_regex(rx)
+    for state in _states_along(source_vocab, dfa, picks):
+        assert (source_slices.mask(dfa, state) == source_vocab.walker.mask(dfa, state)).all(), rx
+
+
+@pytest.mark.parametrize(
+    ("rx", "prefix", "universal"),
+    [
+        (r'"([^"\\]|\\.)*"', b'"', (True, True, True, True)),  # inside a JSON string: every text slice
+        (r"[\s\S]*", b"", (True, True, True, True)),
+        (r"[^\n]*\n", b"", (False, True, True, True)),  # newline (in the whitespace slice) ends the line
+        (r"[0-9]+", b"", (False, False, False, False)),
+        (r"[a-z ]{0,12}", b"", (False, False, False, False)),  # bounded: no slice fits entirely
+    ],
+)
+def test_slice_universality(source_slices, rx, prefix, universal):
+    dfa = compile_regex(rx)
+    assert source_slices.universal(dfa, dfa.step(dfa.start, prefix)) == universal
