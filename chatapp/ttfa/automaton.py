@@ -112,6 +112,15 @@ class Automaton:
 
     All tensors live on `device`; `step`, `advance`, `pending_feed`, `peek_feed` and `select_rows` never read
     them back. `done()`, `zone_labels()` and `local_state()` are host queries and do.
+
+    Decoding feeds each sampled token through `step`. Fast-forward pushes the known feed through the model at once
+    and leaves the automaton where the same tokens stepped one by one would:
+
+        n = automaton.pending_feed()                 # [B] feed tokens known ahead (0 where the model speaks next)
+        k = int(n.max())                             # the caller's host read, folded into its per-step copy
+        ids, tags = automaton.peek_feed(k), automaton.peek_feed_tags(k)
+        model.extend(ids, n, cache)                  # right-padded; rows with n = 0 untouched
+        automaton.advance(n)
     """
 
     def __init__(self, programs: Sequence[Program], row_program: Sequence[int], device: torch.device | str = "cpu"):
