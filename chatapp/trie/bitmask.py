@@ -66,7 +66,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | np.ndarray
     squeeze = logits.dim() == 1
     rows = logits.unsqueeze(0) if squeeze else logits
     if isinstance(bitmask, np.ndarray):
-        bitmask = torch.from_numpy(np.ascontiguousarray(bitmask).view(np.int32))
+        words = np.ascontiguousarray(bitmask, dtype=np.uint32)
+        if not words.flags.writeable:  # cached masks are read-only; torch.from_numpy wants writable memory
+            words = words.copy()
+        bitmask = torch.from_numpy(words.view(np.int32))
     words = bitmask.to(device=rows.device, dtype=torch.int32, non_blocking=True)
     if words.dim() == 1:
         words = words.unsqueeze(0)

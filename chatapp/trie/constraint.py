@@ -23,13 +23,14 @@ from typing import Any
 import numpy as np
 
 from chatapp.errors import ConstraintError
-from chatapp.trie.bitmask import set_bit
 from chatapp.trie.dfa import DEAD, ByteDFA
 from chatapp.trie.fast_forward import LOOKBACK_TOKENS, FastForward, fast_forward
 from chatapp.trie.json_schema import schema_to_regex
 from chatapp.trie.regex import compile_regex
 from chatapp.trie.token_bytes import SPECIAL_TOKEN_MARKER
 from chatapp.trie.vocab import ConstraintVocab
+
+_NOTHING_FORCED = FastForward((), b"")
 
 
 class Constraint:
@@ -99,17 +100,13 @@ class Constraint:
             return np.zeros((self.vocab.vocab_size + 31) // 32, dtype=np.uint32)
         ff = self._fast_forward()
         if ff.tokens:
-            mask = np.zeros((self.vocab.vocab_size + 31) // 32, dtype=np.uint32)
-            set_bit(mask, ff.tokens[0])
-            return mask
-        healing = ff.healing if self.token_healing else b""
-        mask = self.vocab.mask(self.dfa, self.state, healing) if healing else None
-        if mask is None or not mask.any():
-            mask = self.vocab.mask(self.dfa, self.state)
-        if self.end_token is not None and self.is_accepting():
-            mask = mask.copy()
-            set_bit(mask, self.end_token)
-        return mask
+            return self.vocab.single_token_mask(ff.tokens[0])
+        end = self.end_token if self.end_token is not None and self.dfa.accepting[self.state] else None
+        if self.token_healing and ff.healing:
+            healed = self.vocab.mask(self.dfa, self.state, ff.healing)
+            if healed.any():
+                return healed  # forced bytes remain, so the state is not accepting: no end token here
+        return self.vocab.mask(self.dfa, self.state, extra_token=end)
 
     def healing_prefix(self) -> bytes:
         """Bytes the next token must start with (empty when unrestricted); see the module docstring."""
@@ -173,6 +170,8 @@ class Constraint:
         return context
 
     def _fast_forward(self) -> FastForward:
+        if self.dfa.accepting[self.state] or self.dfa.live_count[self.state] != 1:
+            return _NOTHING_FORCED  # a choice point: nothing forced, nothing cached
         context = self._context()
         key = (self.state, context)
         if key not in self._ff_cache:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chatapp.trie.bitmask import allowed_ids
 from chatapp.trie.dfa import ByteDFA
 from chatapp.trie.vocab import ConstraintVocab
 
@@ -80,13 +79,13 @@ def _token_ends(vocab: ConstraintVocab, ids: list[int]) -> list[int]:
     return ends
 
 
-def _spanned_by_longer_token(vocab: ConstraintVocab, dfa: ByteDFA, state: int, forced: bytes, idx: int) -> bool:
-    """Whether a token strictly longer than `forced[idx:]` starts with it and the grammar allows it at `idx`."""
-    suffix = forced[idx:]
-    if not vocab.trie.has_extension(suffix):
-        return False
-    mask = vocab.mask(dfa, dfa.step(state, forced[:idx]), suffix)
-    return any(len(vocab.token_bytes(int(t))) > len(suffix) for t in allowed_ids(mask, vocab.vocab_size))
+def _spanned_by_longer_token(vocab: ConstraintVocab, dfa: ByteDFA, state_after: int, forced: bytes, idx: int) -> bool:
+    """Whether a token strictly longer than `forced[idx:]` starts with it and the grammar allows it at `idx`.
+
+    `state_after` is the DFA state after all of `forced` (the same whichever `idx` the suffix starts at).
+    """
+    node = vocab.trie.node_for(forced[idx:])
+    return node is not None and vocab.walker.any_token_below(dfa, state_after, node)
 
 
 def fast_forward(
@@ -107,8 +106,9 @@ def fast_forward(
     covered = ends[-1]
     tail_start = ends[-lookback - 1] if len(tokens) > lookback else 0
     # Bytes past `covered` (an incomplete final character) are never forced as tokens: they always stay behind.
+    after = dfa.step(state, forced)
     idx = next(
-        (i for i in range(tail_start, covered) if _spanned_by_longer_token(vocab, dfa, state, forced, i)), covered
+        (i for i in range(tail_start, covered) if _spanned_by_longer_token(vocab, dfa, after, forced, i)), covered
     )
     keep = len(tokens)
     while keep and ends[keep - 1] > idx:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import Tokenizer
 
+from chatapp.trie.bitmask import set_bit
 from chatapp.trie.dfa import ByteDFA
 from chatapp.trie.slices import SlicedWalker
 from chatapp.trie.token_bytes import VocabBytes, vocab_bytes
@@ -32,7 +33,10 @@ class ConstraintVocab:
     trie: TokTrie = field(repr=False)
     walker: CompiledWalker = field(repr=False)
     sliced: SlicedWalker = field(repr=False)
-    _masks: OrderedDict[tuple[ByteDFA, int, bytes], np.ndarray] = field(default_factory=OrderedDict, repr=False)
+    _singles: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    _masks: OrderedDict[tuple[ByteDFA, int, bytes, int | None], np.ndarray] = field(
+        default_factory=OrderedDict, repr=False
+    )
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int | None = None) -> ConstraintVocab:
@@ -56,29 +60,45 @@ class ConstraintVocab:
             raise KeyError(name)
         return token
 
-    def mask(self, dfa: ByteDFA, state: int, prefix: bytes = b"") -> np.ndarray:
+    def mask(self, dfa: ByteDFA, state: int, prefix: bytes = b"", extra_token: int | None = None) -> np.ndarray:
         """Packed mask of tokens that start with `prefix` and keep `dfa` alive from `state` (cached, read-only).
 
         `state` is the DFA state *before* `prefix`; the walk starts at the trie node of `prefix` with the state
-        after it. An empty result when no token starts with `prefix`.
+        after it (empty when no token starts with `prefix`). `extra_token` (the end token once the output is
+        complete) is added to the cached copy, so a constraint's mask is one dictionary lookup when warm.
         """
-        key = (dfa, state, prefix)  # the DFA itself (hashed by identity): a cached entry keeps it alive
+        key = (dfa, state, prefix, extra_token)  # the DFA itself (hashed by identity): an entry keeps it alive
         cached = self._masks.get(key)
         if cached is not None:
             self._masks.move_to_end(key)
             return cached
-        node = self.trie.node_for(prefix)
-        if not prefix:
+        if extra_token is not None:
+            result = self.mask(dfa, state, prefix).copy()
+            set_bit(result, extra_token)
+        elif not prefix:
             result = self.sliced.mask(dfa, state)
-        elif node is None:
-            result = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
         else:
-            result = self.walker.mask(dfa, dfa.step(state, prefix), node)
+            node = self.trie.node_for(prefix)
+            if node is None:
+                result = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
+            else:
+                result = self.walker.mask(dfa, dfa.step(state, prefix), node)
         result.setflags(write=False)
         self._masks[key] = result
         if len(self._masks) > MASK_CACHE_SIZE:
             self._masks.popitem(last=False)
         return result
+
+    def single_token_mask(self, token: int) -> np.ndarray:
+        """A read-only mask allowing only `token` (cached: forced tokens repeat across rows and steps)."""
+        mask = self._singles.get(token)
+        if mask is None:
+            mask = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
+            set_bit(mask, token)
+            mask.setflags(write=False)
+            if len(self._singles) < MASK_CACHE_SIZE:
+                self._singles[token] = mask
+        return mask
 
     def encode(self, text: str) -> list[int]:
         """Canonical tokenization of plain text (special-token names in it stay text where the tokenizer allows)."""

@@ -67,6 +67,40 @@ def _finish_kernel(words: np.ndarray, bogus: int, duplicate_ids: np.ndarray, pri
         words[dst >> 5] |= bit << np.uint32(dst & 31)
 
 
+@njit(cache=True, nogil=True)
+def _any_token_below_kernel(
+    node_byte: np.ndarray,
+    node_token: np.ndarray,
+    subtree_size: np.ndarray,
+    num_parents: np.ndarray,
+    transitions: np.ndarray,
+    state: int,
+    node: int,
+    node_depth: int,
+    stack: np.ndarray,
+    bogus: int,
+) -> bool:
+    """The walk of `_walk_kernel`, stopping at the first allowed token strictly below `node`."""
+    sp = node_depth
+    stack[sp] = state
+    p = node + 1
+    end = node + subtree_size[node]
+    while p < end:
+        nxt = transitions[stack[sp], node_byte[p]]
+        if nxt != DEAD:
+            if node_token[p] != bogus:
+                return True
+            sp += 1
+            stack[sp] = nxt
+            if subtree_size[p] == 1:
+                sp -= num_parents[p]
+            p += 1
+        else:
+            sp -= num_parents[p] - 1
+            p += subtree_size[p]
+    return False
+
+
 class CompiledWalker:
     """Reusable scratch space (mask words, depth stack) for compiled walks of one trie."""
 
@@ -99,6 +133,27 @@ class CompiledWalker:
             )
         _finish_kernel(words, trie.vocab_size, trie.duplicate_ids, trie.primary_ids)
         return words[: (trie.vocab_size + 31) // 32].copy()
+
+    def any_token_below(self, dfa: ByteDFA, state: int, node: int) -> bool:
+        """Whether some token strictly longer than `node`'s path starts with it and keeps `dfa` alive from `state`
+        (the DFA state after `node`'s path). Stops at the first one: fast-forward asks this several times a step."""
+        trie = self.trie
+        if state == DEAD or trie.subtree_size[node] == 1:
+            return False
+        return bool(
+            _any_token_below_kernel(
+                trie.node_byte,
+                trie.node_token,
+                trie.subtree_size,
+                trie.num_parents,
+                dfa.transitions,
+                state,
+                node,
+                int(trie.node_depth[node]),
+                self._stack,
+                trie.vocab_size,
+            )
+        )
 
 
 def final_states(token_matrix: np.ndarray, token_lengths: np.ndarray, dfa: ByteDFA, state: int) -> np.ndarray:

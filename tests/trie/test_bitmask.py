@@ -67,6 +67,15 @@ def test_apply_to_one_row_and_to_a_padded_head():
     assert torch.equal(torch.isfinite(out[:40]), torch.from_numpy(allowed))
 
 
+def test_apply_accepts_read_only_cached_masks(recwarn):
+    logits, masks = _random_case(1, 100, seed=3)
+    frozen = masks[0].copy()
+    frozen.setflags(write=False)
+    out = apply_token_bitmask(logits.clone(), frozen)
+    assert torch.equal(torch.isfinite(out[0]), torch.from_numpy(bitmask_to_bools(frozen, 100)))
+    assert not [w for w in recwarn if "not writable" in str(w.message)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_apply_on_cuda_matches_cpu_without_host_sync():
     logits, masks = _random_case(8, 5000, seed=7)
