@@ -1,0 +1,447 @@
+"""Build the embedded default model: corpus → tokenizer → STT model → training → evaluation → `models/default/`.
+
+Run by `make train-default` (`python -m chatapp.models.build_default`). Everything is seeded and runs on the CPU,
+so the same command rebuilds the same model; nothing is downloaded. The result is a Hugging Face-style directory
+(`config.json`, `model.safetensors`, `tokenizer.json`) plus `MODEL_CARD.md` with the recipe and the held-out
+metrics, written next to the package code so it ships inside the wheel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from chatapp.models.corpus import THINK_CLOSE, THINK_OPEN, Conversation, conversation_text, generate_corpus
+from chatapp.models.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
+from chatapp.settings import default_model_dir
+
+SPECIAL_TOKENS: tuple[str, ...] = (*CHAT_SPECIAL_TOKENS, THINK_OPEN, THINK_CLOSE)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that determines the default model. Changing a field changes the model."""
+
+    seed: int = 0
+    train_conversations: int = 60_000
+    heldout_conversations: int = 600
+    vocab_size: int = 2048
+    # Shape: blocks hold most parameters (the vocabulary of this corpus is under 2k tokens); STT layers alternate
+    # with dense ones, starting at layer 1, as in the STT paper.
+    hidden_size: int = 192
+    num_layers: int = 6
+    intermediate_size: int = 576
+    num_heads: int = 3
+    num_kv_heads: int = 1
+    context: int = 256
+    # Training: conversations laid end to end and cut into windows (chatapp.stt.train), AdamW with linear warmup
+    # then cosine decay to `min_lr_ratio` of the peak. `lr` is the base model's peak learning rate.
+    steps: int = 900
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    # STT routing: capacity (the student's initial rate, the gate regulariser's target) and the optional second
+    # phase of `gated_steps` steps with the spec's gated second pass on selected tokens (see STTConfig).
+    capacity: float = 0.5
+    gated_steps: int = 250
+    gated_lr_ratio: float = 0.3
+    # On-disk precision of the weights (they load as float32 on the CPU).
+    store_dtype: str = "float16"
+    # CPU threads for training. One thread makes float reductions (and so the weights) independent of the machine's
+    # core count, and on a busy shared machine it avoids OpenMP threads spinning while they wait for each other.
+    threads: int = 1
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def quick(self) -> Recipe:
+        """A minutes-long recipe with the same code path (for smoke tests of the pipeline, not for shipping)."""
+        return replace(
+            self,
+            train_conversations=300,
+            heldout_conversations=12,
+            vocab_size=512,
+            hidden_size=64,
+            num_layers=2,
+            intermediate_size=128,
+            num_heads=2,
+            num_kv_heads=1,
+            steps=4,
+            gated_steps=2 if self.gated_steps else 0,
+            batch_size=4,
+            seq_len=64,
+            warmup_steps=1,
+        )
+
+
+def build_tokenizer(corpus: list[Conversation], recipe: Recipe):
+    """Byte-level BPE over the training split, digits split individually, chat + think tokens first."""
+    return train_bpe_tokenizer(
+        (conversation_text(c) for c in corpus), recipe.vocab_size, SPECIAL_TOKENS, individual_digits=True
+    )
+
+
+def build_config(recipe: Recipe, vocab_size: int):
+    """The STT configuration for `recipe`: a Qwen2 shape with every other layer an STT layer."""
+    from chatapp.stt import STTConfig
+
+    return STTConfig(
+        vocab_size=vocab_size,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        max_position_embeddings=recipe.context,
+        tie_word_embeddings=True,
+        capacity=recipe.capacity,
+        g_reg_target=recipe.capacity,
+        lr_base=recipe.lr,
+        **recipe.extra_config,
+    )
+
+
+def render_batches(conversations: list[Conversation], chat_format, max_batch: int = 32):
+    """(ids, loss_mask) batches of equal-length conversations: no padding, so routing statistics count only
+    real tokens. Order is deterministic (by length, then corpus order)."""
+    import torch
+
+    by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
+    for conv in conversations:
+        ids, mask = chat_format.render_conversation(conv.messages)
+        by_length.setdefault(len(ids), []).append((ids, mask))
+    for length in sorted(by_length):
+        rows = by_length[length]
+        for start in range(0, len(rows), max_batch):
+            chunk = rows[start : start + max_batch]
+            yield torch.tensor([r[0] for r in chunk]), torch.tensor([r[1] for r in chunk])
+
+
+@dataclass
+class Metrics:
+    """Held-out metrics of a built model (what the model card reports)."""
+
+    tasks: dict[str, dict[str, float | int]]
+    perplexity: dict[str, float]
+    selected_fraction: dict[str, list[float]]
+    student_f1: list[float]
+    student_accuracy: list[float]
+    failures: list[tuple[str, str]]
+
+    @property
+    def student_over_off(self) -> float:
+        return self.perplexity["student"] / self.perplexity["off"]
+
+
+def evaluate_model_dir(model_dir: Path, heldout: list[Conversation], log=print) -> Metrics:
+    """Load `model_dir` as users will (float32 on the CPU) and measure it on the held-out split."""
+    from chatapp.engine.engine import Engine
+    from chatapp.models.evaluate import evaluate_tasks
+    from chatapp.models.loader import load_model
+    from chatapp.settings import GenerationSettings
+    from chatapp.stt.evaluation import evaluate
+
+    loaded = load_model(model_dir, device="cpu")
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    started = time.perf_counter()
+    tasks = evaluate_tasks(engine, heldout, GenerationSettings(max_tokens=96, routing="student"))
+    log(f"task metrics in {time.perf_counter() - started:.0f}s")
+    for label, tally in tasks.rows():
+        log(f"  {label}: {tally}")
+    report = evaluate(loaded.model, render_batches(heldout, loaded.chat_format))
+    return Metrics(
+        tasks=tasks.as_dict(),
+        perplexity=report.perplexity,
+        selected_fraction=report.selected_fraction,
+        student_f1=report.student_f1,
+        student_accuracy=report.student_accuracy,
+        failures=tasks.failures,
+    )
+
+
+def _progress(log, every: int, started: float):
+    """An `on_step` callback for `chatapp.stt.train.train` that logs losses and routing every `every` steps."""
+
+    def on_step(report) -> None:
+        if report.step % every and report.step != report.steps:
+            return
+        losses = " ".join(f"{k}={v:.4f}" for k, v in report.losses.items())
+        fractions = " ".join(f"{f:.2f}" for f in report.teacher_fraction)
+        f1 = " ".join(f"{f:.2f}" for f in report.student_f1)
+        log(
+            f"step {report.step}/{report.steps} {losses} | teacher fraction {fractions} | student F1 {f1} | "
+            f"{report.tokens_per_s:.0f} tok/s | {time.perf_counter() - started:.0f}s"
+        )
+
+    return on_step
+
+
+def train_model(recipe: Recipe, corpus: list[Conversation], chat_format, log=print):
+    """Initialise the STT model with the recipe's seed and train it: the dense phase, then the gated one if any."""
+    import torch
+
+    from chatapp.stt import STTForCausalLM
+    from chatapp.stt.train import TokenStream, TrainConfig, train
+
+    torch.manual_seed(recipe.seed)
+    model = STTForCausalLM(build_config(recipe, chat_format.tokenizer.get_vocab_size()))
+    data = TokenStream.from_sequences(chat_format.render_conversation(c.messages) for c in corpus)
+    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; corpus: {len(data)} tokens")
+    started = time.perf_counter()
+    common = {
+        "batch_size": recipe.batch_size,
+        "seq_len": recipe.seq_len,
+        "min_lr_ratio": recipe.min_lr_ratio,
+        "weight_decay": recipe.weight_decay,
+        "seed": recipe.seed,
+    }
+    every = max(1, recipe.steps // 40)
+    train(
+        model,
+        data,
+        TrainConfig(steps=recipe.steps, warmup_steps=recipe.warmup_steps, **common),
+        on_step=_progress(log, every, started),
+    )
+    if recipe.gated_steps:
+        # Phase 2: selected tokens are recomputed attending only to selected keys, as at inference, so the base
+        # model learns to work with the routing it will get. The gate is hard from the start (end betas).
+        model.config.gated_second_pass = True
+        model.config.beta_schedule = "constant"
+        log("gated phase: second pass on selected tokens")
+        train(
+            model,
+            data,
+            TrainConfig(
+                steps=recipe.gated_steps,
+                warmup_steps=max(1, recipe.warmup_steps // 4),
+                lr_scale=recipe.gated_lr_ratio,
+                **{**common, "seed": recipe.seed + 1},
+            ),
+            on_step=_progress(log, max(1, recipe.gated_steps // 20), started),
+        )
+    model.config.routing_trained = True
+    return model, time.perf_counter() - started
+
+
+def save_model_dir(model, tokenizer, directory: Path, store_dtype: str) -> None:
+    """Write the weights (in `store_dtype`), config.json and tokenizer.json into `directory`."""
+    import torch
+
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[store_dtype]
+    original = model.dtype
+    model.to(dtype).save_pretrained(directory)
+    model.to(original)
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def _make_readable(directory: Path) -> None:
+    """Temporary files and directories are created private (0600/0700); shipped model files are plain 0644/0755."""
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o644)
+
+
+def build(recipe: Recipe, out_dir: Path, log=print) -> Metrics:
+    """The whole pipeline; `out_dir` is replaced only once the new model is written and evaluated."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(recipe.threads)
+    try:
+        return _build(recipe, out_dir, log)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _build(recipe: Recipe, out_dir: Path, log) -> Metrics:
+    from chatapp.chat import ChatFormat
+
+    started = time.perf_counter()
+    corpus = generate_corpus(recipe.train_conversations, "train", recipe.seed)
+    heldout = generate_corpus(recipe.heldout_conversations, "heldout", recipe.seed)
+    tokenizer = build_tokenizer(corpus, recipe)
+    chat_format = ChatFormat(tokenizer)
+    log(f"corpus: {len(corpus)} train / {len(heldout)} held-out conversations; vocab {tokenizer.get_vocab_size()}")
+    model, train_seconds = train_model(recipe, corpus, chat_format, log)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        save_model_dir(model, tokenizer, staging, recipe.store_dtype)
+        metrics = evaluate_model_dir(staging, heldout, log)
+        card = model_card(recipe, metrics, train_seconds, time.perf_counter() - started, tokenizer.get_vocab_size())
+        (staging / "MODEL_CARD.md").write_text(card, encoding="utf-8")
+        _make_readable(staging)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log(f"wrote {out_dir} in {time.perf_counter() - started:.0f}s")
+    return metrics
+
+
+@dataclass(frozen=True)
+class Target:
+    """One acceptance target of the default model, checked against measured metrics."""
+
+    name: str
+    goal: str
+    value: str
+    met: bool
+
+
+def targets(metrics: Metrics) -> list[Target]:
+    """The default model's acceptance targets (held-out split, student routing, greedy)."""
+    tasks = metrics.tasks
+    student = metrics.selected_fraction.get("student", [])
+    mean_fraction = sum(student) / len(student) if student else float("nan")
+    mean_f1 = sum(metrics.student_f1) / len(metrics.student_f1) if metrics.student_f1 else float("nan")
+    return [
+        Target(
+            "calculator accuracy", ">= 95%", f"{tasks['calculator']['rate']:.1%}", tasks["calculator"]["rate"] >= 0.95
+        ),
+        Target("letter-count accuracy", ">= 95%", f"{tasks['letters']['rate']:.1%}", tasks["letters"]["rate"] >= 0.95),
+        Target("JSON parses", ">= 99%", f"{tasks['json_valid']['rate']:.1%}", tasks["json_valid"]["rate"] >= 0.99),
+        Target(
+            "student / off perplexity",
+            "<= 1.10",
+            f"{metrics.student_over_off:.3f}",
+            metrics.student_over_off <= 1.10,
+        ),
+        Target("mean tokens processed (STT layers)", "30-70%", f"{mean_fraction:.1%}", 0.3 <= mean_fraction <= 0.7),
+        Target(
+            "every STT layer processes",
+            "10-90%",
+            ", ".join(f"{f:.0%}" for f in student),
+            bool(student) and all(0.1 <= f <= 0.9 for f in student),
+        ),
+        Target("student-teacher F1 (mean over layers)", ">= 0.8", f"{mean_f1:.3f}", mean_f1 >= 0.8),
+    ]
+
+
+def model_card(recipe: Recipe, metrics: Metrics, train_seconds: float, total_seconds: float, vocab: int) -> str:
+    """MODEL_CARD.md: what the model is, how it was made, how well it does, how to rebuild it."""
+    recipe_rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in asdict(recipe).items())
+    target_rows = "\n".join(
+        f"| {t.name} | {t.goal} | {t.value} | {'yes' if t.met else '**no**'} |" for t in targets(metrics)
+    )
+    task_rows = "\n".join(
+        f"| {name} | {m['correct']}/{m['total']} | {m['rate']:.1%} |" for name, m in metrics.tasks.items() if m["total"]
+    )
+    ppl = metrics.perplexity
+    layer_rows = "\n".join(
+        f"| {i} | {metrics.selected_fraction['teacher'][i]:.1%} | {metrics.selected_fraction['student'][i]:.1%} | "
+        f"{metrics.student_accuracy[i]:.3f} | {metrics.student_f1[i]:.3f} |"
+        for i in range(len(metrics.student_f1))
+    )
+    phases = (
+        f"a dense phase of {recipe.steps} steps, then a gated phase of {recipe.gated_steps} steps with the spec's "
+        "optional second pass on selected tokens (`gated_second_pass`)"
+        if recipe.gated_steps
+        else f"{recipe.steps} steps of the spec's single dense training pass"
+    )
+    failures = "\n".join(f"- `{q}` → `{a}`" for q, a in metrics.failures) or "- none"
+    return f"""# chatapp default model
+
+A tiny Subjective Timescale Transformer (STT) chat model, trained from scratch on a synthetic corpus so that
+`chatapp run` works offline out of the box. It is a demonstration model: it calls the calculator for arithmetic
+and letter counting, greets, answers a small table of facts (capitals, colours, animal sounds and legs, opposites),
+answers in the JSON shape `{{"topic": "...", "answer": "..."}}` when asked for JSON, and thinks inside
+`<think>`…`</think>` before answering when asked to think. It knows nothing else.
+
+## Architecture
+
+Qwen2-shaped decoder ({recipe.num_layers} layers, hidden {recipe.hidden_size}, MLP {recipe.intermediate_size},
+{recipe.num_heads} attention heads / {recipe.num_kv_heads} KV head(s), tied embeddings, vocabulary {vocab},
+context {recipe.context}). Layers {", ".join(map(str, range(1, recipe.num_layers, 2)))} are STT layers with a transition network, the teacher's
+predictive router and the student's causal router; at generation time the causal router decides per token whether
+the layer's block runs. Weights are stored as `{recipe.store_dtype}` and loaded as float32 on the CPU.
+
+## Data
+
+`chatapp.models.corpus` generates {recipe.train_conversations} training conversations (seed {recipe.seed}):
+arithmetic (`+ - * /` on integers, answered through the calculator: text, python `a*b`, python_output, answer),
+letter counting (python `"word".count("x")`), facts, small talk, JSON answers and think-then-answer, some
+multi-turn or with a system prompt. Tool outputs are computed with `chatapp.tools.calculator.evaluate`, the
+engine's own tool. The held-out split ({recipe.heldout_conversations} conversations) shares no question with
+training: operands (numbers ≡ 3 mod 5), letter-counting words, question templates and the JSON / think requests are
+partitioned between the splits. Tokenizer: byte-level BPE trained on the training split with every digit a
+separate token, the 9 chat special tokens and `<think>`, `</think>`.
+
+## Training
+
+{phases}, with `chatapp.stt.train` on {recipe.batch_size} windows of {recipe.seq_len} tokens per step, on the CPU
+(training took {train_seconds / 60:.1f} min, the whole build {total_seconds / 60:.1f} min).
+
+| recipe field | value |
+|---|---|
+{recipe_rows}
+
+## Held-out results (student routing, greedy decoding, calculator inline)
+
+| target | goal | measured | met |
+|---|---|---|---|
+{target_rows}
+
+| task metric | correct | rate |
+|---|---|---|
+{task_rows}
+
+Perplexity on the assistant tokens of the held-out conversations: routing off {ppl["off"]:.4f}, teacher routing
+{ppl["teacher"]:.4f}, student routing {ppl["student"]:.4f} (student / off = {metrics.student_over_off:.3f}).
+
+| STT layer (order) | teacher selects | student selects | student accuracy | student F1 |
+|---|---|---|---|---|
+{layer_rows}
+
+Some wrong held-out answers:
+
+{failures}
+
+## Reproduce
+
+```
+make train-default          # = python -m chatapp.models.build_default
+```
+
+The build is seeded end to end (corpus, tokenizer, initialisation, batch order) and runs on the CPU; it writes
+this directory only after the new model was evaluated. `chatapp eval` prints the same metrics for any model
+directory.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m chatapp.models.build_default", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=default_model_dir(), help="directory to write (replaced)")
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke-test recipe (not for shipping)")
+    parser.add_argument("--steps", type=int, help="override the dense phase's steps")
+    parser.add_argument("--gated-steps", type=int, help="override the gated phase's steps")
+    parser.add_argument("--threads", type=int, help="override the recipe's CPU threads")
+    args = parser.parse_args(argv)
+    recipe = Recipe().quick() if args.quick else Recipe()
+    if args.steps is not None:
+        recipe = replace(recipe, steps=args.steps)
+    if args.gated_steps is not None:
+        recipe = replace(recipe, gated_steps=args.gated_steps)
+    if args.threads:
+        recipe = replace(recipe, threads=args.threads)
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    metrics = build(recipe, args.out, log)
+    for target in targets(metrics):
+        log(f"{'ok  ' if target.met else 'MISS'} {target.name}: {target.value} (goal {target.goal})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
