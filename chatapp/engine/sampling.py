@@ -171,7 +171,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def _allowed_tokens(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(B, V) bool: the tokens top-k and top-p keep for each row (everything for rows that use neither)."""
     plan = params.plan
-    neg_inf = torch.tensor(float("-inf"), device=scaled.device)
+    neg_inf = float("-inf")  # a Python scalar: no host-to-device copy per step
     threshold = torch.full((scaled.shape[0],), float("-inf"), device=scaled.device)
     candidates = None
     if plan.max_top_k > 0:
@@ -182,11 +182,10 @@ def _allowed_tokens(scaled: torch.Tensor, params: SamplingParams) -> torch.Tenso
         threshold = torch.where(params.top_k > 0, kth, neg_inf)
         # Candidates beyond a row's own k are not part of its distribution.
         ranks = torch.arange(kmax, device=scaled.device)
-        candidates = candidates.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
-        candidates = torch.where((params.top_k > 0)[:, None], candidates, neg_inf)
+        candidates = candidates.masked_fill((ranks[None, :] >= k[:, None]) | (params.top_k <= 0)[:, None], neg_inf)
     if plan.any_top_p:
         if candidates is None or not plan.top_p_within_top_k:
-            ordered = scaled.masked_fill(scaled < threshold[:, None], float("-inf")).sort(dim=-1, descending=True)
+            ordered = scaled.masked_fill(scaled < threshold[:, None], neg_inf).sort(dim=-1, descending=True)
             candidates = ordered.values
         nucleus = _nucleus_threshold(candidates, params.top_p)
         threshold = torch.where(params.top_p < 1, torch.maximum(threshold, nucleus), threshold)

@@ -60,7 +60,7 @@ def test_fast_forward_keeps_tokens_and_decisions(routed_model, chat_tokenizer, c
     prompt = chat_format.render_for_completion([{"role": "user", "content": "37*45?"}])
     call = [chat_format.python_start_id, *chat_format.encode_text("37*45"), chat_format.python_end_id]
     model = ScriptedModel(routed_model, {len(prompt) + i: t for i, t in enumerate(call)})
-    engine = Engine(model, chat_tokenizer, chat_format)
+    engine = Engine(model, chat_tokenizer, chat_format, fast_forward="always")
     sampled = STUDENT.with_(temperature=1.0, seed=9, max_tokens=20)
     step_by_step = rows(engine, [prompt, "Hello"], sampled.with_(fast_forward=False))
     fast = rows(engine, [prompt, "Hello"], sampled)

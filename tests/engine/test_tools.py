@@ -144,7 +144,7 @@ def test_fast_forward_emits_exactly_the_step_by_step_tokens(scripted, ids, tempe
     """Ragged batches: one row fast-forwards its tool output while the others advance one token per call."""
     prompts = [ids.prompt(), ids.prompt("Hello! How are you today? Tell me about Paris."), ids.prompt("Hi")]
     short = len(prompts[0])
-    engine, model = scripted(script_at(short, [ids.start, *ids.text("37*45"), ids.end]))
+    engine, model = scripted(script_at(short, [ids.start, *ids.text("37*45"), ids.end]), fast_forward="always")
     settings = GenerationSettings(max_tokens=30, temperature=temperature, seed=5, routing="off")
     runs = {}
     for fast_forward in (False, True):
@@ -157,3 +157,17 @@ def test_fast_forward_emits_exactly_the_step_by_step_tokens(scripted, ids, tempe
         runs[f"{fast_forward}-calls"] = calls
     assert runs[True] == runs[False]
     assert runs["True-calls"] < runs["False-calls"]
+
+
+def test_auto_policy_fast_forwards_a_lone_row_only_on_cpu(scripted, ids) -> None:
+    """Padding the other rows of a ragged call is wasted compute on a CPU, so "auto" feeds forced tokens one per
+    step while several rows are active, and fast-forwards a row that is alone."""
+    prompt = ids.prompt()
+    call = [ids.start, *ids.text("3*4"), ids.end]
+    engine, model = scripted(script_at(len(prompt), call))
+    settings = GREEDY.with_(max_tokens=len(call) + 2)
+    engine.generate_batch([prompt], settings)
+    assert max(width for _, width in model.calls[1:]) == len(ids.text("12")) + 2
+    model.calls.clear()
+    engine.generate_batch([prompt, prompt], settings)
+    assert max(width for _, width in model.calls[1:]) == 1
