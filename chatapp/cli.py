@@ -423,29 +423,50 @@ def train(
 
 @app.command(name="eval")
 def eval_model(
-    corpus: Annotated[str, typer.Argument(help="Held-out data: JSONL conversations or text.")],
+    corpus: Annotated[
+        str | None,
+        typer.Argument(help="Held-out data: JSONL conversations or text (default: the default model's held-out split)."),
+    ] = None,
     model: Annotated[str | None, typer.Option("--model", help="Model directory (default: the embedded model).")] = None,
     seq_len: Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per window.")] = 256,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward.")] = 8,
     max_batches: Annotated[int, typer.Option("--max-batches", min=1, help="Evaluate at most this many.")] = 50,
     device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")] = None,
+    tasks: Annotated[
+        int | None,
+        typer.Option(
+            "--tasks",
+            min=0,
+            help="Answer N synthetic held-out questions (greedy, student routing) and report calculator, letter-count "
+            "and JSON accuracy (default: 300 without CORPUS, 0 with one).",
+        ),
+    ] = None,
 ) -> None:
-    """Held-out perplexity with routing off / teacher / student, per-layer selected fraction and student F1."""
+    """Held-out perplexity with routing off / teacher / student, per-layer selected fraction and student F1;
+    task accuracy (calculator, letter counting, JSON) on the synthetic held-out split."""
     from itertools import islice
 
     from rich.table import Table
 
     from chatapp.errors import TrainingError
+    from chatapp.models.corpus import generate_corpus
+    from chatapp.models.evaluate import heldout_task_report, routing_batches, task_table
     from chatapp.models.loader import load_model
     from chatapp.models.training_data import load_sequences, token_stream
     from chatapp.stt.evaluation import evaluate
 
+    task_count = tasks if tasks is not None else (300 if corpus is None else 0)
     try:
         loaded = load_model(model, device)
-        stream = token_stream(load_sequences(corpus, loaded.tokenizer, loaded.chat_format))
-        if stream.num_windows(seq_len) < 1:
-            raise TrainingError(f"{corpus} has {len(stream)} tokens, fewer than one window", hint="lower --seq-len")
-        report = evaluate(loaded.model, islice(stream.batches(batch_size, seq_len), max_batches))
+        if corpus is None:  # the synthetic held-out split, one conversation per row (no packing, no padding)
+            batches = routing_batches(generate_corpus(task_count or 300, "heldout"), loaded.chat_format, batch_size)
+        else:
+            stream = token_stream(load_sequences(corpus, loaded.tokenizer, loaded.chat_format))
+            if stream.num_windows(seq_len) < 1:
+                raise TrainingError(f"{corpus} has {len(stream)} tokens, fewer than one window", hint="lower --seq-len")
+            batches = stream.batches(batch_size, seq_len)
+        report = evaluate(loaded.model, islice(batches, max_batches))
+        task_report = heldout_task_report(loaded, task_count) if task_count else None
     except ChatappError as err:
         raise fail(err) from None
     console = Console(highlight=False)
@@ -459,6 +480,8 @@ def eval_model(
     console.print(table)
     console.print("student vs teacher F1: " + " ".join(f"{f:.2f}" for f in report.student_f1)
                   + "  accuracy: " + " ".join(f"{a:.2f}" for a in report.student_accuracy))
+    if task_report is not None:
+        console.print(task_table(task_report, f"{task_count} held-out questions, greedy, student routing"))
 
 
 def main() -> None:

@@ -108,22 +108,6 @@ def build_config(recipe: Recipe, vocab_size: int):
     )
 
 
-def render_batches(conversations: list[Conversation], chat_format, max_batch: int = 32):
-    """(ids, loss_mask) batches of equal-length conversations: no padding, so routing statistics count only
-    real tokens. Order is deterministic (by length, then corpus order)."""
-    import torch
-
-    by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
-    for conv in conversations:
-        ids, mask = chat_format.render_conversation(conv.messages)
-        by_length.setdefault(len(ids), []).append((ids, mask))
-    for length in sorted(by_length):
-        rows = by_length[length]
-        for start in range(0, len(rows), max_batch):
-            chunk = rows[start : start + max_batch]
-            yield torch.tensor([r[0] for r in chunk]), torch.tensor([r[1] for r in chunk])
-
-
 @dataclass
 class Metrics:
     """Held-out metrics of a built model (what the model card reports)."""
@@ -143,7 +127,7 @@ class Metrics:
 def evaluate_model_dir(model_dir: Path, heldout: list[Conversation], log=print) -> Metrics:
     """Load `model_dir` as users will (float32 on the CPU) and measure it on the held-out split."""
     from chatapp.engine.engine import Engine
-    from chatapp.models.evaluate import evaluate_tasks
+    from chatapp.models.evaluate import evaluate_tasks, routing_batches
     from chatapp.models.loader import load_model
     from chatapp.settings import GenerationSettings
     from chatapp.stt.evaluation import evaluate
@@ -155,7 +139,7 @@ def evaluate_model_dir(model_dir: Path, heldout: list[Conversation], log=print) 
     log(f"task metrics in {time.perf_counter() - started:.0f}s")
     for label, tally in tasks.rows():
         log(f"  {label}: {tally}")
-    report = evaluate(loaded.model, render_batches(heldout, loaded.chat_format))
+    report = evaluate(loaded.model, routing_batches(heldout, loaded.chat_format))
     return Metrics(
         tasks=tasks.as_dict(),
         perplexity=report.perplexity,

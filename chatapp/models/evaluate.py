@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from chatapp.models.corpus import THINK_CLOSE, Conversation
+from chatapp.models.corpus import THINK_CLOSE, Conversation, generate_corpus
 
 if TYPE_CHECKING:
+    import torch
+    from rich.table import Table
+
     from chatapp.engine.engine import Engine, GenerationResult
+    from chatapp.models.loader import LoadedModel
     from chatapp.settings import GenerationSettings
 
 
@@ -157,3 +161,46 @@ def evaluate_tasks(
             if not judge(conv, answer, report) and len(report.failures) < keep_failures:
                 report.failures.append((conv.question, answer.full_text))
     return report
+
+
+def heldout_task_report(loaded: LoadedModel, count: int, seed: int = 0, routing: str = "student") -> TaskReport:
+    """Task metrics of a loaded model on `count` conversations of the corpus's held-out split (greedy)."""
+    from chatapp.engine.engine import Engine
+    from chatapp.settings import GenerationSettings
+
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    settings = GenerationSettings(max_tokens=96, routing=routing)
+    return evaluate_tasks(engine, generate_corpus(count, "heldout", seed), settings)
+
+
+def routing_batches(
+    conversations: Iterable[Conversation], chat_format: Any, max_batch: int = 32
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(ids, loss_mask) batches of equal-length conversations for `chatapp.stt.evaluation.evaluate`.
+
+    Grouping by exact length means no padding, so selected fractions count only real tokens (padding would be
+    routed too and skew them). Order is deterministic: by length, then corpus order.
+    """
+    import torch
+
+    by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
+    for conv in conversations:
+        ids, mask = chat_format.render_conversation(conv.messages)
+        by_length.setdefault(len(ids), []).append((ids, mask))
+    for length in sorted(by_length):
+        rows = by_length[length]
+        for start in range(0, len(rows), max_batch):
+            chunk = rows[start : start + max_batch]
+            yield torch.tensor([r[0] for r in chunk]), torch.tensor([r[1] for r in chunk])
+
+
+def task_table(report: TaskReport, title: str) -> Table:
+    """The task metrics as a rich table (for `chatapp eval`)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("task metric")
+    table.add_column("accuracy", justify="right")
+    for label, tally in report.rows():
+        table.add_row(label, str(tally))
+    return table

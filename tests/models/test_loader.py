@@ -11,27 +11,11 @@ import torch
 from chatapp.chat import ChatFormat
 from chatapp.errors import ModelDirError
 from chatapp.models.loader import LoadedModel, load_model, resolve_device
-from chatapp.stt import STTConfig, STTForCausalLM
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Path:
-    """A tiny random STT checkpoint with the shared chat tokenizer."""
-    torch.manual_seed(0)
-    config = STTConfig(
-        vocab_size=chat_tokenizer.get_vocab_size(),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    directory = tmp_path_factory.mktemp("model")
-    STTForCausalLM(config).save_pretrained(directory)
-    chat_tokenizer.save(str(directory / "tokenizer.json"))
-    return directory
+@pytest.fixture
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 def broken_copy(model_dir: Path, tmp_path: Path) -> Path:
