@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from textual import on, work
@@ -41,6 +42,16 @@ from chatapp.ui.widgets.prompt import PromptInput
 from chatapp.ui.widgets.transcript import AssistantMessage, Transcript, UserMessage
 
 _TITLE_LENGTH = 48
+
+
+@dataclass(frozen=True)
+class _Panels:
+    """The widgets every streamed batch updates, looked up once (a DOM query per batch adds up)."""
+
+    transcript: Transcript
+    heatmap: RoutingHeatmap
+    zones: ZonePills
+    stats: StatsPanel
 
 
 class ChatApp(App[None]):
@@ -98,6 +109,12 @@ class ChatApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
+        self._panels = _Panels(
+            self.query_one(Transcript),
+            self.query_one(RoutingHeatmap),
+            self.query_one(ZonePills),
+            self.query_one(StatsPanel),
+        )
         prompt = self.query_one(PromptInput)
         prompt.cursor_blink = self._cursor_blink
         prompt.border_title = "message · enter send · ctrl+j newline · esc stop"
@@ -269,15 +286,15 @@ class ChatApp(App[None]):
         generation.written += len(events)
         if not answer.is_attached:
             return events
-        transcript = self.transcript
+        transcript = self._panels.transcript
         at_bottom = transcript.is_at_bottom
         answer.extend(events)
         transcript.follow_if(at_bottom)
         if self.generation is generation:
-            heatmap = self.query_one(RoutingHeatmap)
-            heatmap.extend(events)
-            self.query_one(ZonePills).set_active(events[-1].tags, events[-1].zone)
-            self.query_one(StatsPanel).show(generation.stats)
+            panels = self._panels
+            panels.heatmap.extend(events)
+            panels.zones.set_active(events[-1].tags, events[-1].zone)
+            panels.stats.show(generation.stats)
         return events
 
     # --- token inspection -----------------------------------------------------------------------------------------

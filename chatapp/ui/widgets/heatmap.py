@@ -11,6 +11,7 @@ token's column with `▲` under the grid.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from rich.segment import Segment
 from rich.style import Style
@@ -22,6 +23,7 @@ from chatapp.engine.events import TokenEvent
 
 # A perceptual ramp (viridis' end points and middle) for router probability 0 → 1.
 _RAMP = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
+_CHUNK = 32  # columns added to the virtual width at a time
 Column = tuple[tuple[float, ...], tuple[bool, ...]] | None
 
 
@@ -57,6 +59,9 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         super().__init__(id=id)
         self.stt_layers = tuple(stt_layers)
         self.columns: list[Column] = []
+        # Each row's cells, rendered once when their token arrives: a column never changes afterwards, so a
+        # repaint only slices these lists (streaming repaints ~30 times a second).
+        self._cells: list[list[Segment]] = [[] for _ in range(self.rows)]
         self.selected: int | None = None
         self._gutter = max((len(self._label(r)) for r in range(self.rows)), default=0) + 1
 
@@ -75,17 +80,35 @@ class RoutingHeatmap(ScrollView, can_focus=True):
 
     def set_tokens(self, events: Sequence[TokenEvent], selected: int | None = None) -> None:
         """Show a whole answer (e.g. a resumed one, or the answer whose token was selected)."""
-        self.columns = [self._column(event) for event in events]
+        self.columns = []
+        self._cells = [[] for _ in range(self.rows)]
+        self._append(events)
         self.selected = selected
         self._resize(follow=selected is None)
         if selected is not None:
             self.scroll_to_column(selected)
 
     def extend(self, events: Sequence[TokenEvent]) -> None:
-        """Append streamed tokens; keep following the newest while the view is at the right end."""
-        follow = self.scroll_x >= self.max_scroll_x
-        self.columns.extend(self._column(event) for event in events)
+        """Append streamed tokens; keep following the newest while the newest is in view."""
+        follow = self.scroll_x >= self._follow_x
+        self._append(events)
         self._resize(follow=follow)
+
+    @property
+    def _visible_columns(self) -> int:
+        return max(self.scrollable_content_region.width - self._gutter, 1)
+
+    @property
+    def _follow_x(self) -> int:
+        """The scroll position that shows the newest token at the right edge."""
+        return max(len(self.columns) - self._visible_columns, 0)
+
+    def _append(self, events: Sequence[TokenEvent]) -> None:
+        for event in events:
+            column = self._column(event)
+            self.columns.append(column)
+            for row, cells in enumerate(self._cells):
+                cells.append(_cell_segment(column, row))
 
     def select(self, index: int | None) -> None:
         self.selected = index
@@ -94,14 +117,18 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         self.refresh()
 
     def scroll_to_column(self, index: int) -> None:
-        visible = max(self.scrollable_content_region.width - self._gutter, 1)
+        visible = self._visible_columns
         if not self.scroll_x <= index < self.scroll_x + visible:
             self.scroll_to(x=max(index - visible // 2, 0), animate=False, immediate=True)
 
     def _resize(self, *, follow: bool) -> None:
-        self.virtual_size = Size(self._gutter + len(self.columns), self.rows + 1)
+        # The virtual width grows in chunks: changing it lays out the whole screen, which ~30 times a second
+        # would cost the UI thread far more than drawing the new cells does.
+        width = self._gutter + -(-len(self.columns) // _CHUNK) * _CHUNK
+        if width != self.virtual_size.width:
+            self.virtual_size = Size(width, self.rows + 1)
         if follow:
-            self.scroll_to(x=self.max_scroll_x, animate=False, immediate=True)
+            self.scroll_to(x=self._follow_x, animate=False, immediate=True)
         self.refresh()
 
     @staticmethod
@@ -122,18 +149,26 @@ class RoutingHeatmap(ScrollView, can_focus=True):
             segments = [Segment(" " * self._gutter), Segment(ruler, Style(bold=True))]
         elif row < self.rows:
             segments = [Segment(self._label(row).ljust(self._gutter), label_style)]
-            segments.extend(self._cell_segment(self.columns[i], row) for i in columns)
+            segments.extend(self._cells[row][columns.start : columns.stop])
         else:
             segments = []
         # Segments carry only their own colours; the widget's style underneath supplies the background.
         base = self.rich_style
         return Strip(segments).apply_style(base).simplify().extend_cell_length(width, base).crop(0, width)
 
-    def _cell_segment(self, column: Column, row: int) -> Segment:
-        if column is None:
-            return Segment(" ")
-        probs, computed = column
-        upper = (probs[2 * row], computed[2 * row]) if 2 * row < len(probs) else None
-        lower = (probs[2 * row + 1], computed[2 * row + 1]) if 2 * row + 1 < len(probs) else None
-        glyph, fg, bg = cell(upper, lower)
-        return Segment(glyph, Style(color=fg, bgcolor=bg, dim=glyph == "·"))
+
+def _cell_segment(column: Column, row: int) -> Segment:
+    """The cell of one token (`column`) in one grid row (two layers)."""
+    if column is None:
+        return Segment(" ")
+    probs, computed = column
+    upper = (probs[2 * row], computed[2 * row]) if 2 * row < len(probs) else None
+    lower = (probs[2 * row + 1], computed[2 * row + 1]) if 2 * row + 1 < len(probs) else None
+    glyph, fg, bg = cell(upper, lower)
+    return Segment(glyph, _cell_style(fg, bg, glyph == "·"))
+
+
+@lru_cache(maxsize=4096)
+def _cell_style(fg: str | None, bg: str | None, dim: bool) -> Style:
+    """Styles are shared between cells: the ramp has a bounded number of colours after rounding."""
+    return Style(color=fg, bgcolor=bg, dim=dim)

@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from textual.content import Content
-from textual.widgets import Static
 
 from chatapp.engine.events import TokenEvent
 from chatapp.ui.backend import ProgramInfo
 from chatapp.ui.stats import AnswerStats
 from chatapp.ui.tokens import display_text
 from chatapp.ui.widgets.heatmap import probability_colour
+from chatapp.ui.widgets.live import LiveStatic
 
 
-class ZonePills(Static):
+class ZonePills(LiveStatic):
     """The active program's zone tags; the tags of the latest token's zone are lit (● and reversed) live."""
 
     def __init__(self, *, id: str | None = None) -> None:
@@ -39,11 +39,11 @@ class ZonePills(Static):
     def _redraw(self) -> None:
         if self.program is None:
             self.border_title = "program: none"
-            self.update(Content.styled("no TTFA program: every token is sampled", "dim"))
+            self.show_content(Content.styled("no TTFA program: every token is sampled", "dim"))
             return
         self.border_title = f"program: {self.program.name}"
         if not self.program.tags:
-            self.update(Content.styled("this program declares no zone tags", "dim"))
+            self.show_content(Content.styled("this program declares no zone tags", "dim"))
             return
         parts: list[str | tuple[str, str]] = []
         for tag in self.program.tags:
@@ -53,10 +53,10 @@ class ZonePills(Static):
         if self.zone:
             parts.append(("\nzone ", "dim"))
             parts.append(self.zone)
-        self.update(Content.assemble(*parts))
+        self.show_content(Content.assemble(*parts))
 
 
-class TokenInspector(Static):
+class TokenInspector(LiveStatic):
     """Everything known about the selected token: id, forced or sampled, zone tags, per-layer routing."""
 
     def __init__(self, stt_layers: Sequence[int] = (), *, id: str | None = None) -> None:
@@ -69,7 +69,7 @@ class TokenInspector(Static):
 
     def show(self, event: TokenEvent | None, index: int | None = None) -> None:
         if event is None:
-            self.update(Content.styled("click a token, or shift+tab then ←/→", "dim"))
+            self.show_content(Content.styled("click a token, or shift+tab then ←/→", "dim"))
             return
         shown = display_text(event)
         parts: list[str | tuple[str, str]] = [
@@ -95,10 +95,10 @@ class TokenInspector(Static):
                 # The glyph matches the heatmap's cell: coloured block when computed, dot when skipped.
                 glyph = ("█", probability_colour(p)) if computed else ("·", "dim")
                 parts += ["\n", (f"L{layer:<3}", "dim"), f"{p:5.2f} ", glyph, " computed" if computed else " skipped"]
-        self.update(Content.assemble(*parts))
+        self.show_content(Content.assemble(*parts))
 
 
-class StatsPanel(Static):
+class StatsPanel(LiveStatic):
     """Tokens/s, forced share, compute saved and context use of the current (or last) answer."""
 
     def __init__(self, *, id: str | None = None) -> None:
@@ -120,4 +120,4 @@ class StatsPanel(Static):
         parts: list[str | tuple[str, str]] = []
         for i, (name, value) in enumerate(rows):
             parts += ["\n" if i else "", (f"{name:<14}", "dim"), value]
-        self.update(Content.assemble(*parts))
+        self.show_content(Content.assemble(*parts))

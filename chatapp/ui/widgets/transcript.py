@@ -22,6 +22,7 @@ from textual.widgets import Collapsible, Static
 
 from chatapp.engine.events import TokenEvent
 from chatapp.ui.tokens import Segment, Segmenter, display_text
+from chatapp.ui.widgets.live import LiveStatic
 
 _STATUS_TEXT = {
     "streaming": "",
@@ -41,7 +42,7 @@ class UserMessage(Static):
         self.border_title = "you"
 
 
-class TokenRun(Static):
+class TokenRun(LiveStatic):
     """A run of an answer's tokens rendered as styled spans (`start:end` into the answer's events)."""
 
     def __init__(self, answer: AssistantMessage, start: int, end: int, *, classes: str = "") -> None:
@@ -49,32 +50,46 @@ class TokenRun(Static):
         self._answer = answer
         self.start = start
         self.end = end
+        # One styled span per token (None for a token with no text yet), built once when the token arrives: a
+        # streamed repaint then only assembles them instead of re-deriving every token's style.
+        self._spans: list[tuple[str, Style] | None] = []
+        self._styles: dict[tuple[bool, bool], Style] = {}
+
+    def notify_style_update(self) -> None:
+        """The theme changed: rebuild spans with the new colours."""
+        super().notify_style_update()
+        self._spans, self._styles = [], {}
 
     def refresh_tokens(self) -> None:
-        self.update(self._content())
+        events = self._answer.events
+        for index in range(self.start + len(self._spans), self.end):
+            self._spans.append(self._span(index, events[index]))
+        self.show_content(self._content())
+
+    def _style(self, special: bool, forced: bool) -> Style:
+        key = (special, forced)
+        if key not in self._styles:
+            spec = {
+                (False, False): "",
+                (False, True): "underline $accent",
+                (True, False): "bold $primary",
+                (True, True): "bold underline $accent",
+            }[key]
+            self._styles[key] = self.app.stylesheet.parse_style(spec) if spec else Style()
+        return self._styles[key]
+
+    def _span(self, index: int, event: TokenEvent) -> tuple[str, Style] | None:
+        text = display_text(event)
+        if not text:
+            return None  # an incomplete UTF-8 character: its bytes show with a later token
+        return text, self._style(event.special, event.forced) + Style.from_meta({"token": index})
 
     def _content(self) -> Content:
-        answer = self._answer
-        cursor = answer.cursor if self.start <= answer.cursor < self.end else None
-        forced_style = self.app.stylesheet.parse_style("underline $accent")
-        special_style = self.app.stylesheet.parse_style("bold $primary")
-        special_forced_style = self.app.stylesheet.parse_style("bold underline $accent")
-        parts: list[tuple[str, Style] | str] = []
-        for index in range(self.start, self.end):
-            event = answer.events[index]
-            text = display_text(event)
-            if not text:
-                continue  # an incomplete UTF-8 character: its bytes show with a later token
-            if event.special:
-                style = special_forced_style if event.forced else special_style
-            elif event.forced:
-                style = forced_style
-            else:
-                style = Style()
-            if index == cursor:
-                style = style + Style(reverse=True)
-            parts.append((text, style + Style.from_meta({"token": index})))
-        return Content.assemble(*parts)
+        spans = list(self._spans)
+        cursor = self._answer.cursor - self.start
+        if 0 <= cursor < len(spans) and (span := spans[cursor]) is not None:
+            spans[cursor] = (span[0], span[1] + Style(reverse=True))
+        return Content.assemble(*(span for span in spans if span is not None))
 
     def on_click(self, event: events.Click) -> None:
         index = event.style.meta.get("token")
