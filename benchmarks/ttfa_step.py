@@ -21,6 +21,7 @@ from chatapp.ttfa.reference import ReferenceRow
 BATCHES = (1, 64, 1024, 8192)
 MODEL_BATCHES = (1, 64, 1024)  # a KV cache for 8192 rows does not fit the time budget of a shared 2-core box
 PROMPT = 32
+ROUNDS = 3
 
 
 def model_config():
@@ -149,15 +150,21 @@ def main() -> None:
     header += f"{'decode step us':>14} | {'TTFA share':>10}"
     print(header)
     print("-" * len(header))
+    # Interleaved rounds, best per cell: load from other jobs comes and goes, and it only ever adds time.
+    batched = dict.fromkeys(BATCHES, float("inf"))
+    host = dict.fromkeys(BATCHES, float("inf"))
+    for _ in range(ROUNDS):
+        for batch in BATCHES:
+            batched[batch] = min(batched[batch], batched_step_us(program, batch, calls=1000 if batch <= 64 else 200))
+            host[batch] = min(host[batch], host_step_us(program, batch, calls=max(5, 10000 // batch)))
     for batch in BATCHES:
-        batched = batched_step_us(program, batch, calls=2000 if batch <= 64 else 300)
-        host = host_step_us(program, batch, calls=max(5, 20000 // batch))
         if batch in MODEL_BATCHES:
             decode = decode_step_us(config, batch, calls=20 if batch <= 64 else 3)
-            decode_cells = f"{decode:>14.0f} | {100 * batched / decode:>9.1f}%"
+            decode_cells = f"{decode:>14.0f} | {100 * batched[batch] / decode:>9.1f}%"
         else:
             decode_cells = f"{'-':>14} | {'-':>10}"
-        print(f"{batch:>6} | {batched:>10.1f} | {host:>15.1f} | {host / batched:>11.1f}x | {decode_cells}")
+        ratio = host[batch] / batched[batch]
+        print(f"{batch:>6} | {batched[batch]:>10.1f} | {host[batch]:>15.1f} | {ratio:>11.1f}x | {decode_cells}")
 
 
 if __name__ == "__main__":
