@@ -48,8 +48,9 @@ class InputLineError(ChatappError):
     """A JSONL input line is malformed."""
 
 
-class OutputFileError(ChatappError):
-    """A batch output file cannot be written, or cannot be resumed (it exists without --resume, or is not ours)."""
+class BatchFileError(ChatappError):
+    """A batch input or output file cannot be read or written, or an output cannot be resumed (it exists without
+    --resume, or is not a batch output)."""
 
 
 class ToolError(ChatappError):

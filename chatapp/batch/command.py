@@ -19,10 +19,9 @@ from chatapp.batch.progress import progress_for
 from chatapp.batch.requests import BatchDefaults, LineRequest
 from chatapp.batch.runner import BatchOptions, BatchSummary, run_batch
 from chatapp.errors import (
+    BatchFileError,
     ConstraintError,
     ContextOverflowError,
-    InputLineError,
-    OutputFileError,
     ProgramError,
     SettingsError,
 )
@@ -44,11 +43,11 @@ def read_input(source: str) -> list[bytes]:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise InputLineError(
+            raise BatchFileError(
                 f"input file {path} does not exist", hint="pass a .jsonl file, or - for stdin"
             ) from None
         except OSError as err:
-            raise InputLineError(f"cannot read input file {path}: {err.strerror}") from None
+            raise BatchFileError(f"cannot read input file {path}: {err.strerror}") from None
     # Split on "\n" only: a JSON string may legally hold U+2028 and friends, which str.splitlines would break.
     return data.split(b"\n")
 
@@ -57,16 +56,16 @@ def open_output(target: str, *, resume: bool, fsync: bool, input_source: str) ->
     """The sink for records and what an earlier run already wrote there (empty unless resuming)."""
     if target == STDIO:
         if resume:
-            raise OutputFileError("--resume needs an output file", hint="add -o OUTPUT.jsonl")
+            raise BatchFileError("--resume needs an output file", hint="add -o OUTPUT.jsonl")
         return StreamSink(), ExistingOutput()
     path = Path(target).expanduser()
     if input_source != STDIO and path.resolve() == Path(input_source).expanduser().resolve():
-        raise OutputFileError(f"the output {path} is the input file", hint="write the records to another file")
+        raise BatchFileError(f"the output {path} is the input file", hint="write the records to another file")
     if resume:
         existing = scan_output(path)
     elif path.exists() and path.stat().st_size > 0:
         # Never clobber earlier results: they may be hours of generation.
-        raise OutputFileError(
+        raise BatchFileError(
             f"output file {path} already exists",
             hint="pass --resume to continue it, or choose another output file",
         )
@@ -171,7 +170,12 @@ def run_batch_command(
     sink, existing = open_output(output, resume=resume, fsync=fsync, input_source=input_source)
     try:
         if existing.truncated_bytes:
-            console.print(f"resume: cut a torn last line ({existing.truncated_bytes} bytes) from {output}")
+            console.print(
+                f"resume: cut a torn last line ({existing.truncated_bytes} bytes) from {output}",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
         loaded = load_model(model, device)
         engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
         preparer = ModelPreparer(engine)
@@ -187,5 +191,5 @@ def run_batch_command(
         )
     finally:
         sink.close()
-    console.print(f"generate: {summary.describe()}", highlight=False)
+    console.print(f"generate: {summary.describe()}", highlight=False, markup=False, soft_wrap=True)
     return summary

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from chatapp.batch.requests import id_key
-from chatapp.errors import OutputFileError
+from chatapp.errors import BatchFileError
 
 DoneKey = tuple[str, int]
 """(id_key(id), sample) of a complete result record."""
@@ -65,7 +65,7 @@ def _parse_existing(path: Path, data: bytes) -> ExistingOutput:
         valid_result = isinstance(record, dict) and is_result_record(record) and {"id", "sample"} <= record.keys()
         valid_error = isinstance(record, dict) and not is_result_record(record) and {"line", "error"} <= record.keys()
         if not (valid_result or valid_error):
-            raise OutputFileError(
+            raise BatchFileError(
                 f"{path}:{number} is not a chatapp batch record, so the file cannot be resumed",
                 hint="resume only files written by `chatapp generate`, or write to a new output file",
             )
@@ -88,7 +88,7 @@ def scan_output(path: Path) -> ExistingOutput:
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise OutputFileError(f"cannot read {path}: {err.strerror}") from None
+        raise BatchFileError(f"cannot read {path}: {err.strerror}") from None
     keep = data.rfind(b"\n") + 1  # 0 when there is no complete line at all
     existing = _parse_existing(path, data[:keep])
     if keep < len(data):
@@ -115,7 +115,7 @@ class FileSink:
         try:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as err:
-            raise OutputFileError(f"cannot open {path} for writing: {err.strerror}") from None
+            raise BatchFileError(f"cannot open {path} for writing: {err.strerror}") from None
 
     def write(self, record: dict[str, Any]) -> None:
         data = memoryview(encode_record(record))

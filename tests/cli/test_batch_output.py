@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from chatapp.batch.output import FileSink, OrderedEmitter, RecordEmitter, StreamSink, encode_record, scan_output
-from chatapp.errors import OutputFileError
+from chatapp.errors import BatchFileError
 
 
 def _result(request_id: object, sample: int) -> dict:
@@ -85,7 +85,7 @@ def test_a_foreign_line_is_reported_and_the_file_left_alone(tmp_path: Path) -> N
     path = tmp_path / "out.jsonl"
     content = encode_record(_result(1, 0)) + b"not a record\n" + b'{"id": 3'
     path.write_bytes(content)
-    with pytest.raises(OutputFileError, match=r"out.jsonl:2 is not a chatapp batch record"):
+    with pytest.raises(BatchFileError, match=r"out.jsonl:2 is not a chatapp batch record"):
         scan_output(path)
     assert path.read_bytes() == content
 

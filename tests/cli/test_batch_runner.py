@@ -201,6 +201,18 @@ def test_a_row_that_fails_mid_batch_is_isolated_to_its_line() -> None:
     assert summary.lines_failed == 1 and summary.lines_ok == 8 and summary.exit_code == 1
 
 
+def test_isolation_bisects_so_healthy_rows_stay_batched() -> None:
+    lines = [_line(i, [i], max_tokens=6, seed=i) for i in range(15)]
+    lines.insert(9, _line("bad", [POISON], max_tokens=6, seed=4))
+    engine = ScriptedEngine()
+    records, _ = _run(lines, batch_size=16, engine=engine)
+    assert [r["id"] for r in records if "finish_reason" not in r] == ["bad"]
+    assert len(records) == 16
+    # 16 rows, one bad: the failed call, then at most two calls per halving (8, 4, 2, 1) instead of 15 singles.
+    assert len(engine.batch_sizes) <= 9
+    assert sorted(engine.batch_sizes, reverse=True)[1] >= 4
+
+
 def test_bad_lines_become_error_records_in_place_and_the_run_goes_on() -> None:
     lines = [LINES[0], "{oops", _line("p", [1], program="missing"), "", LINES[1]]
     records, summary = _run(lines, ordered=True)

@@ -1,0 +1,234 @@
+"""`chatapp generate INPUT.jsonl` end to end on a tiny random STT model: streams, bad lines, exit codes, batch
+equivalence, and resuming after `kill -9`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from chatapp.cli import app
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Path:
+    """A random 4-layer STT model (layers 1 and 3 routed, routers spread so about half the tokens pass) saved with
+    the locally trained chat tokenizer, loadable with `--model`."""
+    from chatapp.stt import STTConfig, STTForCausalLM
+
+    path = tmp_path_factory.mktemp("model")
+    torch.manual_seed(0)
+    config = STTConfig(
+        vocab_size=chat_tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        routing_trained=True,
+    )
+    model = STTForCausalLM(config).eval()
+    with torch.no_grad():
+        for index in model.stt_layer_indices:
+            router = model.model.layers[index].causal_router
+            router.up.weight.normal_(std=0.5)
+            router.out.weight.normal_(std=0.5)
+            router.out.bias.zero_()
+    model.save_pretrained(path)
+    chat_tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+def _lines(count: int, **fields: object) -> str:
+    prompts = ["What is 37*45?", "How many r are in strawberry?", "Hello!", "Paris is the capital of"]
+    return "".join(
+        json.dumps({"id": f"q{i}", "prompt": prompts[i % len(prompts)], "seed": i, **fields}) + "\n"
+        for i in range(count)
+    )
+
+
+def _records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line]
+
+
+def _comparable(records: list[dict]) -> list[str]:
+    return sorted(json.dumps({k: v for k, v in r.items() if k != "timings"}, sort_keys=True) for r in records)
+
+
+def _generate(model_dir: Path, *args: str, input: str | None = None):
+    return CliRunner().invoke(app, ["generate", *args, "--model", str(model_dir)], input=input)
+
+
+def test_stdin_to_stdout_with_a_dash(model_dir: Path) -> None:
+    result = _generate(model_dir, "-", "--max-tokens", "6", input=_lines(3))
+    assert result.exit_code == 0, result.output
+    records = _records(result.stdout)
+    assert sorted(r["id"] for r in records) == ["q0", "q1", "q2"]
+    for record in records:
+        assert set(record) >= {
+            "id",
+            "sample",
+            "text",
+            "finish_reason",
+            "tokens",
+            "forced",
+            "tags",
+            "tool_calls",
+            "routing",
+            "timings",
+        }
+        assert len(record["tokens"]) == len(record["forced"]) == len(record["tags"])
+        assert record["finish_reason"] in ("stop", "length")
+        assert set(record["routing"]) == {"1", "3"}
+        assert all(0 <= value <= 1 for value in record["routing"].values())
+    assert "3 lines ok, 0 failed, 0 skipped" in result.stderr
+
+
+def test_bad_lines_each_get_an_error_record_and_a_nonzero_exit(model_dir: Path, tmp_path: Path) -> None:
+    good = json.dumps({"id": "ok", "prompt": "Hello!"})
+    bad = [
+        "{not json",
+        json.dumps({"prompt": "no id"}),
+        json.dumps({"id": "t", "prompt": "x", "temperature": "hot"}),
+        json.dumps({"id": "p", "prompt": "x", "program": "no-such-program"}),
+        json.dumps({"id": "r", "prompt": "x", "regex": "("}),
+        json.dumps({"id": "long", "prompt": "Hello! " * 200}),
+        json.dumps({"id": "ok", "prompt": "duplicate"}),
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join([good, *bad]) + "\n")
+    result = _generate(model_dir, str(source), "--max-tokens", "4", "--ordered")
+    assert result.exit_code == 1, result.output
+    records = _records(result.stdout)
+    assert records[0]["id"] == "ok" and "finish_reason" in records[0]
+    errors = records[1:]
+    assert [e["line"] for e in errors] == [2, 3, 4, 5, 6, 7, 8]
+    assert [e["id"] for e in errors] == [None, None, "t", "p", "r", "long", "ok"]
+    assert "invalid JSON" in errors[0]["error"]
+    assert 'missing required field "id"' in errors[1]["error"]
+    assert '"temperature" must be a number' in errors[2]["error"]
+    assert "no-such-program" in errors[3]["error"]
+    assert "regex" in errors[4]["error"]
+    assert "context" in errors[5]["error"]
+    assert "duplicate id" in errors[6]["error"]
+    assert "1 lines ok, 7 failed" in result.stderr
+
+
+def test_fatal_problems_exit_one_before_loading_anything(model_dir: Path, tmp_path: Path) -> None:
+    missing = _generate(model_dir, str(tmp_path / "missing.jsonl"))
+    assert missing.exit_code == 1 and "does not exist" in missing.stderr
+    source = tmp_path / "in.jsonl"
+    source.write_text(_lines(1))
+    existing = tmp_path / "out.jsonl"
+    existing.write_text('{"id":"x","sample":0,"finish_reason":"stop"}\n')
+    clobber = _generate(model_dir, str(source), "-o", str(existing))
+    assert clobber.exit_code == 1 and "--resume" in clobber.stderr
+    assert existing.read_text() == '{"id":"x","sample":0,"finish_reason":"stop"}\n'
+    stdout_resume = _generate(model_dir, str(source), "--resume")
+    assert stdout_resume.exit_code == 1 and "needs an output file" in stdout_resume.stderr
+    quick = _generate(model_dir, "Hello!", "--batch-size", "4", "--ordered")
+    assert quick.exit_code == 1 and "--batch-size, --ordered only apply to JSONL input" in quick.stderr
+
+
+def test_batched_output_equals_one_at_a_time(model_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        _lines(6, temperature=0.9, top_k=50) + json.dumps({"id": "s", "prompt": "Hi", "samples": 3, "temperature": 1.0})
+    )
+    runs = {}
+    for size in ("8", "1"):
+        out = tmp_path / f"out{size}.jsonl"
+        result = _generate(model_dir, str(source), "-o", str(out), "--batch-size", size, "--max-tokens", "6")
+        assert result.exit_code == 0, result.output
+        runs[size] = _records(out.read_text())
+    assert len(runs["8"]) == 9
+    assert _comparable(runs["8"]) == _comparable(runs["1"])
+    samples = [r["tokens"] for r in runs["8"] if r["id"] == "s"]
+    assert len({tuple(t) for t in samples}) == 3  # samples of one line differ
+
+
+def test_ordered_follows_input_order(model_dir: Path) -> None:
+    result = _generate(
+        model_dir,
+        "-",
+        "--max-tokens",
+        "8",
+        "--ordered",
+        "--batch-size",
+        "4",
+        input=_lines(6, samples=2, temperature=1.0),
+    )
+    assert result.exit_code == 0, result.output
+    assert [(r["id"], r["sample"]) for r in _records(result.stdout)] == [(f"q{i}", s) for i in range(6) for s in (0, 1)]
+
+
+def _wait_for_records(path: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_bytes().count(b"\n") >= count:
+            return
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before it could be killed: {process.stderr.read() if process.stderr else ''}")
+        time.sleep(0.05)
+    pytest.fail("no records appeared")
+
+
+def test_resume_after_kill_9_yields_every_pair_exactly_once(model_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(_lines(10, samples=2, temperature=0.8))
+    out = tmp_path / "out.jsonl"
+    args = [
+        "generate",
+        str(source),
+        "-o",
+        str(out),
+        "--model",
+        str(model_dir),
+        "--batch-size",
+        "4",
+        "--max-tokens",
+        "8",
+    ]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "chatapp.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        _wait_for_records(out, 3, process)
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+    first = _records(out.read_text())
+    assert 3 <= len(first) < 20
+    # A kill in the middle of a write leaves a torn last line; resume must cut it off, not keep or duplicate it.
+    with out.open("ab") as handle:
+        handle.write(b'{"id":"q9","sample":1,"text":"tor')
+
+    resumed = CliRunner().invoke(app, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert "torn last line" in resumed.stderr
+    lines = out.read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # every line parses: nothing torn
+    assert records[: len(first)] == first  # what the killed run wrote is kept as it was
+    pairs = Counter((r["id"], r["sample"]) for r in records)
+    assert pairs == Counter({(f"q{i}", s): 1 for i in range(10) for s in (0, 1)})
+
+    # Resuming a finished file does nothing and still succeeds.
+    again = CliRunner().invoke(app, [*args, "--resume"])
+    assert again.exit_code == 0 and "10 skipped" in again.stderr
+    assert out.read_text().splitlines() == lines
