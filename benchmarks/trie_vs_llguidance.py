@@ -37,13 +37,13 @@ from tokenizers import Tokenizer
 
 from chatapp.trie.bitmask import bitmask_to_bools
 from chatapp.trie.constraint import Constraint
-from chatapp.trie.dfa import ByteDFA
 from chatapp.trie.json_schema import json_literal, schema_to_regex
 from chatapp.trie.local_tokenizers import cached_source_tokenizer
 from chatapp.trie.regex import compile_regex
 from chatapp.trie.token_bytes import vocab_bytes
 from chatapp.trie.toktrie import TokTrie
 from chatapp.trie.vocab import ConstraintVocab
+from chatapp.trie.walk import TokenColumns
 
 CACHE = Path(os.environ.get("CHATAPP_BENCH_CACHE", Path(tempfile.gettempdir()) / "chatapp-bench-cache"))
 TOKENIZERS = (
@@ -93,31 +93,6 @@ def best_of(fn: Callable[[], object], repeats: int = REPEATS) -> float:
     return best
 
 
-class BruteForce:
-    """The DFA over all tokens at once; tokens sorted by length so each byte column is a prefix slice."""
-
-    def __init__(self, tokens: list[bytes]) -> None:
-        lengths = np.array([len(t) for t in tokens])
-        self.order = np.argsort(-lengths, kind="stable")
-        self.lengths = lengths[self.order]
-        width = int(self.lengths.max())
-        self.matrix = np.zeros((len(tokens), width), dtype=np.uint8)
-        for row, token_id in enumerate(self.order):
-            token = tokens[token_id]
-            self.matrix[row, : len(token)] = np.frombuffer(token, dtype=np.uint8)
-        self.active = [int(np.searchsorted(-self.lengths, -col, side="left")) for col in range(width)]
-
-    def mask(self, dfa: ByteDFA, state: int) -> np.ndarray:
-        states = np.full(len(self.lengths), state, dtype=np.int32)
-        table = dfa.transitions
-        for col, active in enumerate(self.active):
-            live = slice(0, active)
-            states[live] = table[states[live], self.matrix[live, col]]
-        allowed = np.zeros(len(states), dtype=bool)
-        allowed[self.order] = (states != 0) & (self.lengths > 0)
-        return allowed
-
-
 def build_times(tokenizer: Tokenizer) -> tuple[float, float, float]:
     """Seconds (best of 3) for: token bytes, trie build, the whole `ConstraintVocab` (bytes, trie, slices), and
     llguidance's `LLTokenizer` construction (its token bytes, trie and slices)."""
@@ -130,7 +105,9 @@ def build_times(tokenizer: Tokenizer) -> tuple[float, float, float]:
     return t_bytes, t_trie, t_vocab, t_llg
 
 
-def bench_regex(name: str, tok_name: str, vocab: ConstraintVocab, ll_tok, brute: BruteForce, rx: str, text: str) -> Row:
+def bench_regex(
+    name: str, tok_name: str, vocab: ConstraintVocab, ll_tok, brute: TokenColumns, rx: str, text: str
+) -> Row:
     compile_regex.cache_clear()
     start = time.perf_counter()
     dfa = compile_regex(rx)
@@ -152,7 +129,7 @@ def bench_regex(name: str, tok_name: str, vocab: ConstraintVocab, ll_tok, brute:
         walk.append(best_of(lambda s=state: vocab.walker.mask(dfa, s)))
         llg_cold.append(min(_llg_fresh_mask(ll_tok, grammar, path[:step], buffer) for _ in range(2)))
         if step < BRUTE_STATES:
-            brute_times.append(best_of(lambda s=state: brute.mask(dfa, s), 1))
+            brute_times.append(best_of(lambda s=state: brute.brute_force_mask(dfa, s), 1))
         if step < len(path):
             state = dfa.step(state, vocab.token_bytes(path[step]))
 
@@ -206,7 +183,7 @@ def main() -> None:
         builds.append((tok_name, tokenizer.get_vocab_size(), *build_times(tokenizer)))
         vocab = ConstraintVocab.from_tokenizer(tokenizer)
         ll_tok = llguidance.LLTokenizer(tokenizer.to_str(), eos_token=vocab.token_id("<|assistant_end|>"))
-        brute = BruteForce(vocab.bytes.tokens)
+        brute = TokenColumns.build(vocab.bytes.tokens)
         vocab.walker.mask(compile_regex("a"), compile_regex("a").start)  # compile / load the numba kernels
         for name, rx, text in REGEXES:
             rows.append(bench_regex(name, tok_name, vocab, ll_tok, brute, rx, text))

@@ -22,8 +22,8 @@ from numba import njit
 from chatapp.trie.bitmask import bitmask_from_bools
 from chatapp.trie.dfa import DEAD, ByteDFA
 from chatapp.trie.regex import compile_regex
-from chatapp.trie.toktrie import TokTrie, padded_token_matrix
-from chatapp.trie.walk import _finish_kernel, _walk_kernel, final_states
+from chatapp.trie.toktrie import TokTrie
+from chatapp.trie.walk import TokenColumns, _finish_kernel, _walk_kernel
 
 GENERAL_SLICES = (
     r"[\x20\x0A\x0D\x09]+",
@@ -78,12 +78,12 @@ class SlicedWalker:
     def __init__(self, token_bytes: list[bytes] | tuple[bytes, ...], vocab_size: int, patterns=GENERAL_SLICES):
         self.vocab_size = vocab_size
         tokens = list(token_bytes) + [b""] * (vocab_size - len(token_bytes))
-        matrix, lengths = padded_token_matrix(tokens)
-        remaining = lengths > 0
+        columns = TokenColumns.build(tokens)
+        remaining = np.array([bool(t) for t in tokens])
         self.slices: list[Slice] = []
         for pattern in patterns:
             dfa = compile_regex(pattern)
-            member = remaining & dfa.accepting[final_states(matrix, lengths, dfa, dfa.start)]
+            member = remaining & dfa.accepting[columns.final_states(dfa, dfa.start)]
             remaining &= ~member
             subset = [t if keep else b"" for t, keep in zip(tokens, member.tolist(), strict=True)]
             self.slices.append(Slice(dfa, TokTrie.build(subset, vocab_size), bitmask_from_bools(member)))

@@ -24,7 +24,7 @@ MASK_CACHE_SIZE = 2048
 """Masks kept per vocabulary (LRU). A 150k-token mask is 19 KB, so the cache stays under 40 MB."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class ConstraintVocab:
     """A tokenizer's bytes, trie and mask machinery. Not thread-safe (one walker scratch buffer)."""
 
@@ -45,6 +45,13 @@ class ConstraintVocab:
         trie = TokTrie.build(vb.tokens)
         sliced = SlicedWalker(vb.tokens, vb.vocab_size)
         return cls(tokenizer=tokenizer, bytes=vb, trie=trie, walker=CompiledWalker(trie), sliced=sliced)
+
+    def __repr__(self) -> str:
+        return f"ConstraintVocab(vocab_size={self.vocab_size}, trie_nodes={self.trie.num_nodes})"
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        """Keep pretty-printers (Hypothesis' failure reports) from dumping the whole tokenizer."""
+        printer.text(repr(self))
 
     @property
     def vocab_size(self) -> int:

@@ -10,11 +10,13 @@ cache numba compiles on first use (about a second) and carries on.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from numba import njit
 
 from chatapp.trie.dfa import DEAD, ByteDFA
-from chatapp.trie.toktrie import TokTrie
+from chatapp.trie.toktrie import TokTrie, padded_token_matrix
 
 
 @njit(cache=True, nogil=True)
@@ -156,21 +158,37 @@ class CompiledWalker:
         )
 
 
-def final_states(token_matrix: np.ndarray, token_lengths: np.ndarray, dfa: ByteDFA, state: int) -> np.ndarray:
-    """The DFA state after each token's bytes from `state`, for all tokens at once (numpy, one column per byte)."""
-    states = np.full(len(token_lengths), state, dtype=np.int32)
-    table = dfa.transitions
-    for col in range(token_matrix.shape[1]):
-        active = token_lengths > col
-        if not active.any():
-            break
-        states[active] = table[states[active], token_matrix[active, col]]
-    return states
+@dataclass(frozen=True, eq=False)
+class TokenColumns:
+    """All tokens' bytes as a zero-padded matrix, longest first, for running a DFA over the whole vocabulary.
 
-
-def brute_force_mask(token_matrix: np.ndarray, token_lengths: np.ndarray, dfa: ByteDFA, state: int) -> np.ndarray:
-    """Boolean mask by running the DFA over every token's bytes at once: the oracle for tests, O(V x max_len).
-
-    `token_matrix` is `uint8[V, L]` (zero padded), `token_lengths` `int[V]`; empty tokens are never allowed.
+    With tokens sorted by length the ones still running at column `k` are the first `running[k]` rows, so each
+    column costs one slice instead of a boolean mask over the vocabulary.
     """
-    return (final_states(token_matrix, token_lengths, dfa, state) != DEAD) & (token_lengths > 0)
+
+    matrix: np.ndarray  # uint8[V, max_len], rows in `order`
+    order: np.ndarray  # token id of each row
+    running: list[int]  # rows with more than k bytes, per column k
+    nonempty: np.ndarray  # bool per token id
+
+    @classmethod
+    def build(cls, tokens: list[bytes] | tuple[bytes, ...]) -> TokenColumns:
+        matrix, lengths = padded_token_matrix(tokens)
+        order = np.argsort(-lengths, kind="stable")
+        sorted_lengths = lengths[order]
+        running = np.searchsorted(-sorted_lengths, -np.arange(1, matrix.shape[1] + 1), side="right")
+        return cls(matrix[order], order, [int(r) for r in running if r > 0], lengths > 0)
+
+    def final_states(self, dfa: ByteDFA, state: int) -> np.ndarray:
+        """The DFA state after each token's bytes from `state`, indexed by token id (DEAD stays DEAD)."""
+        states = np.full(len(self.order), state, dtype=np.int32)
+        table = dfa.transitions
+        for col, count in enumerate(self.running):
+            states[:count] = table[states[:count], self.matrix[:count, col]]
+        result = np.empty_like(states)
+        result[self.order] = states
+        return result
+
+    def brute_force_mask(self, dfa: ByteDFA, state: int) -> np.ndarray:
+        """Boolean mask of the tokens `dfa` allows from `state`: the oracle for tests, O(V x max_len), no trie."""
+        return (self.final_states(dfa, state) != DEAD) & self.nonempty

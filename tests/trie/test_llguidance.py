@@ -83,6 +83,9 @@ class Pair:
         ours, theirs = self.masks()
         diff = [self.vocab.token_bytes(int(t)) for t in np.flatnonzero(ours != theirs)[:8]]
         assert (ours == theirs).all(), f"{where}: masks differ on {diff}"
+        words = self.ours.allowed_mask()
+        packed = np.frombuffer(self.theirs.compute_bitmask(), dtype="<u4")  # llguidance pads with one more word
+        assert (packed[: len(words)] == words).all() and not packed[len(words) :].any(), f"{where}: bitmasks differ"
         assert self.ours.ff_tokens() == self.theirs.compute_ff_tokens(), where
         assert self.ours.forced_bytes() == self.theirs.compute_ff_bytes(), where
         return ours

@@ -17,24 +17,23 @@ from chatapp.trie.dfa import DEAD
 from chatapp.trie.regex import compile_regex
 from chatapp.trie.slices import SlicedWalker
 from chatapp.trie.token_bytes import vocab_bytes
-from chatapp.trie.toktrie import TokTrie, _padded_matrix
-from chatapp.trie.walk import CompiledWalker, brute_force_mask
+from chatapp.trie.toktrie import TokTrie
+from chatapp.trie.walk import CompiledWalker, TokenColumns
 
 from .strategies import regexes
 
 
 class Vocab:
-    """A tokenizer's trie, walker and the padded byte matrix brute force needs."""
+    """A tokenizer's trie, walker and the token byte columns brute force needs."""
 
     def __init__(self, tokenizer) -> None:
         self.bytes = vocab_bytes(tokenizer)
         self.trie = TokTrie.build(self.bytes.tokens)
         self.walker = CompiledWalker(self.trie)
-        self.lengths = np.array([len(t) for t in self.bytes.tokens])
-        self.matrix = _padded_matrix(b"".join(self.bytes.tokens), self.lengths)
+        self.columns = TokenColumns.build(self.bytes.tokens)
 
     def brute(self, dfa, state) -> np.ndarray:
-        return brute_force_mask(self.matrix, self.lengths, dfa, state)
+        return self.columns.brute_force_mask(dfa, state)
 
 
 @pytest.fixture(scope="module")
