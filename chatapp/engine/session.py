@@ -10,8 +10,8 @@ keeps one single-row cache for the whole conversation:
   prefill of `session.token_ids` would give.
 - Before a turn's segment is fed the cache is marked (`cache.mark()`), so `regenerate` and `edit_last` roll back
   with `cache.restore()` instead of starting over.
-- Cancel = the consumer closes the turn's generator: the partial answer is kept in `messages`, and since every
-  reported token was fed before it was reported, the cache matches it.
+- Cancel = the consumer closes the turn's generator (or simply starts another turn, which closes it): the partial
+  answer is kept in `messages`, and since every reported token was fed before it was reported, the cache matches.
 
 Context policy (from the turn's settings): "error" raises ContextOverflowError before a turn whose prompt leaves no
 room to answer (a reply that later fills the context ends with finish reason "context"); "drop_oldest" drops the
@@ -20,7 +20,7 @@ oldest exchanges (keeping the system message) until the prompt plus `max_tokens`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,7 @@ class ChatSession:
         self._ids: list[int] = []
         self._cache: Any = None
         self._last: _TurnStart | None = None
+        self._active: Generator[Step, None, None] | None = None
         self.reset()
 
     # ------------------------------------------------------------------------------------------------- state
@@ -73,6 +74,7 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays) and the cache."""
+        self._close_active()
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self._ids = []
         self._cache = None
@@ -84,6 +86,7 @@ class ChatSession:
     ) -> Iterator[Step]:
         """Add a user message and stream the answer. Errors (context, bad settings) raise here, not mid-stream."""
         _check_unsupported(program, constraint)
+        self._close_active()
         with torch.inference_mode():
             mark = self._cache.mark() if self._ids else None
         base = _TurnStart(mark, len(self._ids), len(self.messages))
@@ -92,6 +95,7 @@ class ChatSession:
     def regenerate(self, settings: GenerationSettings, program: Any = None, constraint: Any = None) -> Iterator[Step]:
         """Drop the last answer and answer the last user message again."""
         _check_unsupported(program, constraint)
+        self._close_active()
         base = self._last_turn()
         return self._start_turn(self.messages[base.message_count], settings, base)
 
@@ -100,7 +104,15 @@ class ChatSession:
     ) -> Iterator[Step]:
         """Replace the last user message with `text` and answer it."""
         _check_unsupported(program, constraint)
+        self._close_active()
         return self._start_turn({"role": "user", "content": text}, settings, self._last_turn())
+
+    def _close_active(self) -> None:
+        """Finish the previous turn's stream if its consumer left it open: the partial answer is recorded now,
+        before the next turn is planned, rather than whenever the abandoned generator is collected."""
+        active, self._active = self._active, None
+        if active is not None:
+            active.close()
 
     def _last_turn(self) -> _TurnStart:
         if self._last is None:
@@ -122,7 +134,8 @@ class ChatSession:
                 f"this turn needs {used + len(segment)} tokens of context but the model holds {self.context_size}",
                 hint="start a new conversation (reset), or use context_policy='drop_oldest'",
             )
-        return self._run_turn(base, messages, segment, fresh, settings)
+        self._active = self._run_turn(base, messages, segment, fresh, settings)
+        return self._active
 
     def _run_turn(
         self,
@@ -131,7 +144,7 @@ class ChatSession:
         segment: list[int],
         fresh: bool,
         settings: GenerationSettings,
-    ) -> Iterator[Step]:
+    ) -> Generator[Step, None, None]:
         """Roll back to `base`, feed the segment, stream the answer, and record it (also when the consumer stops
         early). Nothing changes until the consumer asks for the first step, so a turn that is never started
         leaves the session as it was."""

@@ -71,6 +71,16 @@ def test_cancel_keeps_the_partial_answer_and_a_consistent_cache(engine) -> None:
     assert_last_turn_is_a_fresh_prefill(session, engine, answer, GREEDY)
 
 
+def test_a_new_turn_finishes_an_abandoned_one_first(engine) -> None:
+    session = engine.session()
+    steps = session.send("Hello! How are you today?", GREEDY.with_(max_tokens=50))
+    partial = [e.token for e in next(steps).tokens]
+    answer = reply(session.send("Paris", GREEDY))  # the first stream was left open, never closed
+    assert session.messages[1] == {"role": "assistant", "content": engine.chat_format.decode(partial)}
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
+    assert_last_turn_is_a_fresh_prefill(session, engine, answer, GREEDY)
+
+
 def test_a_turn_never_started_changes_nothing(engine) -> None:
     session = engine.session()
     reply(session.send("Hello", GREEDY))
