@@ -18,6 +18,7 @@ beyond them. `token_healing=False` gives llguidance's masks exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -177,3 +178,16 @@ class Constraint:
         if key not in self._ff_cache:
             self._ff_cache[key] = fast_forward(self.vocab, self.dfa, self.state, context, self.lookback)
         return self._ff_cache[key]
+
+
+def batch_bitmask(constraints: Sequence[Constraint | None], vocab_size: int) -> np.ndarray:
+    """`uint32[B, ceil(V/32)]` masks for a batch: each constrained row's `allowed_mask()`, all ones for `None` rows.
+
+    Feed it to `apply_token_bitmask(logits, ...)`; tokens past `vocab_size` in the last word stay allowed for
+    unconstrained rows (a padded model head is the sampler's business, not the constraint's).
+    """
+    words = np.full((len(constraints), (vocab_size + 31) // 32), 0xFFFFFFFF, dtype=np.uint32)
+    for row, constraint in enumerate(constraints):
+        if constraint is not None:
+            words[row] = constraint.allowed_mask()
+    return words

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from chatapp.errors import ConstraintError
-from chatapp.trie.bitmask import allowed_ids, is_allowed
-from chatapp.trie.constraint import Constraint
+from chatapp.trie.bitmask import allowed_ids, bitmask_to_bools, is_allowed
+from chatapp.trie.constraint import Constraint, batch_bitmask
 from chatapp.trie.vocab import ConstraintVocab
 
 from .conftest import END_TOKEN
@@ -121,3 +121,11 @@ def test_reset_returns_to_the_start(vocab):
     c.consume(vocab.encode("a")[0])
     c.reset()
     assert c.state == c.dfa.start and c.tokens == []
+
+
+def test_batch_bitmask_masks_constrained_rows_only(vocab):
+    digits = Constraint.regex("[0-9]+", vocab)
+    words = batch_bitmask([digits, None], vocab.vocab_size)
+    assert words.shape == (2, (vocab.vocab_size + 31) // 32)
+    assert (words[0] == digits.allowed_mask()).all()
+    assert bitmask_to_bools(words[1], vocab.vocab_size).all()
