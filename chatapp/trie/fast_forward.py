@@ -14,6 +14,7 @@ Forcing the naive tokenization of forced bytes is often non-canonical: with `ord
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 from chatapp.trie.dfa import ByteDFA
 from chatapp.trie.vocab import ConstraintVocab
@@ -72,11 +73,8 @@ def _without_incomplete_tail(data: bytes) -> bytes:
 
 def _token_ends(vocab: ConstraintVocab, ids: list[int]) -> list[int]:
     """Cumulative byte offsets where each token ends."""
-    ends, total = [], 0
-    for t in ids:
-        total += len(vocab.token_bytes(t))
-        ends.append(total)
-    return ends
+    table = vocab.bytes.tokens
+    return list(accumulate(len(table[t]) for t in ids))
 
 
 def _spanned_by_longer_token(vocab: ConstraintVocab, dfa: ByteDFA, state_after: int, forced: bytes, idx: int) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from numba import njit
 
 from chatapp.trie.bitmask import empty_bitmask
 
@@ -109,26 +110,14 @@ class TokTrie:
         )
 
     def child(self, node: int, byte: int) -> int | None:
-        """The child of `node` along `byte`, or None. Walks the sibling list (ascending bytes, at most 256)."""
-        p = node + 1
-        end = node + int(self.subtree_size[node])
-        while p < end:
-            b = int(self.node_byte[p])
-            if b == byte:
-                return p
-            if b > byte:
-                return None
-            p += int(self.subtree_size[p])
-        return None
+        """The child of `node` along `byte`, or None."""
+        found = _find_node(self.node_byte, self.subtree_size, node, np.frombuffer(bytes([byte]), dtype=np.uint8))
+        return None if found < 0 else int(found)
 
     def node_for(self, prefix: bytes) -> int | None:
         """The node whose path from the root spells `prefix`, or None if no token starts with `prefix`."""
-        node: int | None = 0
-        for byte in prefix:
-            node = self.child(node, byte)
-            if node is None:
-                return None
-        return node
+        found = _find_node(self.node_byte, self.subtree_size, 0, np.frombuffer(prefix, dtype=np.uint8))
+        return None if found < 0 else int(found)
 
     def tokens_with_prefix(self, prefix: bytes) -> np.ndarray:
         """Ids of all tokens whose bytes start with `prefix` (duplicates included), ascending."""
@@ -192,6 +181,29 @@ class TokTrie:
         mask = words[: (self.vocab_size + 31) // 32].copy()
         self.copy_duplicates(mask)
         return mask
+
+
+@njit(cache=True, nogil=True)
+def _find_node(node_byte: np.ndarray, subtree_size: np.ndarray, node: int, path: np.ndarray) -> int:
+    """Follow `path` down from `node` (scanning each sibling list, ascending bytes); -1 if it leaves the trie.
+
+    Compiled because fast-forward asks it for every suffix of the forced bytes, and the root has ~256 children.
+    """
+    for byte in path:
+        p = node + 1
+        end = node + subtree_size[node]
+        node = -1
+        while p < end:
+            b = node_byte[p]
+            if b == byte:
+                node = p
+                break
+            if b > byte:
+                break
+            p += subtree_size[p]
+        if node < 0:
+            return -1
+    return node
 
 
 def padded_token_matrix(tokens: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
