@@ -115,9 +115,14 @@ class ChatSession:
             active.close()
 
     def _last_turn(self) -> _TurnStart:
-        if self._last is None:
+        """Where the last exchange starts. For messages this session did not generate (a conversation restored
+        from history) there is no cache mark: the turn is then prefilled afresh from the rendered messages."""
+        if self._last is not None:
+            return self._last
+        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        if not users:
             raise ConversationError("there is no turn to regenerate or edit", hint="send a message first")
-        return self._last
+        return _TurnStart(mark=None, token_count=0, message_count=users[-1])
 
     def _start_turn(self, user: dict[str, Any], settings: GenerationSettings, base: _TurnStart) -> Iterator[Step]:
         """Plan the turn on top of `base` (the conversation up to before a user message) and validate it now, so

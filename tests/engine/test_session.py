@@ -81,6 +81,18 @@ def test_a_new_turn_finishes_an_abandoned_one_first(engine) -> None:
     assert_last_turn_is_a_fresh_prefill(session, engine, answer, GREEDY)
 
 
+def test_a_restored_conversation_can_be_continued_and_regenerated(engine) -> None:
+    original = engine.session()
+    reply(original.send("Hello! How are you today?", GREEDY))
+    restored = engine.session()
+    restored.messages.extend(original.messages)  # e.g. loaded from the history database
+    again = reply(restored.regenerate(GREEDY))
+    assert restored.messages == original.messages
+    assert_last_turn_is_a_fresh_prefill(restored, engine, again, GREEDY)
+    answer = reply(restored.send("Paris", GREEDY))
+    assert_last_turn_is_a_fresh_prefill(restored, engine, answer, GREEDY)
+
+
 def test_a_turn_never_started_changes_nothing(engine) -> None:
     session = engine.session()
     reply(session.send("Hello", GREEDY))
