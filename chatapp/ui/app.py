@@ -89,7 +89,7 @@ class ChatApp(App[None]):
         self.generation: Generation | None = None
         self.editing = False
         self._worker: Worker[None] | None = None
-        self._cursor_blink = self.animation_level != "none" if cursor_blink is None else cursor_blink
+        self.cursor_blink = self.animation_level != "none" if cursor_blink is None else cursor_blink
         self.sub_title = self._sub_title()
 
     # --- layout ---------------------------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ class ChatApp(App[None]):
             self.query_one(StatsPanel),
         )
         prompt = self.query_one(PromptInput)
-        prompt.cursor_blink = self._cursor_blink
+        prompt.cursor_blink = self.cursor_blink
         prompt.border_title = "message · enter send · ctrl+j newline · esc stop"
         heatmap = self.query_one(RoutingHeatmap)
         heatmap.border_title = "routing · layers × tokens"

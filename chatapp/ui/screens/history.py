@@ -16,6 +16,7 @@ from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
 
 from chatapp.ui.history import ConversationSummary, HistoryStore
+from chatapp.ui.screens import match_cursor_blink
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class HistoryScreen(ModalScreen[ResumeChoice | None]):
             yield Input(id="rename", placeholder="new title, Enter to save", compact=True)
 
     def on_mount(self) -> None:
+        match_cursor_blink(self)
         self.query_one("#rename").display = False
         self._reload()
 

@@ -15,6 +15,7 @@ from textual.widgets.option_list import Option
 
 from chatapp.errors import ProgramError
 from chatapp.ui.backend import ChatBackend, ProgramInfo
+from chatapp.ui.screens import match_cursor_blink
 
 _NONE = "(none)"
 
@@ -45,6 +46,7 @@ class ProgramScreen(ModalScreen[ProgramChoice | None]):
             yield Static(id="error", classes="error")
 
     def on_mount(self) -> None:
+        match_cursor_blink(self)
         self.query_one("#error").display = False
         options = self.query_one(OptionList)
         current = self._backend.program.name if self._backend.program else _NONE

@@ -18,6 +18,7 @@ from textual.widgets import Button, Input, Label, Static
 from chatapp.errors import ChatappError, SettingsError
 from chatapp.settings import GenerationSettings
 from chatapp.ui.backend import ChatBackend
+from chatapp.ui.screens import match_cursor_blink
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class SettingsScreen(ModalScreen[SettingsChoice | None]):
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
+        match_cursor_blink(self)
         self.query_one("#error").display = False
 
     @on(Button.Pressed, "#save")
