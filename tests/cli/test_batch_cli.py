@@ -157,6 +157,24 @@ def test_batched_output_equals_one_at_a_time(model_dir: Path, tmp_path: Path) ->
     assert len({tuple(t) for t in samples}) == 3  # samples of one line differ
 
 
+def test_programs_force_tokens_and_tag_zones(model_dir: Path) -> None:
+    lines = [
+        json.dumps({"id": "plain", "prompt": "Hello!"}),  # gets the --program default
+        json.dumps({"id": "calc", "prompt": "What is 37*45?", "program": "calc", "temperature": 0.7}),
+    ]
+    result = _generate(model_dir, "-", "--max-tokens", "6", "--program", "chat", "--ordered", input="\n".join(lines))
+    assert result.exit_code == 0, result.output
+    plain, calc = _records(result.stdout)
+    assert plain["tags"] == [["answer"]] * len(plain["tokens"])
+    assert not any(plain["forced"])
+    # calc forces <|python_start|>: the first token is forced, the model's expression is tagged "tool", and the
+    # tool machine reports the call (answered, or refused when the reply ends inside it).
+    assert calc["forced"][0] and calc["text"].startswith("<|python_start|>")
+    assert calc["tags"][0] == ["tool"]
+    assert calc["tool_calls"] and {"tool", "expression"} <= set(calc["tool_calls"][0])
+    assert {"result", "refusal"} & set(calc["tool_calls"][0])
+
+
 def test_ordered_follows_input_order(model_dir: Path) -> None:
     result = _generate(
         model_dir,
