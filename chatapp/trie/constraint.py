@@ -54,7 +54,6 @@ class Constraint:
         self.state = dfa.start
         self.tokens: list[int] = []
         self._ended = False
-        self._ff_cache: dict[tuple[int, bytes], FastForward] = {}
 
     @classmethod
     def regex(cls, pattern: str, vocab: ConstraintVocab, end_token: int | None = None, **options: Any) -> Constraint:
@@ -174,10 +173,30 @@ class Constraint:
         if self.dfa.accepting[self.state] or self.dfa.live_count[self.state] != 1:
             return _NOTHING_FORCED  # a choice point: nothing forced, nothing cached
         context = self._context()
-        key = (self.state, context)
-        if key not in self._ff_cache:
-            self._ff_cache[key] = fast_forward(self.vocab, self.dfa, self.state, context, self.lookback)
-        return self._ff_cache[key]
+        key = (self.dfa, self.state, context, self.lookback)
+        cache = self.vocab.ff_cache
+        found = cache.get(key)
+        if found is None:
+            found = fast_forward(self.vocab, self.dfa, self.state, context, self.lookback)
+            cache[key] = found
+            self._seed_along(found)
+        return found
+
+    def _seed_along(self, ff: FastForward) -> None:
+        """Cache the answers for the states along `ff.tokens`: after its first k tokens the rest are forced.
+
+        Recomputing there would re-tokenize the same forced text with token k as context and reach the same
+        cut (the spanning search covers the same final tokens), so one tokenizer call serves the whole run.
+        """
+        state = self.state
+        for k, token in enumerate(ff.tokens):
+            data = self.vocab.token_bytes(token)
+            state = self.dfa.step(state, data)
+            if not data or data[0] & 0xC0 == 0x80:
+                return  # that state's context would reach further back: let it compute its own
+            self.vocab.ff_cache.setdefault(
+                (self.dfa, state, data, self.lookback), FastForward(ff.tokens[k + 1 :], ff.healing)
+            )
 
 
 def batch_bitmask(constraints: Sequence[Constraint | None], vocab_size: int) -> np.ndarray:

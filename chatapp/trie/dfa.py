@@ -28,6 +28,7 @@ class ByteDFA:
     source: str = ""
     live_count: np.ndarray = field(init=False, repr=False)  # int32[n_states]: bytes not leading to DEAD
     single_byte: np.ndarray = field(init=False, repr=False)  # int32[n_states]: that byte when live_count == 1
+    _forced_runs: dict[int, tuple[bytes, int]] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         live = self.transitions != DEAD
@@ -59,12 +60,21 @@ class ByteDFA:
 
         An accepting state is a choice point (stop here or go on), so forcing stops there.
         """
-        out = bytearray()
-        while not self.accepting[state] and self.live_count[state] == 1 and len(out) < MAX_FORCED_BYTES:
-            byte = int(self.single_byte[state])
-            out.append(byte)
-            state = int(self.transitions[state, byte])
-        return bytes(out)
+        return self.forced_run(state)[0]
+
+    def forced_run(self, state: int) -> tuple[bytes, int]:
+        """`forced_bytes(state)` and the state after them (cached: fast-forward asks at every forced step)."""
+        run = self._forced_runs.get(state)
+        if run is None:
+            out = bytearray()
+            end = state
+            while not self.accepting[end] and self.live_count[end] == 1 and len(out) < MAX_FORCED_BYTES:
+                byte = int(self.single_byte[end])
+                out.append(byte)
+                end = int(self.transitions[end, byte])
+            run = (bytes(out), end)
+            self._forced_runs[state] = run
+        return run
 
     def recognizer(self, state: int | None = None) -> DfaRecognizer:
         return DfaRecognizer(self, self.start if state is None else state)

@@ -94,7 +94,7 @@ def fast_forward(
     lookback: int = LOOKBACK_TOKENS,
 ) -> FastForward:
     """The seed's algorithm for the bytes `dfa` forces from `state` (see module docstring)."""
-    forced = dfa.forced_bytes(state)
+    forced, after = dfa.forced_run(state)
     if not forced:
         return FastForward((), b"")
     tokens = tokenize_forced(vocab, forced, context)
@@ -104,7 +104,6 @@ def fast_forward(
     covered = ends[-1]
     tail_start = ends[-lookback - 1] if len(tokens) > lookback else 0
     # Bytes past `covered` (an incomplete final character) are never forced as tokens: they always stay behind.
-    after = dfa.step(state, forced)
     idx = next(
         (i for i in range(tail_start, covered) if _spanned_by_longer_token(vocab, dfa, after, forced, i)), covered
     )

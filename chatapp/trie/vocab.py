@@ -24,6 +24,29 @@ MASK_CACHE_SIZE = 2048
 """Masks kept per vocabulary (LRU). A 150k-token mask is 19 KB, so the cache stays under 40 MB."""
 
 
+FF_CACHE_SIZE = 65536
+"""Fast-forward results kept per vocabulary (LRU); each is a few small tuples."""
+
+
+class LruDict(OrderedDict):
+    """A dict that forgets its least recently written entries beyond `capacity`."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        if len(self) > self.capacity:
+            self.popitem(last=False)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+
 @dataclass(eq=False, repr=False)
 class ConstraintVocab:
     """A tokenizer's bytes, trie and mask machinery. Not thread-safe (one walker scratch buffer)."""
@@ -33,6 +56,8 @@ class ConstraintVocab:
     trie: TokTrie = field(repr=False)
     walker: CompiledWalker = field(repr=False)
     sliced: SlicedWalker = field(repr=False)
+    ff_cache: LruDict = field(default_factory=lambda: LruDict(FF_CACHE_SIZE), repr=False)
+    """Fast-forward results per (DFA, state, context, lookback), shared by all rows (see `Constraint`)."""
     _singles: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _masks: OrderedDict[tuple[ByteDFA, int, bytes, int | None], np.ndarray] = field(
         default_factory=OrderedDict, repr=False
