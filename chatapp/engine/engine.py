@@ -2,6 +2,7 @@
 
     prompts ─► prefill (ragged, one chunked `extend` per batch) ─► replicate rows for num_samples
       loop:  sample(logits) on device ─► forced tokens from the rows' tool queues replace samples
+             ─► the TTFA automaton steps (`programs.py`): feeds / timeouts replace tokens, zone tags
              ─► model.decode (or a ragged `extend` when some row fast-forwards a forced run)
              ─► ONE device→host copy (tokens + routing) ─► per-row host bookkeeping ─► Step event
 
@@ -38,12 +39,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
 from chatapp.engine.detok import Detokenizer, TokenBytes
 from chatapp.engine.events import FinishReason, PromptInfo, Step, TokenEvent, ToolEvent
+from chatapp.engine.programs import ProgramRunner
 from chatapp.engine.sampling import SamplingParams, sample
 from chatapp.engine.tools import DEFAULT_MAX_EXPRESSION_TOKENS, ForcedToken, ToolBox, ToolMachine
 from chatapp.errors import ContextOverflowError, ConversationError, SettingsError
@@ -110,6 +112,29 @@ class _Row:
         return [queue.popleft() for _ in range(count)]
 
 
+class _Emitted(NamedTuple):
+    """One token a row emitted in a step, and where it came from."""
+
+    token: int
+    source: Literal["model", "tool", "program"]
+    tool: ToolEvent | None
+    tags: tuple[str, ...]
+    zone: str | None
+
+
+@dataclass
+class _HostStep:
+    """A step's device results on the host (the unpacked single copy); `None` for what was not reported."""
+
+    tokens: list[int]
+    probs: list[Any] | None = None
+    chosen: list[Any] | None = None
+    program_forced: list[bool] | None = None
+    tags: list[tuple[str, ...]] | None = None
+    zones: list[str | None] | None = None
+    halted: list[bool] | None = None
+
+
 @dataclass
 class _Batch:
     """The device batch: rows in device order and the tensors that follow them through compaction."""
@@ -122,6 +147,7 @@ class _Batch:
     routing: str
     threshold: float | None
     may_compact: bool  # False when the caller owns the cache object (chat sessions)
+    program: ProgramRunner | None = None  # the TTFA automaton when any row runs a program
     finished: int = 0  # rows finished but still occupying a device slot
 
     @property
@@ -177,19 +203,21 @@ class Engine:
         constraints: Sequence[Any] | None = None,
     ) -> Iterator[Step]:
         """Stream `Step`s for `prompts` (token ids, or strings rendered as one user turn). `settings` is one for
-        all prompts or one per prompt. Row index = prompt_index * num_samples + sample_index.
+        all prompts or one per prompt; `programs` (compiled TTFA programs, `chatapp.ttfa.load_program`) is one
+        per prompt, None entries running free. Row index = prompt_index * num_samples + sample_index.
 
         Input errors raise here, before the first step. Closing the returned generator frees everything.
         """
-        if programs is not None or constraints is not None:
+        if constraints is not None and any(c is not None for c in constraints):
             raise SettingsError(
-                "TTFA programs and constraints are not wired into this engine yet",
-                hint="generate without programs/constraints",
+                "grammar constraints are not wired into this engine yet", hint="generate without constraints"
             )
         if num_samples < 1:
             raise SettingsError(f"num_samples must be >= 1, got {num_samples}")
         feeds = [self._prompt_ids(p) for p in prompts]
         per_prompt = self._settings_per_prompt(settings, len(feeds))
+        if programs is not None:
+            self._check_programs(programs, len(feeds))
         for i, feed in enumerate(feeds):
             self._check_fits(i, 0, len(feed))
         initial = max(len(f) for f in feeds) + max(s.max_tokens for s in per_prompt) + CACHE_SLACK
@@ -199,7 +227,8 @@ class Engine:
             for p in range(len(feeds))
             for s in range(num_samples)
         ]
-        return self._stream(feeds, rows, cache, num_samples=num_samples, may_compact=True)
+        row_programs = None if programs is None else [p for p in programs for _ in range(num_samples)]
+        return self._stream(feeds, rows, cache, num_samples=num_samples, may_compact=True, programs=row_programs)
 
     def generate_batch(
         self,
@@ -248,6 +277,19 @@ class Engine:
             )
         return per_prompt
 
+    @staticmethod
+    def _check_programs(programs: Sequence[Any], prompts: int) -> None:
+        from chatapp.ttfa import Program
+
+        if len(programs) != prompts:
+            raise SettingsError(f"got {len(programs)} programs for {prompts} prompts", hint="give one per prompt")
+        for program in programs:
+            if program is not None and not isinstance(program, Program):
+                raise SettingsError(
+                    f"a program must be a compiled TTFA program, got {type(program).__name__}",
+                    hint="compile it with chatapp.ttfa.load_program(name_or_path, tokenizer)",
+                )
+
     def _check_fits(self, index: int, used: int, new: int) -> None:
         """A prompt must leave room for at least one generated token."""
         if used + new >= self.context_size:
@@ -271,6 +313,7 @@ class Engine:
         *,
         num_samples: int = 1,
         may_compact: bool = True,
+        programs: Sequence[Any] | None = None,
     ) -> Iterator[Step]:
         """Prefill `feeds` (one per prompt) into `cache`, then decode until every row finished."""
         started = time.perf_counter()
@@ -295,6 +338,7 @@ class Engine:
             routing=first.routing,
             threshold=first.routing_threshold,
             may_compact=may_compact,
+            program=ProgramRunner(programs, self.device) if programs and any(p is not None for p in programs) else None,
         )
         index = 0
         while batch.active:
@@ -360,11 +404,13 @@ class Engine:
         )
 
     def _step(self, batch: _Batch, index: int) -> Step:
-        """One model forward: sample, apply forced runs, feed, copy to host once, update rows, build events."""
+        """One model forward: sample, apply forced tokens (tool queues, then the program), feed, copy to host once,
+        update rows, build events."""
         started = time.perf_counter()
-        rows = batch.rows
+        rows, program = batch.rows, batch.program
         sampled = sample(batch.logits, batch.params, batch.counters)
-        fast = self.fast_forward == "always" or batch.active == 1 or self.device.type == "cuda"
+        # Tool output is fast-forwarded only without a program: with one, every token must pass the automaton.
+        fast = program is None and (self.fast_forward == "always" or batch.active == 1 or self.device.type == "cuda")
         runs = {
             i: row.take_forced(self.context_size - row.seen, fast)
             for i, row in enumerate(rows)
@@ -372,52 +418,80 @@ class Engine:
         }
         width = max((len(run) for run in runs.values()), default=1)
         self._ensure_capacity(batch.cache, width)
-        if not runs and not batch.finished:  # the common case: every row feeds its sampled token
-            first = sampled
-            out = self.model.decode(sampled, batch.cache, routing=batch.routing, threshold=batch.threshold)
+        ids = self._forced_ids(batch, runs, width) if runs else None
+        first = sampled if ids is None else torch.where(ids[1], ids[0][:, 0], sampled)
+        stepped = None
+        if program is not None:
+            first, program_forced, tags, pcs = program.step(first)
+            stepped = (program_forced, tags, pcs, program.halted())
+        if width == 1 and not batch.finished:  # the common case: every row feeds one token
+            out = self.model.decode(first, batch.cache, routing=batch.routing, threshold=batch.threshold)
             batch.counters += 1
         else:
-            first, out = self._feed_ragged(batch, sampled, runs, width)
+            out = self._feed_ragged(batch, first, runs, width, ids)
         batch.logits = out.logits
-        tokens, probs, chosen = self._to_host(first, out, batch.routing != "off")
+        host = self._to_host(first, out, batch.routing != "off", stepped, program)
 
         events: list[TokenEvent] = []
         for i, row in enumerate(rows):
             if row.finished:
                 continue
-            run = runs.get(i)
-            if run is None:
-                emitted = [(tokens[i], False, None)]
-            else:
-                emitted = [(f.token, True, f.event) for f in run]
-            events.extend(self._advance_row(row, emitted, i, probs, chosen))
+            events.extend(self._advance_row(row, self._emitted(row, i, runs.get(i), host), i, host))
             if row.finished:
                 batch.finished += 1
         return Step(index, tuple(events), time.perf_counter() - started, batch.active)
 
-    def _feed_ragged(
-        self, batch: _Batch, sampled: torch.Tensor, runs: dict[int, list[ForcedToken]], width: int
-    ) -> tuple[torch.Tensor, Any]:
-        """Feed a step where some rows fast-forward a forced run or are finished (length 0): one `extend` call.
+    def _forced_ids(
+        self, batch: _Batch, runs: dict[int, list[ForcedToken]], width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids (B, width), is_forced (B,)) on the device for a step where some rows feed queued tool tokens.
 
-        Built on the host (these steps are rare: tool output, or rows awaiting compaction) and copied over once.
-        """
-        size = len(batch.rows)
-        ids = [[0] * width for _ in range(size)]
-        lengths = [0 if row.finished else 1 for row in batch.rows]
-        is_forced = [False] * size
+        Built on the host and copied over once: these steps are rare (tool output)."""
+        ids = [[0] * width for _ in batch.rows]
+        is_forced = [False] * len(batch.rows)
         for i, run in runs.items():
             ids[i][: len(run)] = [f.token for f in run]
-            lengths[i] = len(run)
             is_forced[i] = True
         device = self.device
-        ids_t = torch.tensor(ids, dtype=torch.long, device=device)
-        forced_t = torch.tensor(is_forced, device=device)
-        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
-        ids_t[:, 0] = torch.where(forced_t, ids_t[:, 0], sampled)
+        return torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(is_forced, device=device)
+
+    def _feed_ragged(
+        self,
+        batch: _Batch,
+        first: torch.Tensor,
+        runs: dict[int, list[ForcedToken]],
+        width: int,
+        ids: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> Any:
+        """Feed a step where some rows fast-forward a forced run or are finished (length 0): one `extend` call,
+        each row's first token being `first` (sampled, tool-forced or program-forced)."""
+        lengths = [0 if row.finished else 1 for row in batch.rows]
+        for i, run in runs.items():
+            lengths[i] = len(run)
+        lengths_t = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        ids_t = ids[0] if ids is not None else torch.zeros(len(batch.rows), width, dtype=torch.long, device=self.device)
+        ids_t[:, 0] = first
         out = self.model.extend(ids_t, lengths_t, batch.cache, routing=batch.routing, threshold=batch.threshold)
         batch.counters += lengths_t
-        return ids_t[:, 0], out
+        return out
+
+    @staticmethod
+    def _emitted(row: _Row, slot: int, run: list[ForcedToken] | None, host: _HostStep) -> list[_Emitted]:
+        """What a row emitted this step, with each token's source. A program that replaced a queued tool token
+        (a feed or a timeout) wins; the tool token goes back to the front of its queue."""
+        token = host.tokens[slot]
+        by_program = host.program_forced is not None and host.program_forced[slot]
+        tags = host.tags[slot] if host.tags is not None else ()
+        zone = host.zones[slot] if host.zones is not None else None
+        if run is None:
+            return [_Emitted(token, "program" if by_program else "model", None, tags, zone)]
+        if by_program and token != run[0].token:
+            assert row.tools is not None
+            row.tools.queue.appendleft(run[0])
+            return [_Emitted(token, "program", None, tags, zone)]
+        if host.program_forced is not None:  # a program runs: the run is one token that passed the automaton
+            return [_Emitted(run[0].token, "tool", run[0].event, tags, zone)]
+        return [_Emitted(f.token, "tool", f.event, (), None) for f in run]
 
     def _ensure_capacity(self, cache: Any, width: int) -> None:
         """Grow the cache (doubling, up to the context size) before a call could need more slots than it has.
@@ -429,36 +503,52 @@ class Engine:
         if needed > cache.max_len and cache.max_len < self.context_size:
             cache.grow(min(self.context_size, max(2 * cache.max_len, needed)))
 
+    @staticmethod
     def _to_host(
-        self, first: torch.Tensor, out: Any, with_routing: bool
-    ) -> tuple[list[int], list[Any] | None, list[Any] | None]:
-        """The step's one device→host copy: tokens, and routing (L_stt, B, T) when it is reported."""
-        if not with_routing:
-            return first.cpu().tolist(), None, None
-        probs, chosen = out.router_probs, out.selected
-        layers, size, width = probs.shape
-        packed = torch.cat((first.double(), probs.double().flatten(), chosen.double().flatten())).cpu()
-        tokens = packed[:size].long().tolist()
-        block = layers * size * width
-        probs_host = packed[size : size + block].view(layers, size, width).permute(1, 2, 0).tolist()
-        chosen_host = packed[size + block :].view(layers, size, width).permute(1, 2, 0).bool().tolist()
-        return tokens, probs_host, chosen_host
+        first: torch.Tensor, out: Any, with_routing: bool, stepped: Any, program: ProgramRunner | None
+    ) -> _HostStep:
+        """The step's one device→host copy: tokens; routing (L_stt, B, T) when it is reported; the program's
+        forced flags, tags, zones and halts when a program runs. Everything is packed into one float64 tensor
+        (exact for token ids, flags and float32 probabilities)."""
+        size = first.shape[0]
+        parts = [first.double()]
+        if with_routing:
+            parts += [out.router_probs.double().flatten(), out.selected.double().flatten()]
+        if stepped is not None:
+            program_forced, tags, pcs, halted = stepped
+            parts += [program_forced.double(), tags.double().flatten(), pcs.double(), halted.double()]
+        packed = parts[0].cpu() if len(parts) == 1 else torch.cat(parts).cpu()
+        host = _HostStep(tokens=packed[:size].long().tolist())
+        offset = size
+        if with_routing:
+            layers, _, width = out.router_probs.shape
+            block = layers * size * width
+            host.probs = packed[offset : offset + block].view(layers, size, width).permute(1, 2, 0).tolist()
+            offset += block
+            host.chosen = packed[offset : offset + block].view(layers, size, width).permute(1, 2, 0).bool().tolist()
+            offset += block
+        if stepped is not None and program is not None:
+            tag_count = stepped[1].shape[1]
+            host.program_forced = packed[offset : offset + size].bool().tolist()
+            offset += size
+            flags = packed[offset : offset + size * tag_count].view(size, tag_count).bool().tolist()
+            host.tags = [program.tag_tuple(f) for f in flags]
+            offset += size * tag_count
+            host.zones = program.zone_labels(packed[offset : offset + size].long().tolist())
+            offset += size
+            host.halted = packed[offset : offset + size].bool().tolist()
+        return host
 
-    def _advance_row(
-        self,
-        row: _Row,
-        emitted: list[tuple[int, bool, ToolEvent | None]],
-        slot: int,
-        probs: list[Any] | None,
-        chosen: list[Any] | None,
-    ) -> list[TokenEvent]:
+    def _advance_row(self, row: _Row, emitted: list[_Emitted], slot: int, host: _HostStep) -> list[TokenEvent]:
         """Account for the tokens a row emitted this step (all already fed) and return their events."""
         pieces: list[dict[str, Any]] = []
         finish: FinishReason | None = None
-        for position, (token, forced, tool_event) in enumerate(emitted):
+        for position, item in enumerate(emitted):
+            token, tool_event = item.token, item.tool
             text, special = row.detok.push(token)
-            if not forced:
+            if item.source == "model":
                 row.sampled += 1
+            if item.source != "tool":  # the model's tokens and the program's both end turns and open tool calls
                 if token in row.stops:
                     finish = "stop"
                     tool_event = row.tools.interrupt("the reply ended") if row.tools else None
@@ -467,11 +557,13 @@ class Engine:
             pieces.append(
                 {
                     "token": token,
-                    "forced": forced,
+                    "forced": item.source != "model",
                     "text": text,
                     "special": special,
-                    "router_probs": None if probs is None else tuple(probs[slot][position]),
-                    "computed": None if chosen is None else tuple(chosen[slot][position]),
+                    "tags": item.tags,
+                    "zone": item.zone,
+                    "router_probs": None if host.probs is None else tuple(host.probs[slot][position]),
+                    "computed": None if host.chosen is None else tuple(host.chosen[slot][position]),
                     "tool": tool_event,
                 }
             )
@@ -482,6 +574,8 @@ class Engine:
             if row.seen >= self.context_size:
                 finish = "context"
                 error = f"the context is full ({self.context_size} tokens); the reply was cut here"
+            elif host.halted is not None and host.halted[slot]:
+                finish = "program"
             elif not queued and row.sampled >= row.settings.max_tokens:
                 finish = "length"
         if finish is not None:
@@ -491,8 +585,8 @@ class Engine:
             last["finish_reason"] = finish
             last["error"] = error
             if finish != "stop" and row.tools is not None:
-                limit = "max_tokens" if finish == "length" else "the context limit"
-                last["tool"] = last["tool"] or row.tools.interrupt(f"the reply hit {limit}")
+                limit = {"length": "max_tokens", "context": "the context limit", "program": "the program's end"}
+                last["tool"] = last["tool"] or row.tools.interrupt(f"the reply hit {limit[finish]}")
         return [TokenEvent(row=row.index, **piece) for piece in pieces]
 
     def _maybe_compact(self, batch: _Batch) -> None:
@@ -508,6 +602,8 @@ class Engine:
         batch.logits = batch.logits.index_select(0, index)
         batch.params = batch.params.select(index)
         batch.counters = batch.counters.index_select(0, index)
+        if batch.program is not None:
+            batch.program.select_rows(index)
         batch.finished = 0
 
 

@@ -85,27 +85,27 @@ class ChatSession:
         self, text: str, settings: GenerationSettings, program: Any = None, constraint: Any = None
     ) -> Iterator[Step]:
         """Add a user message and stream the answer. Errors (context, bad settings) raise here, not mid-stream."""
-        _check_unsupported(program, constraint)
+        _check_unsupported(constraint)
         self._close_active()
         with torch.inference_mode():
             mark = self._cache.mark() if self._ids else None
         base = _TurnStart(mark, len(self._ids), len(self.messages))
-        return self._start_turn({"role": "user", "content": text}, settings, base)
+        return self._start_turn({"role": "user", "content": text}, settings, base, program)
 
     def regenerate(self, settings: GenerationSettings, program: Any = None, constraint: Any = None) -> Iterator[Step]:
         """Drop the last answer and answer the last user message again."""
-        _check_unsupported(program, constraint)
+        _check_unsupported(constraint)
         self._close_active()
         base = self._last_turn()
-        return self._start_turn(self.messages[base.message_count], settings, base)
+        return self._start_turn(self.messages[base.message_count], settings, base, program)
 
     def edit_last(
         self, text: str, settings: GenerationSettings, program: Any = None, constraint: Any = None
     ) -> Iterator[Step]:
         """Replace the last user message with `text` and answer it."""
-        _check_unsupported(program, constraint)
+        _check_unsupported(constraint)
         self._close_active()
-        return self._start_turn({"role": "user", "content": text}, settings, self._last_turn())
+        return self._start_turn({"role": "user", "content": text}, settings, self._last_turn(), program)
 
     def _close_active(self) -> None:
         """Finish the previous turn's stream if its consumer left it open: the partial answer is recorded now,
@@ -124,7 +124,9 @@ class ChatSession:
             raise ConversationError("there is no turn to regenerate or edit", hint="send a message first")
         return _TurnStart(mark=None, token_count=0, message_count=users[-1])
 
-    def _start_turn(self, user: dict[str, Any], settings: GenerationSettings, base: _TurnStart) -> Iterator[Step]:
+    def _start_turn(
+        self, user: dict[str, Any], settings: GenerationSettings, base: _TurnStart, program: Any
+    ) -> Iterator[Step]:
         """Plan the turn on top of `base` (the conversation up to before a user message) and validate it now, so
         errors raise at the call; the returned generator runs it."""
         prior = self.messages[: base.message_count]
@@ -139,7 +141,9 @@ class ChatSession:
                 f"this turn needs {used + len(segment)} tokens of context but the model holds {self.context_size}",
                 hint="start a new conversation (reset), or use context_policy='drop_oldest'",
             )
-        self._active = self._run_turn(base, messages, segment, fresh, settings)
+        if program is not None:
+            self.engine._check_programs([program], 1)
+        self._active = self._run_turn(base, messages, segment, fresh, settings, program)
         return self._active
 
     def _run_turn(
@@ -149,6 +153,7 @@ class ChatSession:
         segment: list[int],
         fresh: bool,
         settings: GenerationSettings,
+        program: Any,
     ) -> Generator[Step, None, None]:
         """Roll back to `base`, feed the segment, stream the answer, and record it (also when the consumer stops
         early). Nothing changes until the consumer asks for the first step, so a turn that is never started
@@ -169,7 +174,8 @@ class ChatSession:
         self.messages = messages
         row = engine._new_row(0, settings, seen=len(self._ids))
         self._ids.extend(segment)
-        steps = engine._stream([segment], [row], self._cache, may_compact=False)
+        programs = None if program is None else [program]
+        steps = engine._stream([segment], [row], self._cache, may_compact=False, programs=programs)
         reply: list[int] = []
         stopped = False
         try:
@@ -239,11 +245,10 @@ class ChatSession:
         return parts
 
 
-def _check_unsupported(program: Any, constraint: Any) -> None:
-    if program is not None or constraint is not None:
+def _check_unsupported(constraint: Any) -> None:
+    if constraint is not None:
         from chatapp.errors import SettingsError
 
         raise SettingsError(
-            "TTFA programs and constraints are not wired into chat sessions yet",
-            hint="send without a program/constraint",
+            "grammar constraints are not wired into chat sessions yet", hint="send without a constraint"
         )

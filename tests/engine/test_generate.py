@@ -135,5 +135,9 @@ def test_bad_requests_fail_before_generating(engine) -> None:
         engine.generate(PROMPTS[:2], [GREEDY, GREEDY.with_(routing="student")])
     with pytest.raises(SettingsError, match="2 settings for 1"):
         engine.generate(PROMPTS[:1], [GREEDY, GREEDY])
-    with pytest.raises(SettingsError, match="programs"):
+    with pytest.raises(SettingsError, match="compiled TTFA program"):
         engine.generate(PROMPTS[:1], GREEDY, programs=["chat"])
+    with pytest.raises(SettingsError, match="2 programs for 1"):
+        engine.generate(PROMPTS[:1], GREEDY, programs=[None, None])
+    with pytest.raises(SettingsError, match="constraints"):
+        engine.generate(PROMPTS[:1], GREEDY, constraints=["[0-9]+"])
