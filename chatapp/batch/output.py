@@ -141,12 +141,32 @@ class StreamSink:
 
     def write(self, record: dict[str, Any]) -> None:
         stream = self._stream or sys.stdout  # looked up late: test runners swap sys.stdout
-        stream.write(encode_record(record).decode("utf-8"))
-        stream.flush()
+        try:
+            stream.write(encode_record(record).decode("utf-8"))
+            stream.flush()
+        except BrokenPipeError:
+            # The reader went away (`... | head`). Stop with one clear message rather than a traceback; Python would
+            # hit the same error again flushing stdout at exit, so stdout is pointed at /dev/null first.
+            _discard_stream(stream)
+            raise BatchFileError(
+                "the output stream was closed before every record was written",
+                hint="write to a file with -o OUT.jsonl, then read it at leisure",
+            ) from None
 
     def close(self) -> None:
         stream = self._stream or sys.stdout
         stream.flush()
+
+
+def _discard_stream(stream: TextIO) -> None:
+    """Point a closed pipe's file descriptor at /dev/null so later flushes (at exit) succeed silently."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not backed by a file descriptor (e.g. a test runner's buffer)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 class RecordEmitter:

@@ -70,10 +70,17 @@ def _generate(model_dir: Path, *args: str, input: str | None = None):
 
 
 def test_stdin_to_stdout_with_a_dash(model_dir: Path) -> None:
-    result = _generate(model_dir, "-", "--max-tokens", "6", input=_lines(3))
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 37*45?"},
+        {"role": "assistant", "content": "1665."},
+        {"role": "user", "content": "And 2*3?"},
+    ]
+    stdin = _lines(3) + json.dumps({"id": 9, "messages": conversation}) + "\n"
+    result = _generate(model_dir, "-", "--max-tokens", "6", input=stdin)
     assert result.exit_code == 0, result.output
     records = _records(result.stdout)
-    assert sorted(r["id"] for r in records) == ["q0", "q1", "q2"]
+    assert sorted(map(str, (r["id"] for r in records))) == ["9", "q0", "q1", "q2"]
     for record in records:
         assert set(record) >= {
             "id",
@@ -91,7 +98,7 @@ def test_stdin_to_stdout_with_a_dash(model_dir: Path) -> None:
         assert record["finish_reason"] in ("stop", "length")
         assert set(record["routing"]) == {"1", "3"}
         assert all(0 <= value <= 1 for value in record["routing"].values())
-    assert "3 lines ok, 0 failed, 0 skipped" in result.stderr
+    assert "4 lines ok, 0 failed, 0 skipped" in result.stderr
 
 
 def test_bad_lines_each_get_an_error_record_and_a_nonzero_exit(model_dir: Path, tmp_path: Path) -> None:
@@ -102,6 +109,8 @@ def test_bad_lines_each_get_an_error_record_and_a_nonzero_exit(model_dir: Path, 
         json.dumps({"id": "t", "prompt": "x", "temperature": "hot"}),
         json.dumps({"id": "p", "prompt": "x", "program": "no-such-program"}),
         json.dumps({"id": "r", "prompt": "x", "regex": "("}),
+        json.dumps({"id": "s", "prompt": "x", "json_schema": {"type": "fancy"}}),
+        json.dumps({"id": "m", "messages": [{"role": "robot", "content": "x"}]}),
         json.dumps({"id": "long", "prompt": "Hello! " * 200}),
         json.dumps({"id": "ok", "prompt": "duplicate"}),
     ]
@@ -112,16 +121,18 @@ def test_bad_lines_each_get_an_error_record_and_a_nonzero_exit(model_dir: Path, 
     records = _records(result.stdout)
     assert records[0]["id"] == "ok" and "finish_reason" in records[0]
     errors = records[1:]
-    assert [e["line"] for e in errors] == [2, 3, 4, 5, 6, 7, 8]
-    assert [e["id"] for e in errors] == [None, None, "t", "p", "r", "long", "ok"]
+    assert [e["line"] for e in errors] == [2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert [e["id"] for e in errors] == [None, None, "t", "p", "r", "s", "m", "long", "ok"]
     assert "invalid JSON" in errors[0]["error"]
     assert 'missing required field "id"' in errors[1]["error"]
     assert '"temperature" must be a number' in errors[2]["error"]
     assert "no-such-program" in errors[3]["error"]
-    assert "regex" in errors[4]["error"]
-    assert "context" in errors[5]["error"]
-    assert "duplicate id" in errors[6]["error"]
-    assert "1 lines ok, 7 failed" in result.stderr
+    assert "regex '(' does not parse" in errors[4]["error"]
+    assert "unsupported type 'fancy'" in errors[5]["error"]
+    assert "robot" in errors[6]["error"]
+    assert "context" in errors[7]["error"]
+    assert "duplicate id" in errors[8]["error"]
+    assert "1 lines ok, 9 failed" in result.stderr
 
 
 def test_fatal_problems_exit_one_before_loading_anything(model_dir: Path, tmp_path: Path) -> None:
@@ -188,6 +199,22 @@ def test_ordered_follows_input_order(model_dir: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert [(r["id"], r["sample"]) for r in _records(result.stdout)] == [(f"q{i}", s) for i in range(6) for s in (0, 1)]
+
+
+def test_a_reader_that_goes_away_ends_the_run_cleanly(model_dir: Path, tmp_path: Path) -> None:
+    """`chatapp generate in.jsonl | head -1`: one clear message and exit code 1, not a BrokenPipeError traceback."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(_lines(8))
+    command = [sys.executable, "-m", "chatapp.cli", "generate", str(source), "--model", str(model_dir)]
+    command += ["--batch-size", "2", "--max-tokens", "4"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    assert json.loads(process.stdout.readline())["id"].startswith("q")
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 1
+    assert "output stream was closed" in stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr
 
 
 def _wait_for_records(path: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:
