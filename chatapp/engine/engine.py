@@ -43,12 +43,13 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
+from chatapp.engine.constraints import apply_masks, fresh_constraint
 from chatapp.engine.detok import Detokenizer, TokenBytes
 from chatapp.engine.events import FinishReason, PromptInfo, Step, TokenEvent, ToolEvent
 from chatapp.engine.programs import ProgramRunner
 from chatapp.engine.sampling import SamplingParams, sample
 from chatapp.engine.tools import DEFAULT_MAX_EXPRESSION_TOKENS, ForcedToken, ToolBox, ToolMachine
-from chatapp.errors import ContextOverflowError, ConversationError, SettingsError
+from chatapp.errors import ChatappError, ContextOverflowError, ConversationError, SettingsError
 from chatapp.settings import GenerationSettings
 from chatapp.tools import TOOLS, Tool
 
@@ -101,6 +102,7 @@ class _Row:
     detok: Detokenizer
     tools: ToolMachine | None
     seen: int  # tokens in this row's cache: mirrors cache.seen without reading the device
+    constraint: Any = None  # the row's chatapp.trie Constraint (grammar state), if any
     sampled: int = 0
     finished: bool = False
 
@@ -110,6 +112,15 @@ class _Row:
         queue = self.tools.queue
         count = min(len(queue), room if fast_forward and self.settings.fast_forward else 1)
         return [queue.popleft() for _ in range(count)]
+
+
+# Why a tool call that was still open when its row ended got no result (the refusal's reason).
+_UNFINISHED_CALL = {
+    "length": "the reply hit max_tokens",
+    "context": "the reply hit the context limit",
+    "program": "the program ended",
+    "error": "the reply stopped on an error",
+}
 
 
 class _Emitted(NamedTuple):
@@ -183,6 +194,7 @@ class Engine:
             max_expression_tokens=max_expression_tokens,
         )
         self.toolbox = box if chat_format.supports_tools and box else None
+        self._constraint_vocab: Any = None
 
     @property
     def stt_layers(self) -> list[int]:
@@ -208,22 +220,22 @@ class Engine:
 
         Input errors raise here, before the first step. Closing the returned generator frees everything.
         """
-        if constraints is not None and any(c is not None for c in constraints):
-            raise SettingsError(
-                "grammar constraints are not wired into this engine yet", hint="generate without constraints"
-            )
         if num_samples < 1:
             raise SettingsError(f"num_samples must be >= 1, got {num_samples}")
         feeds = [self._prompt_ids(p) for p in prompts]
         per_prompt = self._settings_per_prompt(settings, len(feeds))
         if programs is not None:
             self._check_programs(programs, len(feeds))
+        if constraints is not None and len(constraints) != len(feeds):
+            raise SettingsError(f"got {len(constraints)} constraints for {len(feeds)} prompts", hint="one per prompt")
         for i, feed in enumerate(feeds):
             self._check_fits(i, 0, len(feed))
         initial = max(len(f) for f in feeds) + max(s.max_tokens for s in per_prompt) + CACHE_SLACK
         cache = self.model.new_cache(len(feeds), min(self.context_size, initial))
         rows = [
-            self._new_row(p * num_samples + s, per_prompt[p], seen=0)
+            self._new_row(
+                p * num_samples + s, per_prompt[p], seen=0, constraint=None if constraints is None else constraints[p]
+            )
             for p in range(len(feeds))
             for s in range(num_samples)
         ]
@@ -299,10 +311,22 @@ class Engine:
                 hint="shorten the prompt, or start a new conversation",
             )
 
-    def _new_row(self, index: int, settings: GenerationSettings, seen: int) -> _Row:
+    def _new_row(self, index: int, settings: GenerationSettings, seen: int, constraint: Any = None) -> _Row:
+        """Host state for one request row; `constraint` is a regex string or a `Constraint` (copied fresh)."""
         stops = frozenset(settings.stop_tokens) | frozenset(self.chat_format.stop_token_ids)
         tools = ToolMachine(self.toolbox) if self.toolbox is not None else None
-        return _Row(index, settings, stops, Detokenizer(self.token_bytes), tools, seen)
+        grammar = None if constraint is None else fresh_constraint(constraint, self._regex_constraint)
+        return _Row(index, settings, stops, Detokenizer(self.token_bytes), tools, seen, grammar)
+
+    def _regex_constraint(self, pattern: str) -> Any:
+        """A `Constraint` for a regex over this model's vocabulary, ending at the chat format's end of turn.
+        The vocabulary index (token bytes, trie) is built once per engine, on first use."""
+        from chatapp.trie.constraint import Constraint
+        from chatapp.trie.vocab import ConstraintVocab
+
+        if self._constraint_vocab is None:
+            self._constraint_vocab = ConstraintVocab.from_tokenizer(self.tokenizer, self.model.config.vocab_size)
+        return Constraint.regex(pattern, self._constraint_vocab, self.chat_format.assistant_end_id)
 
     # --------------------------------------------------------------------------------------------- generation
     def _stream(
@@ -408,6 +432,8 @@ class Engine:
         update rows, build events."""
         started = time.perf_counter()
         rows, program = batch.rows, batch.program
+        if any(row.constraint is not None and not row.finished for row in rows):
+            apply_masks(batch.logits, [None if r.finished else r.constraint for r in rows], batch.logits.shape[-1])
         sampled = sample(batch.logits, batch.params, batch.counters)
         # Tool output is fast-forwarded only without a program: with one, every token must pass the automaton.
         fast = program is None and (self.fast_forward == "always" or batch.active == 1 or self.device.type == "cuda")
@@ -543,11 +569,17 @@ class Engine:
         """Account for the tokens a row emitted this step (all already fed) and return their events."""
         pieces: list[dict[str, Any]] = []
         finish: FinishReason | None = None
+        error = None
         for position, item in enumerate(emitted):
             token, tool_event = item.token, item.tool
             text, special = row.detok.push(token)
             if item.source == "model":
                 row.sampled += 1
+            if item.source != "tool" and row.constraint is not None and finish is None:
+                try:
+                    row.constraint.consume(token)
+                except ChatappError as err:  # a forced token the grammar rejects: the row cannot go on
+                    finish, error = "error", err.message
             if item.source != "tool":  # the model's tokens and the program's both end turns and open tool calls
                 if token in row.stops:
                     finish = "stop"
@@ -568,7 +600,6 @@ class Engine:
                 }
             )
         row.seen += len(emitted)
-        error = None
         if finish is None:
             queued = row.tools is not None and bool(row.tools.queue)
             if row.seen >= self.context_size:
@@ -585,8 +616,7 @@ class Engine:
             last["finish_reason"] = finish
             last["error"] = error
             if finish != "stop" and row.tools is not None:
-                limit = {"length": "max_tokens", "context": "the context limit", "program": "the program's end"}
-                last["tool"] = last["tool"] or row.tools.interrupt(f"the reply hit {limit[finish]}")
+                last["tool"] = last["tool"] or row.tools.interrupt(_UNFINISHED_CALL[finish])
         return [TokenEvent(row=row.index, **piece) for piece in pieces]
 
     def _maybe_compact(self, batch: _Batch) -> None:

@@ -85,27 +85,24 @@ class ChatSession:
         self, text: str, settings: GenerationSettings, program: Any = None, constraint: Any = None
     ) -> Iterator[Step]:
         """Add a user message and stream the answer. Errors (context, bad settings) raise here, not mid-stream."""
-        _check_unsupported(constraint)
         self._close_active()
         with torch.inference_mode():
             mark = self._cache.mark() if self._ids else None
         base = _TurnStart(mark, len(self._ids), len(self.messages))
-        return self._start_turn({"role": "user", "content": text}, settings, base, program)
+        return self._start_turn({"role": "user", "content": text}, settings, base, program, constraint)
 
     def regenerate(self, settings: GenerationSettings, program: Any = None, constraint: Any = None) -> Iterator[Step]:
         """Drop the last answer and answer the last user message again."""
-        _check_unsupported(constraint)
         self._close_active()
         base = self._last_turn()
-        return self._start_turn(self.messages[base.message_count], settings, base, program)
+        return self._start_turn(self.messages[base.message_count], settings, base, program, constraint)
 
     def edit_last(
         self, text: str, settings: GenerationSettings, program: Any = None, constraint: Any = None
     ) -> Iterator[Step]:
         """Replace the last user message with `text` and answer it."""
-        _check_unsupported(constraint)
         self._close_active()
-        return self._start_turn({"role": "user", "content": text}, settings, self._last_turn(), program)
+        return self._start_turn({"role": "user", "content": text}, settings, self._last_turn(), program, constraint)
 
     def _close_active(self) -> None:
         """Finish the previous turn's stream if its consumer left it open: the partial answer is recorded now,
@@ -125,7 +122,7 @@ class ChatSession:
         return _TurnStart(mark=None, token_count=0, message_count=users[-1])
 
     def _start_turn(
-        self, user: dict[str, Any], settings: GenerationSettings, base: _TurnStart, program: Any
+        self, user: dict[str, Any], settings: GenerationSettings, base: _TurnStart, program: Any, constraint: Any
     ) -> Iterator[Step]:
         """Plan the turn on top of `base` (the conversation up to before a user message) and validate it now, so
         errors raise at the call; the returned generator runs it."""
@@ -143,7 +140,8 @@ class ChatSession:
             )
         if program is not None:
             self.engine._check_programs([program], 1)
-        self._active = self._run_turn(base, messages, segment, fresh, settings, program)
+        row = self.engine._new_row(0, settings, seen=0, constraint=constraint)  # compiles the constraint now
+        self._active = self._run_turn(base, messages, segment, fresh, row, program)
         return self._active
 
     def _run_turn(
@@ -152,7 +150,7 @@ class ChatSession:
         messages: list[dict[str, Any]],
         segment: list[int],
         fresh: bool,
-        settings: GenerationSettings,
+        row: Any,
         program: Any,
     ) -> Generator[Step, None, None]:
         """Roll back to `base`, feed the segment, stream the answer, and record it (also when the consumer stops
@@ -166,13 +164,13 @@ class ChatSession:
             else:
                 del self._ids[base.token_count :]
                 self._cache.restore(base.mark)
-            needed = min(self.context_size, len(self._ids) + len(segment) + settings.max_tokens)
+            needed = min(self.context_size, len(self._ids) + len(segment) + row.settings.max_tokens)
             if needed > self._cache.max_len:
                 self._cache.grow(needed)
             mark = self._cache.mark() if self._ids else None
         self._last = _TurnStart(mark, len(self._ids), len(messages) - 1)
         self.messages = messages
-        row = engine._new_row(0, settings, seen=len(self._ids))
+        row.seen = len(self._ids)
         self._ids.extend(segment)
         programs = None if program is None else [program]
         steps = engine._stream([segment], [row], self._cache, may_compact=False, programs=programs)
@@ -243,12 +241,3 @@ class ChatSession:
             else:
                 run.append(token)
         return parts
-
-
-def _check_unsupported(constraint: Any) -> None:
-    if constraint is not None:
-        from chatapp.errors import SettingsError
-
-        raise SettingsError(
-            "grammar constraints are not wired into chat sessions yet", hint="send without a constraint"
-        )

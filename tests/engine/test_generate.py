@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from chatapp.engine.engine import Engine
-from chatapp.errors import ContextOverflowError, SettingsError
+from chatapp.errors import ConstraintError, ContextOverflowError, SettingsError
 from chatapp.settings import GenerationSettings
 
 GREEDY = GenerationSettings(max_tokens=24, routing="off")
@@ -139,5 +139,7 @@ def test_bad_requests_fail_before_generating(engine) -> None:
         engine.generate(PROMPTS[:1], GREEDY, programs=["chat"])
     with pytest.raises(SettingsError, match="2 programs for 1"):
         engine.generate(PROMPTS[:1], GREEDY, programs=[None, None])
-    with pytest.raises(SettingsError, match="constraints"):
-        engine.generate(PROMPTS[:1], GREEDY, constraints=["[0-9]+"])
+    with pytest.raises(SettingsError, match="2 constraints for 1"):
+        engine.generate(PROMPTS[:1], GREEDY, constraints=["[0-9]+", None])
+    with pytest.raises(ConstraintError):
+        engine.generate(PROMPTS[:1], GREEDY, constraints=["(unclosed"])

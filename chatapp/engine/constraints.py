@@ -1,0 +1,47 @@
+"""Grammar constraints in the decode loop: per-row masks applied to the logits before sampling.
+
+A row's `chatapp.trie.Constraint` (a byte DFA over token bytes, from a regex or a JSON schema) lives with the row
+on the host: after the step's device→host copy it consumes the row's token, and before the next sampling its
+packed mask (uint32 words, cached per DFA state by the trie package) goes to the device in one small copy for the
+whole batch, where `apply_token_bitmask` sets disallowed logits to -inf. Rows without a constraint get all-ones
+words, so one broadcast op serves the batch.
+
+The model's tokens and the program's forced tokens go through the grammar; a tool's forced output does not (it is
+the calculator's text, not the model's answer). A forced token the grammar rejects ends the row with finish
+reason "error" and the constraint's message. Tokens the grammar leaves no choice about (its fast-forward tokens)
+are sampled from a one-token mask, so they are flagged as sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from chatapp.errors import SettingsError
+
+
+def fresh_constraint(spec: Any, build_regex: Callable[[str], Any]) -> Any:
+    """A constraint in its start state for one row: a regex string is compiled; a `Constraint` is copied (rows of
+    one prompt's samples must not share the grammar state)."""
+    from chatapp.trie.constraint import Constraint
+
+    if isinstance(spec, str):
+        return build_regex(spec)
+    if isinstance(spec, Constraint):
+        return Constraint(
+            spec.vocab, spec.dfa, spec.end_token, token_healing=spec.token_healing, lookback=spec.lookback
+        )
+    raise SettingsError(
+        f"a constraint must be a regex string or a chatapp.trie Constraint, got {type(spec).__name__}",
+        hint="pass the regex itself, or Constraint.regex / Constraint.json_schema",
+    )
+
+
+def apply_masks(logits: torch.Tensor, constraints: Sequence[Any | None], vocab_size: int) -> None:
+    """Mask `logits` (B, V) in place with each row's allowed tokens (rows with None are left alone)."""
+    from chatapp.trie.bitmask import apply_token_bitmask
+    from chatapp.trie.constraint import batch_bitmask
+
+    apply_token_bitmask(logits, batch_bitmask(constraints, vocab_size))
