@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chatapp.trie.bitmask import is_allowed
+from chatapp.trie.bitmask import allowed_ids, is_allowed
 from chatapp.trie.constraint import Constraint
 from chatapp.trie.fast_forward import tokenize_forced
 from chatapp.trie.json_schema import json_literal
@@ -15,6 +15,7 @@ from chatapp.trie.local_tokenizers import handmade_bpe
 from chatapp.trie.vocab import ConstraintVocab
 
 from .conftest import SEED_TOKENS
+from .strategies import regexes
 
 SCHEMA = {
     "type": "object",
@@ -98,3 +99,31 @@ def test_forced_bytes_inside_a_character(seed_tokenizer):
     c.consume(vocab.bytes.tokens.index(b"\xc3"))
     assert c.forced_bytes() == b"\xa9x"
     assert [vocab.token_bytes(t) for t in c.ff_tokens()] == [b"\xa9", b"x"]
+
+
+def _generate(vocab: ConstraintVocab, constraint: Constraint, seed: int, fast_forward: bool, steps: int) -> list[int]:
+    """A stand-in model: picks an allowed token by a seeded hash; forces ff tokens when `fast_forward`."""
+    out: list[int] = []
+    while len(out) < steps and not constraint.is_finished():
+        ff = constraint.ff_tokens() if fast_forward else []
+        if ff:
+            constraint.consume_tokens(ff)
+            out += ff
+            continue
+        allowed = allowed_ids(constraint.allowed_mask(), vocab.vocab_size)
+        if len(allowed) == 0:
+            break
+        token = int(allowed[hash((seed, len(out))) % len(allowed)])
+        constraint.consume(token)
+        out.append(token)
+    return out[:steps]
+
+
+@settings(max_examples=25)
+@given(regexes, st.integers(0, 2**16))
+def test_fast_forwarding_emits_the_same_tokens_as_stepping(vocab, rx, seed):
+    """DESIGN: the multi-token fast-forward path must emit exactly the tokens of the one-per-step path."""
+    end = vocab.token_id("<|assistant_end|>")
+    stepped = _generate(vocab, Constraint.regex(rx, vocab, end), seed, fast_forward=False, steps=12)
+    forced = _generate(vocab, Constraint.regex(rx, vocab, end), seed, fast_forward=True, steps=12)
+    assert forced == stepped
