@@ -31,7 +31,7 @@ STDIO = "-"
 
 def is_batch_input(argument: str) -> bool:
     """Whether `chatapp generate ARGUMENT` means a JSONL file (or stdin) rather than a prompt."""
-    return argument == STDIO or argument.endswith(".jsonl")
+    return argument == STDIO or argument.lower().endswith(".jsonl")
 
 
 def read_input(source: str) -> list[bytes]:

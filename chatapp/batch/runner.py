@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Protocol
 
 from chatapp.batch.output import ExistingOutput, OrderedEmitter, RecordEmitter, RecordSink
@@ -314,20 +315,24 @@ def run_batch(
     run.summary.lines_skipped = skipped
     progress.start(len(expected))
 
-    jobs: list[RowJob] = []
-    for item in parsed:
-        if isinstance(item, LineError):
-            run.error(item.line, item.id, item.error)
-        elif item.line in pending:
-            try:
-                jobs.extend(_prepare_jobs(preparer, item, pending[item.line]))
-            except ChatappError as err:
-                run.error(item.line, item.id, _error_message(err))
+    def rows() -> Iterator[RowJob]:
+        """Rows in input order, prepared (tokenized, programs and constraints built) only when a device batch needs
+        them, so the first records come out after one batch's preparation, not the whole file's."""
+        for item in parsed:
+            if isinstance(item, LineError):
+                run.error(item.line, item.id, item.error)
+            elif item.line in pending:
+                try:
+                    prepared = _prepare_jobs(preparer, item, pending[item.line])
+                except ChatappError as err:
+                    run.error(item.line, item.id, _error_message(err))
+                else:
+                    yield from prepared
 
     generator = RowGenerator(engine, progress)
+    queue = rows()
     try:
-        size = max(1, options.batch_size)
-        for chunk in (jobs[start : start + size] for start in range(0, len(jobs), size)):
+        while chunk := list(islice(queue, max(1, options.batch_size))):
             for job, outcome in generator.run(chunk):
                 if isinstance(outcome, ChatappError):
                     run.error(job.request.line, job.request.id, _error_message(outcome), sample=job.sample)
