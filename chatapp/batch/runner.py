@@ -282,7 +282,7 @@ def _prepare_jobs(preparer: LinePreparer, request: LineRequest, samples: Sequenc
 def run_batch(
     engine: BatchEngine,
     preparer: LinePreparer,
-    lines: Iterable[str],
+    lines: Iterable[str | bytes],
     defaults: BatchDefaults,
     sink: RecordSink,
     *,
