@@ -8,8 +8,10 @@ words, so one broadcast op serves the batch.
 
 The model's tokens and the program's forced tokens go through the grammar; a tool's forced output does not (it is
 the calculator's text, not the model's answer). A forced token the grammar rejects ends the row with finish
-reason "error" and the constraint's message. Tokens the grammar leaves no choice about (its fast-forward tokens)
-are sampled from a one-token mask, so they are flagged as sampled.
+reason "error" and the constraint's message. Tokens the grammar leaves no choice about (its fast-forward tokens,
+canonical by token healing) are not sampled at all: the engine forces them like a tool's output — flagged forced,
+free of `max_tokens`, pushed through one forward when fast-forwarding. They are exactly the tokens the one-token
+masks would have let through, so both paths emit the same tokens (tested).
 """
 
 from __future__ import annotations

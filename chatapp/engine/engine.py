@@ -123,11 +123,21 @@ _UNFINISHED_CALL = {
 }
 
 
+Source = Literal["model", "tool", "program", "grammar"]
+
+
+class _Run(NamedTuple):
+    """Known tokens a row feeds this step instead of a sampled one: a tool's output or grammar-forced tokens."""
+
+    source: Source
+    items: list[ForcedToken]
+
+
 class _Emitted(NamedTuple):
     """One token a row emitted in a step, and where it came from."""
 
     token: int
-    source: Literal["model", "tool", "program"]
+    source: Source
     tool: ToolEvent | None
     tags: tuple[str, ...]
     zone: str | None
@@ -437,12 +447,8 @@ class Engine:
         sampled = sample(batch.logits, batch.params, batch.counters)
         # Tool output is fast-forwarded only without a program: with one, every token must pass the automaton.
         fast = program is None and (self.fast_forward == "always" or batch.active == 1 or self.device.type == "cuda")
-        runs = {
-            i: row.take_forced(self.context_size - row.seen, fast)
-            for i, row in enumerate(rows)
-            if row.tools is not None and row.tools.queue and not row.finished
-        }
-        width = max((len(run) for run in runs.values()), default=1)
+        runs = {i: run for i, row in enumerate(rows) if not row.finished and (run := self._known_run(row, fast))}
+        width = max((len(run.items) for run in runs.values()), default=1)
         self._ensure_capacity(batch.cache, width)
         ids = self._forced_ids(batch, runs, width) if runs else None
         first = sampled if ids is None else torch.where(ids[1], ids[0][:, 0], sampled)
@@ -467,16 +473,14 @@ class Engine:
                 batch.finished += 1
         return Step(index, tuple(events), time.perf_counter() - started, batch.active)
 
-    def _forced_ids(
-        self, batch: _Batch, runs: dict[int, list[ForcedToken]], width: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forced_ids(self, batch: _Batch, runs: dict[int, _Run], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids (B, width), is_forced (B,)) on the device for a step where some rows feed queued tool tokens.
 
         Built on the host and copied over once: these steps are rare (tool output)."""
         ids = [[0] * width for _ in batch.rows]
         is_forced = [False] * len(batch.rows)
         for i, run in runs.items():
-            ids[i][: len(run)] = [f.token for f in run]
+            ids[i][: len(run.items)] = [f.token for f in run.items]
             is_forced[i] = True
         device = self.device
         return torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(is_forced, device=device)
@@ -485,7 +489,7 @@ class Engine:
         self,
         batch: _Batch,
         first: torch.Tensor,
-        runs: dict[int, list[ForcedToken]],
+        runs: dict[int, _Run],
         width: int,
         ids: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> Any:
@@ -493,7 +497,7 @@ class Engine:
         each row's first token being `first` (sampled, tool-forced or program-forced)."""
         lengths = [0 if row.finished else 1 for row in batch.rows]
         for i, run in runs.items():
-            lengths[i] = len(run)
+            lengths[i] = len(run.items)
         lengths_t = torch.tensor(lengths, dtype=torch.long, device=self.device)
         ids_t = ids[0] if ids is not None else torch.zeros(len(batch.rows), width, dtype=torch.long, device=self.device)
         ids_t[:, 0] = first
@@ -501,23 +505,35 @@ class Engine:
         batch.counters += lengths_t
         return out
 
+    def _known_run(self, row: _Row, fast: bool) -> _Run | None:
+        """The tokens a row will emit next that are already known: its tool's queued output, else the tokens its
+        grammar leaves no choice about. The whole run when fast-forwarding (up to the room left), else one."""
+        room = self.context_size - row.seen
+        if row.tools is not None and row.tools.queue:
+            return _Run("tool", row.take_forced(room, fast))
+        if row.constraint is not None and (known := row.constraint.ff_tokens()):
+            return _Run("grammar", [ForcedToken(t) for t in known[: room if fast and row.settings.fast_forward else 1]])
+        return None
+
     @staticmethod
-    def _emitted(row: _Row, slot: int, run: list[ForcedToken] | None, host: _HostStep) -> list[_Emitted]:
-        """What a row emitted this step, with each token's source. A program that replaced a queued tool token
-        (a feed or a timeout) wins; the tool token goes back to the front of its queue."""
+    def _emitted(row: _Row, slot: int, run: _Run | None, host: _HostStep) -> list[_Emitted]:
+        """What a row emitted this step, with each token's source. A program that replaced a known token (a feed
+        or a timeout) wins; a tool token goes back to the front of its queue (grammar tokens are recomputed)."""
         token = host.tokens[slot]
         by_program = host.program_forced is not None and host.program_forced[slot]
         tags = host.tags[slot] if host.tags is not None else ()
         zone = host.zones[slot] if host.zones is not None else None
         if run is None:
             return [_Emitted(token, "program" if by_program else "model", None, tags, zone)]
-        if by_program and token != run[0].token:
-            assert row.tools is not None
-            row.tools.queue.appendleft(run[0])
+        first = run.items[0]
+        if by_program and token != first.token:
+            if run.source == "tool":
+                assert row.tools is not None
+                row.tools.queue.appendleft(first)
             return [_Emitted(token, "program", None, tags, zone)]
         if host.program_forced is not None:  # a program runs: the run is one token that passed the automaton
-            return [_Emitted(run[0].token, "tool", run[0].event, tags, zone)]
-        return [_Emitted(f.token, "tool", f.event, (), None) for f in run]
+            return [_Emitted(first.token, run.source, first.event, tags, zone)]
+        return [_Emitted(f.token, run.source, f.event, (), None) for f in run.items]
 
     def _ensure_capacity(self, cache: Any, width: int) -> None:
         """Grow the cache (doubling, up to the context size) before a call could need more slots than it has.

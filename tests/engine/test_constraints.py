@@ -62,3 +62,22 @@ def test_a_forced_token_the_grammar_rejects_ends_the_row(engine, chat_tokenizer)
     )
     result = engine.generate_batch(["Hi"], SAMPLED, programs=[program], constraints=[r"[0-9]+"])[0]
     assert result.finish_reason == "error" and "not allowed" in result.error
+
+
+def test_tokens_the_grammar_decides_are_forced_and_fast_forwarded(scripted, chat_format) -> None:
+    pattern = r"(yes|no), because [a-z ]{1,12}\."
+    engine, model = scripted({}, fast_forward="always")
+    runs = {}
+    for fast_forward in (False, True):
+        model.calls.clear()
+        results = engine.generate_batch(
+            ["Hello", "Paris"], SAMPLED.with_(fast_forward=fast_forward), constraints=[pattern] * 2
+        )
+        runs[fast_forward] = [(r.tokens, r.forced, r.text) for r in results]
+        widths = [width for _, width in model.calls[1:]]
+        assert (max(widths) > 1) == fast_forward
+    assert runs[True] == runs[False]
+    for tokens, forced, _ in runs[True]:
+        forced_text = chat_format.decode([t for t, f in zip(tokens, forced, strict=True) if f])
+        assert "because" in forced_text  # the literal part of the grammar was forced, not sampled
+        assert not forced[0]  # "yes" / "no" is the model's choice
