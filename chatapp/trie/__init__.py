@@ -13,6 +13,8 @@ Build one `ConstraintVocab` per tokenizer and model (token bytes, trie, vocabula
     row = Constraint.json_schema({"type": "object", ...}, vocab, end_token=end)
 
 Bad regexes and schemas outside the supported subset raise `chatapp.errors.ConstraintError` naming the input.
+Special tokens never match text; a regex may name some (`special_tokens=["<|python_end|>"]`, written verbatim at
+the pattern's top level: `[0-9+*]+<|python_end|>`), and fast-forward then forces them like any other token.
 
 Each decode step (rows without a constraint pass None)::
 

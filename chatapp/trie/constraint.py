@@ -56,9 +56,22 @@ class Constraint:
         self._ended = False
 
     @classmethod
-    def regex(cls, pattern: str, vocab: ConstraintVocab, end_token: int | None = None, **options: Any) -> Constraint:
-        """A constraint from a fully anchored regex; `ConstraintError` if it cannot be compiled."""
-        return cls(vocab, compile_regex(pattern), end_token, **options)
+    def regex(
+        cls,
+        pattern: str,
+        vocab: ConstraintVocab,
+        end_token: int | None = None,
+        special_tokens: Sequence[str] = (),
+        **options: Any,
+    ) -> Constraint:
+        """A constraint from a fully anchored regex; `ConstraintError` if it cannot be compiled.
+
+        Special tokens are unreachable unless named in `special_tokens` and written verbatim at the top level of
+        the pattern (`[0-9+*]+<|python_end|>`); `ConstraintError` if one is not a special token of the vocab.
+        """
+        for name in special_tokens:
+            vocab.special_token_id(name)
+        return cls(vocab, compile_regex(pattern, tuple(special_tokens)), end_token, **options)
 
     @classmethod
     def json_schema(
@@ -192,8 +205,8 @@ class Constraint:
         for k, token in enumerate(ff.tokens):
             data = self.vocab.token_bytes(token)
             state = self.dfa.step(state, data)
-            if not data or data[0] & 0xC0 == 0x80:
-                return  # that state's context would reach further back: let it compute its own
+            if not data or data[0] & 0xC0 == 0x80 or data[0] == SPECIAL_TOKEN_MARKER:
+                return  # that state's context differs (reaches further back, or is empty after a special token)
             self.vocab.ff_cache.setdefault(
                 (self.dfa, state, data, self.lookback), FastForward(ff.tokens[k + 1 :], ff.healing)
             )

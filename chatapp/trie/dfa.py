@@ -121,6 +121,41 @@ def finish_dfa(transitions: np.ndarray, accepting: np.ndarray, start: int, sourc
     return ByteDFA(transitions=transitions, accepting=accepting, start=start, source=source)
 
 
+def stitch(pieces: list[ByteDFA], bridges: list[bytes], source: str) -> ByteDFA:
+    """The DFA of `pieces[0] bridges[0] pieces[1] ... pieces[-1]` (concatenation with fixed byte strings between).
+
+    Used to splice special tokens (bytes 0xFF + name) into a regex: from every accepting state of a piece the
+    bridge's bytes lead, through fresh states, to the next piece's start. That stays deterministic because no
+    piece has a transition on a bridge's first byte (0xFF never occurs in UTF-8); a clash raises ValueError.
+    """
+    if len(bridges) != len(pieces) - 1:
+        raise ValueError("need one bridge between each two pieces")
+    offsets, rows = [], [np.zeros((1, 256), dtype=np.int32)]
+    total = 1
+    for piece in pieces:  # each piece's rows except its DEAD row, renumbered; DEAD stays 0
+        offsets.append(total - 1)
+        shift = np.where(piece.transitions[1:] == DEAD, DEAD, piece.transitions[1:] + total - 1)
+        rows.append(shift.astype(np.int32))
+        total += piece.num_states - 1
+    table = np.concatenate(rows)
+    accepting = np.zeros(total, dtype=bool)
+    accepting[offsets[-1] + 1 :] = pieces[-1].accepting[1:]
+    for i, bridge in enumerate(bridges):
+        chain = np.zeros((len(bridge) - 1, 256), dtype=np.int32)
+        chain_ids = np.arange(len(table), len(table) + len(bridge) - 1)
+        targets = [*chain_ids.tolist(), pieces[i + 1].start + offsets[i + 1]]
+        for k in range(1, len(bridge)):
+            chain[k - 1, bridge[k]] = targets[k]
+        table = np.concatenate((table, chain))
+        accepting = np.concatenate((accepting, np.zeros(len(chain), dtype=bool)))
+        ends = np.flatnonzero(pieces[i].accepting) + offsets[i]
+        if (table[ends, bridge[0]] != DEAD).any():
+            raise ValueError(f"byte {bridge[0]:#x} already has a meaning in piece {i}")
+        table[ends, bridge[0]] = targets[0]
+    start = pieces[0].start + offsets[0]
+    return finish_dfa(table, accepting, start, source)
+
+
 def _reachable(transitions: np.ndarray, start: int) -> np.ndarray:
     seen = np.zeros(len(transitions), dtype=bool)
     seen[start] = True

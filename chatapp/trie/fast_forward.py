@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from chatapp.trie.dfa import ByteDFA
+from chatapp.trie.token_bytes import SPECIAL_TOKEN_MARKER
 from chatapp.trie.vocab import ConstraintVocab
 
 LOOKBACK_TOKENS = 4
@@ -61,6 +62,29 @@ def tokenize_forced(vocab: ConstraintVocab, forced: bytes, context: bytes = b"")
     return None
 
 
+def _through_special_token(
+    vocab: ConstraintVocab, dfa: ByteDFA, state: int, forced: bytes, marker: int, context: bytes, lookback: int
+) -> FastForward:
+    """Forced bytes that reach a special token (0xFF + name): the text before it, the token, then what follows.
+
+    Tokenizers split text at special tokens, so the text before one is tokenized on its own and no token can
+    span into the special token: all of that text is forced, with no tokens dropped.
+    """
+    text, rest = forced[:marker], forced[marker:]
+    tokens: tuple[int, ...] = ()
+    if text:
+        found = tokenize_forced(vocab, text, context)
+        if not found or sum(len(vocab.token_bytes(t)) for t in found) != len(text):
+            return FastForward((), forced)
+        tokens = tuple(found)
+    special = vocab.special_prefix(rest)
+    if special is None:
+        return FastForward(tokens, rest)
+    after = dfa.step(state, text + vocab.token_bytes(special))
+    following = fast_forward(vocab, dfa, after, b"", lookback)
+    return FastForward((*tokens, special, *following.tokens), following.healing)
+
+
 def _without_incomplete_tail(data: bytes) -> bytes:
     """`data` minus a final UTF-8 character that is cut short (forced bytes may stop inside a character)."""
     for back in range(1, min(4, len(data)) + 1):
@@ -97,6 +121,9 @@ def fast_forward(
     forced, after = dfa.forced_run(state)
     if not forced:
         return FastForward((), b"")
+    marker = forced.find(SPECIAL_TOKEN_MARKER)
+    if marker >= 0:
+        return _through_special_token(vocab, dfa, state, forced, marker, context, lookback)
     tokens = tokenize_forced(vocab, forced, context)
     if not tokens:
         return FastForward((), forced)

@@ -24,7 +24,8 @@ import numpy as np
 from interegular.fsm import FSM, anything_else
 
 from chatapp.errors import ConstraintError
-from chatapp.trie.dfa import DEAD, ByteDFA, finish_dfa
+from chatapp.trie.dfa import DEAD, ByteDFA, finish_dfa, stitch
+from chatapp.trie.token_bytes import SPECIAL_TOKEN_MARKER
 
 # UTF-8 shape per lead byte: total length and the range of the second byte (restricted for E0, ED, F0, F4 so
 # that overlong encodings and surrogates are never produced).
@@ -163,8 +164,32 @@ class _ByteTableBuilder:
 
 
 @lru_cache(maxsize=256)
-def compile_regex(pattern: str) -> ByteDFA:
-    """Compile a fully anchored regex to a pruned, minimised byte DFA; `ConstraintError` if it cannot be used."""
+def compile_regex(pattern: str, special_tokens: tuple[str, ...] = ()) -> ByteDFA:
+    """Compile a fully anchored regex to a pruned, minimised byte DFA; `ConstraintError` if it cannot be used.
+
+    Each name in `special_tokens` that occurs verbatim in the pattern stands for that special token (bytes
+    0xFF + name), e.g. `[0-9+*]+<|python_end|>`. Names are split out before parsing, so they must sit at the top
+    level of the pattern (between complete regexes, not inside a group or class).
+    """
+    names = sorted({n for n in special_tokens if n and n in pattern}, key=len, reverse=True)
+    if names:
+        parts = re.split("(" + "|".join(map(re.escape, names)) + ")", pattern)
+        try:
+            pieces = [compile_regex(part) for part in parts[0::2]]
+        except ConstraintError as err:
+            raise ConstraintError(
+                f"regex {pattern!r}: the text around its special tokens {names} must be whole regexes: {err.message}",
+                hint="put special-token names at the top level of the pattern, outside groups and classes",
+            ) from None
+        bridges = [bytes([SPECIAL_TOKEN_MARKER]) + name.encode() for name in parts[1::2]]
+        dfa = stitch(pieces, bridges, source=f"regex {pattern!r}")
+        if dfa.start == DEAD:
+            raise ConstraintError(f"regex {pattern!r} matches nothing", hint="a constraint must allow some output")
+        return dfa
+    return _compile_plain(pattern)
+
+
+def _compile_plain(pattern: str) -> ByteDFA:
     try:
         re.compile(pattern)  # Python's parser gives the clearest syntax errors (position included)
     except re.error as err:

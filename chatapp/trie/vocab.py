@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import Tokenizer
 
+from chatapp.errors import ConstraintError
 from chatapp.trie.bitmask import set_bit
 from chatapp.trie.dfa import ByteDFA
 from chatapp.trie.slices import SlicedWalker
-from chatapp.trie.token_bytes import VocabBytes, vocab_bytes
+from chatapp.trie.token_bytes import SPECIAL_TOKEN_MARKER, VocabBytes, vocab_bytes
 from chatapp.trie.toktrie import TokTrie
 from chatapp.trie.walk import CompiledWalker
 
@@ -67,8 +68,12 @@ class ConstraintVocab:
     def from_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int | None = None) -> ConstraintVocab:
         """Index `tokenizer`; `vocab_size` may exceed the tokenizer's (a model head padded to a multiple of 64)."""
         vb = vocab_bytes(tokenizer, vocab_size)
-        trie = TokTrie.build(vb.tokens)
-        sliced = SlicedWalker(vb.tokens, vb.vocab_size)
+        # A raw 0xFF byte token (byte-level `ÿ`, `<0xFF>`) is never valid UTF-8 and would be a proper prefix of
+        # every special token's bytes: leave it out of the trie, so only whole special tokens can match 0xFF.
+        marker = bytes([SPECIAL_TOKEN_MARKER])
+        usable = [b"" if t[:1] == marker and i not in vb.special_ids else t for i, t in enumerate(vb.tokens)]
+        trie = TokTrie.build(usable)
+        sliced = SlicedWalker(usable, vb.vocab_size)
         return cls(tokenizer=tokenizer, bytes=vb, trie=trie, walker=CompiledWalker(trie), sliced=sliced)
 
     def __repr__(self) -> str:
@@ -120,6 +125,22 @@ class ConstraintVocab:
         if len(self._masks) > MASK_CACHE_SIZE:
             self._masks.popitem(last=False)
         return result
+
+    def special_token_id(self, name: str) -> int:
+        """Id of special token `name`; `ConstraintError` if the tokenizer has no such special token."""
+        token = self.tokenizer.token_to_id(name)
+        if token is None or token not in self.bytes.special_ids:
+            raise ConstraintError(
+                f"{name!r} is not a special token of this tokenizer",
+                hint="name one of: "
+                + ", ".join(sorted(self.token_bytes(i)[1:].decode() for i in self.bytes.special_ids)),
+            )
+        return token
+
+    def special_prefix(self, data: bytes) -> int | None:
+        """The special token whose bytes (0xFF + name) start `data`, if any (longest name wins)."""
+        found = [i for i in self.bytes.special_ids if data.startswith(self.bytes.tokens[i])]
+        return max(found, key=lambda i: len(self.bytes.tokens[i])) if found else None
 
     def single_token_mask(self, token: int) -> np.ndarray:
         """A read-only mask allowing only `token` (cached: forced tokens repeat across rows and steps)."""

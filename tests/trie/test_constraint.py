@@ -7,9 +7,10 @@ import pytest
 from chatapp.errors import ConstraintError
 from chatapp.trie.bitmask import allowed_ids, bitmask_to_bools, is_allowed
 from chatapp.trie.constraint import Constraint, batch_bitmask
+from chatapp.trie.local_tokenizers import handmade_bpe
 from chatapp.trie.vocab import ConstraintVocab
 
-from .conftest import END_TOKEN
+from .conftest import END_TOKEN, SEED_TOKENS
 
 ORDER_SCHEMA = {
     "type": "object",
@@ -129,3 +130,42 @@ def test_batch_bitmask_masks_constrained_rows_only(vocab):
     assert words.shape == (2, (vocab.vocab_size + 31) // 32)
     assert (words[0] == digits.allowed_mask()).all()
     assert bitmask_to_bools(words[1], vocab.vocab_size).all()
+
+
+@pytest.fixture(scope="module")
+def tool_vocab() -> ConstraintVocab:
+    return ConstraintVocab.from_tokenizer(handmade_bpe([*SEED_TOKENS, "37", "ok"], [END_TOKEN, "<|python_end|>"]))
+
+
+def test_named_special_token_is_allowed_only_where_the_regex_puts_it(tool_vocab):
+    vocab = tool_vocab
+    py_end = vocab.special_token_id("<|python_end|>")
+    raw_ff = vocab.bytes.tokens.index(b"\xff")  # byte-level `ÿ`: a proper prefix of every special's bytes
+    c = Constraint.regex("[0-9*]+<|python_end|> ?ok", vocab, special_tokens=["<|python_end|>"])
+    assert not is_allowed(c.allowed_mask(), py_end)
+    c.consume(vocab.encode("37")[0])
+    mask = c.allowed_mask()
+    assert is_allowed(mask, py_end) and not is_allowed(mask, raw_ff)
+    assert not is_allowed(mask, vocab.token_id(END_TOKEN))
+    c.consume(py_end)
+    assert c.forced_bytes() == b""  # " ok" or "ok": a choice
+    c.consume(vocab.encode("ok")[0])
+    assert c.is_finished()
+
+
+def test_fast_forward_runs_through_a_forced_special_token(tool_vocab):
+    vocab = tool_vocab
+    c = Constraint.regex("order<|python_end|>37", vocab, special_tokens=["<|python_end|>"])
+    assert _pieces(vocab, c.ff_tokens()) == [b"order", b"\xff<|python_end|>", b"37"]
+    c.consume_tokens(c.ff_tokens())
+    assert c.is_finished()
+
+
+def test_special_token_names_are_checked(tool_vocab):
+    with pytest.raises(ConstraintError, match="not a special token"):
+        Constraint.regex("a<|nope|>", tool_vocab, special_tokens=["<|nope|>"])
+    with pytest.raises(ConstraintError, match="top level"):
+        Constraint.regex("(a<|python_end|>)?", tool_vocab, special_tokens=["<|python_end|>"])
+    # Without naming it, the text of a special token's name is ordinary text, never the token.
+    c = Constraint.regex("<\\|python_end\\|>", tool_vocab)
+    assert not is_allowed(c.allowed_mask(), tool_vocab.special_token_id("<|python_end|>"))
