@@ -1,16 +1,18 @@
 """The Engine: batched, streaming generation over the STT model's KV cache. This file tells the whole story.
 
     prompts ─► prefill (ragged, one chunked `extend` per batch) ─► replicate rows for num_samples
-      loop:  sample(logits) on device ─► forced tokens from the rows' tool queues replace samples
+      loop:  grammar masks on the logits (`constraints.py`) ─► sample(logits) on device (`sampling.py`)
+             ─► known tokens replace samples: a tool's queued output, tokens the grammar forces
              ─► the TTFA automaton steps (`programs.py`): feeds / timeouts replace tokens, zone tags
-             ─► model.decode (or a ragged `extend` when some row fast-forwards a forced run)
-             ─► ONE device→host copy (tokens + routing) ─► per-row host bookkeeping ─► Step event
+             ─► model.decode (or a ragged `extend` when some row fast-forwards a known run)
+             ─► ONE device→host copy (tokens, routing, program state) ─► per-row host bookkeeping
+                (detokenize, stop / length / context / program checks, tool machine, grammar) ─► Step event
 
 What it does differently from nanochat's engine (REFERENCES.md lists that engine's weaknesses):
 - Ragged batches: every row has its own position (`cache.seen[b]`); prompts of different lengths prefill together.
 - Per-row randomness keyed by (seed, sample index, tokens emitted) — see `sampling.py` — so a row's tokens do not
   depend on what else is in the batch.
-- `max_tokens` counts sampled tokens only; forced tool output never eats the budget.
+- `max_tokens` counts sampled tokens only; forced tokens (tool output, program feeds, grammar) never eat it.
 - Finished rows stop costing compute: they are fed nothing (length 0) and the batch is compacted with
   `cache.select_rows` once at least a quarter of the device batch has finished (compacting copies the cache, so
   doing it on every single finish would cost more than it saves on large batches; small batches compact at once).
@@ -20,7 +22,8 @@ What it does differently from nanochat's engine (REFERENCES.md lists that engine
   probabilities/decisions are the ones of the forward that processed it, and a cancelled chat session's cache
   holds exactly the tokens the consumer saw.
 
-Fast-forward. A row whose next tokens are already known (a tool's output block) pushes the whole run through one
+Fast-forward. A row whose next tokens are already known (a tool's output block, the tokens a grammar leaves no
+choice about; a program's feeds still go one per step, see `programs.py`) pushes the whole run through one
 ragged `extend` call while the other rows advance by their one sampled token. The tokens are those of the
 one-per-step path by construction: forced tokens are never sampled, and each forced token still consumes one
 draw counter, so the row's later random draws are unchanged (tests compare both paths). When it pays off depends
