@@ -109,30 +109,10 @@ class TokTrie:
             token_bytes=tuple(token_bytes),
         )
 
-    def child(self, node: int, byte: int) -> int | None:
-        """The child of `node` along `byte`, or None."""
-        found = _find_node(self.node_byte, self.subtree_size, node, np.frombuffer(bytes([byte]), dtype=np.uint8))
-        return None if found < 0 else int(found)
-
     def node_for(self, prefix: bytes) -> int | None:
         """The node whose path from the root spells `prefix`, or None if no token starts with `prefix`."""
         found = _find_node(self.node_byte, self.subtree_size, 0, np.frombuffer(prefix, dtype=np.uint8))
         return None if found < 0 else int(found)
-
-    def tokens_with_prefix(self, prefix: bytes) -> np.ndarray:
-        """Ids of all tokens whose bytes start with `prefix` (duplicates included), ascending."""
-        node = self.node_for(prefix)
-        if node is None:
-            return np.zeros(0, dtype=np.int32)
-        ids = self.node_token[node : node + int(self.subtree_size[node])]
-        ids = ids[ids < self.vocab_size]
-        dups = self.duplicate_ids[np.isin(self.primary_ids, ids)]
-        return np.sort(np.concatenate((ids, dups)))
-
-    def has_extension(self, prefix: bytes) -> bool:
-        """Whether some token starts with `prefix` and is strictly longer."""
-        node = self.node_for(prefix)
-        return node is not None and int(self.subtree_size[node]) > 1
 
     def copy_duplicates(self, bitmask: np.ndarray) -> None:
         """Give every duplicate token the bit of its primary (the walk only marks primaries)."""
