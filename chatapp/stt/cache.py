@@ -96,29 +96,43 @@ class KVCache:
         return bound
 
     def append(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor, write: torch.Tensor, span: int
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        query_pos: torch.Tensor,
+        write: torch.Tensor,
+        span: int,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store the entries of `layer` flagged in `write` (B, S) and return (keys, values, mask) to attend over.
+        """Store the entries of `layer` flagged in `write` (B', S) and return (keys, values, mask) to attend over.
 
-        `k`, `v` are (B, S, H_kv, D) for tokens at absolute positions `query_pos` (B, S); flagged tokens are
-        appended in order after the row's current entries. The mask (B, S, span) lets query s see the row's valid
-        entries with position <= its own; a query that is not written (padding, unselected) sees everything so
-        its discarded output stays finite.
+        `k`, `v` are (B', S, H_kv, D) for tokens at absolute positions `query_pos` (B', S) of cache rows `rows`
+        (all rows, in order, when None); flagged tokens are appended in order after the row's current entries.
+        The mask (B', S, span) lets query s see its row's valid entries with position <= its own; a query that is
+        not written (padding, unselected) sees everything so its discarded output stays finite.
         """
-        lengths = self.lengths[layer]
+        lengths = self.lengths[layer] if rows is None else self.lengths[layer].index_select(0, rows)
         slots = lengths[:, None] + write.long().cumsum(1) - 1
         slots = torch.where(write, slots, self.max_len)
-        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(slots)
-        self.keys[layer].index_put_((rows, slots), k.to(self.keys[layer].dtype))
-        self.values[layer].index_put_((rows, slots), v.to(self.values[layer].dtype))
-        self.positions[layer].index_put_((rows, slots), query_pos.to(torch.int32))
-        lengths += write.sum(1)
+        row_ids = torch.arange(k.shape[0], device=k.device) if rows is None else rows
+        row_ids = row_ids[:, None].expand_as(slots)
+        self.keys[layer].index_put_((row_ids, slots), k.to(self.keys[layer].dtype))
+        self.values[layer].index_put_((row_ids, slots), v.to(self.values[layer].dtype))
+        self.positions[layer].index_put_((row_ids, slots), query_pos.to(torch.int32))
+        lengths = lengths + write.sum(1)
+        if rows is None:
+            self.lengths[layer] = lengths
+            keys, values = self.keys[layer][:, :span], self.values[layer][:, :span]
+            positions = self.positions[layer, :, :span]
+        else:
+            self.lengths[layer].index_copy_(0, rows, lengths)
+            keys, values = self.keys[layer][rows, :span], self.values[layer][rows, :span]
+            positions = self.positions[layer, rows, :span]
         slot_ids = torch.arange(span, device=k.device)
-        visible = (slot_ids[None, :] < lengths[:, None])[:, None, :] & (
-            self.positions[layer, :, None, :span] <= query_pos[:, :, None]
-        )
+        visible = (slot_ids[None, :] < lengths[:, None])[:, None, :] & (positions[:, None, :] <= query_pos[:, :, None])
         visible = visible | ~write[:, :, None]
-        return self.keys[layer][:, :span], self.values[layer][:, :span], visible
+        return keys, values, visible
 
     # ------------------------------------------------------------------------------------------- row operations
     def select_rows(self, index: torch.Tensor) -> KVCache:

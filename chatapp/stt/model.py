@@ -6,9 +6,9 @@ they append K/V to that layer's cache; unselected tokens pass through unchanged.
 packed together: selected tokens are gathered *within* each row, so attention can only see the row's own cache.
 
 Host syncs: decode needs none on CUDA (unselected rows are computed and discarded, masked by `torch.where`).
-Prefill (more than one new token) and any CPU call gather the selected tokens of each row into a compact batch;
-its width is the largest selected count, which must be read on the host once per STT layer. On CPU that read is
-free and it lets a skipped token cost nothing.
+Prefill (more than one new token) and any CPU call compact instead: rows without a selected token are dropped
+and each remaining row's selected tokens are gathered into a (B', S) batch. That shape depends on the routing,
+so it is read on the host once per STT layer; on the CPU the read is free and a skipped token costs nothing.
 """
 
 from __future__ import annotations
@@ -202,32 +202,44 @@ class STTForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run `layer`'s block for the `selected` (B, T) tokens only; the others pass through unchanged.
 
-        With `compact`, each row's selected tokens are gathered (in order) into a (B, S) batch, S = the largest
-        selected count; otherwise all T tokens are computed and unselected outputs are discarded.
+        With `compact`, rows without a selected token are dropped and each remaining row's selected tokens are
+        gathered (in order) into a (B', S) batch, S = the largest selected count. Otherwise all B x T tokens are
+        computed and the outputs of unselected ones are discarded.
         """
-        gather, x = None, hidden
+        rows = gather = None
+        x = hidden
         if compact:
             counts = selected.sum(1)
-            width = int(counts.max()) if counts.numel() else 0  # the documented host sync
-            if width == 0:
+            active = counts > 0
+            # The one host sync of a compacted call: the compacted batch's shape depends on the routing.
+            num_rows, width = torch.stack((active.sum(), counts.max())).tolist()
+            if num_rows == 0:
                 return hidden
+            if num_rows < hidden.shape[0]:
+                rows = active.nonzero().squeeze(1)
+                x, cos, sin, positions, selected, counts = (
+                    t.index_select(0, rows) for t in (hidden, cos, sin, positions, selected, counts)
+                )
             if width < hidden.shape[1]:
                 gather = torch.argsort((~selected).to(torch.uint8), dim=1, stable=True)[:, :width]
                 selected = torch.arange(width, device=hidden.device)[None, :] < counts[:, None]
                 dim = hidden.shape[-1]
-                x = hidden.gather(1, gather[..., None].expand(-1, -1, dim))
+                x_full = x
+                x = x_full.gather(1, gather[..., None].expand(-1, -1, dim))
                 cos = cos.gather(1, gather[..., None].expand(-1, -1, cos.shape[-1]))
                 sin = sin.gather(1, gather[..., None].expand(-1, -1, sin.shape[-1]))
                 positions = positions.gather(1, gather)
         write = selected
 
         def sink(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return cache.append(index, k, v, positions, write, span)
+            return cache.append(index, k, v, positions, write, span, rows)
 
         out = torch.where(write[..., None], layer.block(x, cos, sin, sink), x)
-        if gather is None:
-            return out
-        return hidden.scatter(1, gather[..., None].expand_as(out), out)
+        if gather is not None:
+            out = x_full.scatter(1, gather[..., None].expand_as(out), out)
+        if rows is not None:
+            out = hidden.index_copy(0, rows, out)
+        return out
 
     # ------------------------------------------------------------------------------------------ training, eval
     def forward(self, ids: torch.Tensor, loss_mask: torch.Tensor | None = None, *, step: int | None = None) -> TrainOutput:
