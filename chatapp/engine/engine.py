@@ -39,6 +39,7 @@ values after the single copy; the device side has no per-row Python loop and no 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -157,6 +158,8 @@ class _HostStep:
     tags: list[tuple[str, ...]] | None = None
     zones: list[str | None] | None = None
     halted: list[bool] | None = None
+    pending: list[int] | None = None  # program feed tokens each row emits before the model's next token
+    feed: list[tuple[list[int], list[tuple[str, ...]], list[str | None]]] | None = None  # fast-forwarded feeds
 
 
 @dataclass
@@ -172,6 +175,7 @@ class _Batch:
     threshold: float | None
     may_compact: bool  # False when the caller owns the cache object (chat sessions)
     program: ProgramRunner | None = None  # the TTFA automaton when any row runs a program
+    pending: list[int] | None = None  # host copy of the program's pending feed per row (from the last step)
     finished: int = 0  # rows finished but still occupying a device slot
 
     @property
@@ -375,8 +379,10 @@ class Engine:
             routing=first.routing,
             threshold=first.routing_threshold,
             may_compact=may_compact,
-            program=ProgramRunner(programs, self.device) if programs and any(p is not None for p in programs) else None,
         )
+        if programs and any(p is not None for p in programs):
+            batch.program = ProgramRunner(programs, self.device)
+            batch.pending = batch.program.pending_feed().tolist()  # later steps bring it in their one copy
         index = 0
         while batch.active:
             with torch.inference_mode():
@@ -441,40 +447,63 @@ class Engine:
         )
 
     def _step(self, batch: _Batch, index: int) -> Step:
-        """One model forward: sample, apply forced tokens (tool queues, then the program), feed, copy to host once,
+        """One model forward: sample, apply forced tokens (known runs, then the program), feed, copy to host once,
         update rows, build events."""
         started = time.perf_counter()
         rows, program = batch.rows, batch.program
         if any(row.constraint is not None and not row.finished for row in rows):
             apply_masks(batch.logits, [None if r.finished else r.constraint for r in rows], batch.logits.shape[-1])
         sampled = sample(batch.logits, batch.params, batch.counters)
-        # Tool output is fast-forwarded only without a program: with one, every token must pass the automaton.
-        fast = program is None and (self.fast_forward == "always" or batch.active == 1 or self.device.type == "cuda")
-        runs = {i: run for i, row in enumerate(rows) if not row.finished and (run := self._known_run(row, fast))}
-        width = max((len(run.items) for run in runs.values()), default=1)
+        fast = self.fast_forward == "always" or batch.active == 1 or self.device.type == "cuda"
+        # Tool output is fast-forwarded only without a program: with one, every tool token must pass the automaton.
+        runs = {
+            i: run
+            for i, row in enumerate(rows)
+            if not row.finished and (run := self._known_run(row, fast and not program))
+        }
+        feeds = self._feed_runs(batch, runs) if program is not None and fast else {}
+        width = max([1, *(len(run.items) for run in runs.values()), *feeds.values()])
         self._ensure_capacity(batch.cache, width)
         ids = self._forced_ids(batch, runs, width) if runs else None
         first = sampled if ids is None else torch.where(ids[1], ids[0][:, 0], sampled)
-        stepped = None
+        stepped = peeked = None
         if program is not None:
-            first, program_forced, tags, pcs = program.step(first)
-            stepped = (program_forced, tags, pcs, program.halted())
+            if feeds:
+                peeked = program.peek(max(feeds.values()))
+                counts = torch.tensor([feeds.get(i, 0) for i in range(len(rows))], device=self.device)
+                first, program_forced, tags, pcs = program.step_and_advance(first, counts)
+            else:
+                first, program_forced, tags, pcs = program.step(first)
+            stepped = (program_forced, tags, pcs, program.halted(), program.pending_feed())
         if width == 1 and not batch.finished:  # the common case: every row feeds one token
             out = self.model.decode(first, batch.cache, routing=batch.routing, threshold=batch.threshold)
             batch.counters += 1
         else:
-            out = self._feed_ragged(batch, first, runs, width, ids)
+            out = self._feed_ragged(batch, first, runs, feeds, width, ids, peeked)
         batch.logits = out.logits
-        host = self._to_host(first, out, batch.routing != "off", stepped, program)
+        host = self._to_host(first, out, batch.routing != "off", stepped, peeked, program)
+        batch.pending = host.pending
 
         events: list[TokenEvent] = []
         for i, row in enumerate(rows):
             if row.finished:
                 continue
-            events.extend(self._advance_row(row, self._emitted(row, i, runs.get(i), host), i, host))
+            emitted = self._emitted(row, i, runs.get(i), feeds.get(i, 0), host)
+            events.extend(self._advance_row(row, emitted, i, host))
             if row.finished:
                 batch.finished += 1
         return Step(index, tuple(events), time.perf_counter() - started, batch.active)
+
+    def _feed_runs(self, batch: _Batch, runs: dict[int, _Run]) -> dict[int, int]:
+        """Rows that fast-forward their program's pending feed this step, and how many feed tokens each emits.
+        A one-token feed is simply stepped (nothing to save); a row with a tool or grammar run steps it first."""
+        if batch.pending is None:
+            return {}
+        return {
+            i: min(pending, self.context_size - row.seen)
+            for i, (row, pending) in enumerate(zip(batch.rows, batch.pending, strict=True))
+            if pending >= 2 and not row.finished and i not in runs and row.settings.fast_forward
+        }
 
     def _forced_ids(self, batch: _Batch, runs: dict[int, _Run], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids (B, width), is_forced (B,)) on the device for a step where some rows feed queued tool tokens.
@@ -493,17 +522,26 @@ class Engine:
         batch: _Batch,
         first: torch.Tensor,
         runs: dict[int, _Run],
+        feeds: dict[int, int],
         width: int,
         ids: tuple[torch.Tensor, torch.Tensor] | None,
+        peeked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     ) -> Any:
-        """Feed a step where some rows fast-forward a forced run or are finished (length 0): one `extend` call,
-        each row's first token being `first` (sampled, tool-forced or program-forced)."""
+        """Feed a step where some rows fast-forward a known run or a program feed, or are finished (length 0):
+        one `extend` call; every other row feeds its one token of `first`."""
         lengths = [0 if row.finished else 1 for row in batch.rows]
         for i, run in runs.items():
             lengths[i] = len(run.items)
-        lengths_t = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        ids_t = ids[0] if ids is not None else torch.zeros(len(batch.rows), width, dtype=torch.long, device=self.device)
+        for i, count in feeds.items():
+            lengths[i] = count
+        device = self.device
+        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
+        ids_t = ids[0] if ids is not None else torch.zeros(len(batch.rows), width, dtype=torch.long, device=device)
         ids_t[:, 0] = first
+        if peeked is not None:
+            feed_ids = peeked[0]
+            feeding = torch.tensor([i in feeds for i in range(len(batch.rows))], device=device)
+            ids_t[:, : feed_ids.shape[1]] = torch.where(feeding[:, None], feed_ids, ids_t[:, : feed_ids.shape[1]])
         out = self.model.extend(ids_t, lengths_t, batch.cache, routing=batch.routing, threshold=batch.threshold)
         batch.counters += lengths_t
         return out
@@ -519,9 +557,13 @@ class Engine:
         return None
 
     @staticmethod
-    def _emitted(row: _Row, slot: int, run: _Run | None, host: _HostStep) -> list[_Emitted]:
+    def _emitted(row: _Row, slot: int, run: _Run | None, feed: int, host: _HostStep) -> list[_Emitted]:
         """What a row emitted this step, with each token's source. A program that replaced a known token (a feed
         or a timeout) wins; a tool token goes back to the front of its queue (grammar tokens are recomputed)."""
+        if feed:
+            assert host.feed is not None
+            tokens, tags, zones = host.feed[slot]
+            return [_Emitted(t, "program", None, g, z) for t, g, z in zip(tokens[:feed], tags, zones, strict=False)]
         token = host.tokens[slot]
         by_program = host.program_forced is not None and host.program_forced[slot]
         tags = host.tags[slot] if host.tags is not None else ()
@@ -550,38 +592,55 @@ class Engine:
 
     @staticmethod
     def _to_host(
-        first: torch.Tensor, out: Any, with_routing: bool, stepped: Any, program: ProgramRunner | None
+        first: torch.Tensor,
+        out: Any,
+        with_routing: bool,
+        stepped: Any,
+        peeked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        program: ProgramRunner | None,
     ) -> _HostStep:
         """The step's one device→host copy: tokens; routing (L_stt, B, T) when it is reported; the program's
-        forced flags, tags, zones and halts when a program runs. Everything is packed into one float64 tensor
-        (exact for token ids, flags and float32 probabilities)."""
+        forced flags, tags, zones, halts and pending feeds when a program runs, and the fast-forwarded feeds.
+        Everything is packed into one float64 tensor (exact for token ids, flags and float32 probabilities)."""
         size = first.shape[0]
         parts = [first.double()]
         if with_routing:
             parts += [out.router_probs.double().flatten(), out.selected.double().flatten()]
         if stepped is not None:
-            program_forced, tags, pcs, halted = stepped
-            parts += [program_forced.double(), tags.double().flatten(), pcs.double(), halted.double()]
+            parts += [t.double().flatten() for t in stepped]
+        if peeked is not None:
+            parts += [t.double().flatten() for t in peeked]
         packed = parts[0].cpu() if len(parts) == 1 else torch.cat(parts).cpu()
         host = _HostStep(tokens=packed[:size].long().tolist())
         offset = size
+
+        def take(*shape: int) -> torch.Tensor:
+            nonlocal offset
+            count = math.prod(shape)
+            chunk = packed[offset : offset + count].view(*shape)
+            offset += count
+            return chunk
+
         if with_routing:
             layers, _, width = out.router_probs.shape
-            block = layers * size * width
-            host.probs = packed[offset : offset + block].view(layers, size, width).permute(1, 2, 0).tolist()
-            offset += block
-            host.chosen = packed[offset : offset + block].view(layers, size, width).permute(1, 2, 0).bool().tolist()
-            offset += block
+            host.probs = take(layers, size, width).permute(1, 2, 0).tolist()
+            host.chosen = take(layers, size, width).permute(1, 2, 0).bool().tolist()
         if stepped is not None and program is not None:
             tag_count = stepped[1].shape[1]
-            host.program_forced = packed[offset : offset + size].bool().tolist()
-            offset += size
-            flags = packed[offset : offset + size * tag_count].view(size, tag_count).bool().tolist()
-            host.tags = [program.tag_tuple(f) for f in flags]
-            offset += size * tag_count
-            host.zones = program.zone_labels(packed[offset : offset + size].long().tolist())
-            offset += size
-            host.halted = packed[offset : offset + size].bool().tolist()
+            host.program_forced = take(size).bool().tolist()
+            host.tags = [program.tag_tuple(f) for f in take(size, tag_count).bool().tolist()]
+            host.zones = program.zone_labels(take(size).long().tolist())
+            host.halted = take(size).bool().tolist()
+            host.pending = take(size).long().tolist()
+            if peeked is not None:
+                k = peeked[0].shape[1]
+                tokens = take(size, k).long().tolist()
+                tags = take(size, k, tag_count).bool().tolist()
+                zones = take(size, k).long().tolist()
+                host.feed = [
+                    (tokens[b], [program.tag_tuple(f) for f in tags[b]], program.zone_labels(zones[b]))
+                    for b in range(size)
+                ]
         return host
 
     def _advance_row(self, row: _Row, emitted: list[_Emitted], slot: int, host: _HostStep) -> list[TokenEvent]:
@@ -653,6 +712,8 @@ class Engine:
         batch.counters = batch.counters.index_select(0, index)
         if batch.program is not None:
             batch.program.select_rows(index)
+        if batch.pending is not None:
+            batch.pending = [batch.pending[i] for i in keep]
         batch.finished = 0
 
 

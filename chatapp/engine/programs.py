@@ -6,10 +6,11 @@ Python branch per row. The automaton sees every token a row emits — the model'
 output — so zone budgets count exactly what the transcript shows, and it may replace any of them (a feed token or
 a timeout's exit token), which the engine then reports as forced.
 
-Zone feeds are emitted one token per step through `Automaton.step` (each feed token still costs a decode step;
-pushing known feeds through one ragged forward with `pending_feed`/`peek_feed`/`advance` is the automaton's
-fast-forward protocol, not used here yet). While a program runs, tool output is also fed one token per step so
-that each of its tokens passes through the automaton.
+A zone's feed is known ahead (`pending_feed`), so when the engine fast-forwards, a row with two or more pending
+feed tokens emits them all in one ragged forward: `peek` shows them (with their tags and zones) and
+`step_and_advance` moves those rows by `advance(n)` while the other rows take an ordinary `step` — the state is
+exactly the one the same tokens stepped one by one would leave. While a program runs, tool output is fed one
+token per step so that each of its tokens passes through the automaton.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from chatapp.ttfa import Automaton, Program
+from chatapp.ttfa import Automaton, Program, TTFAState
 from chatapp.ttfa.program import UNLIMITED, Zone
 
 _PASSTHROUGH_LABEL = ""
@@ -51,6 +52,34 @@ class ProgramRunner:
         pc = self.automaton.pc
         tokens, forced, tags = self.automaton.step(tokens)
         return tokens, forced, tags, pc
+
+    def pending_feed(self) -> torch.Tensor:
+        """[B] feed tokens each row emits before the model's next token."""
+        return self.automaton.pending_feed()
+
+    def peek(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next `k` feed tokens per row [B, k], their tags [B, k, N] and zone rows [B, k] (pad past a row's
+        pending feed)."""
+        automaton = self.automaton
+        tables = automaton.tables
+        offsets = torch.arange(k, device=automaton.device)
+        positions = (automaton.ptr[:, None] + offsets).clamp(max=tables.data.numel() - 1)
+        return automaton.peek_feed(k), automaton.peek_feed_tags(k), tables.data_zone[positions]
+
+    def step_and_advance(
+        self, tokens: torch.Tensor, feed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`step` for rows with `feed == 0`; rows with `feed > 0` emit that many feed tokens instead (shown by
+        `peek`), and only the step's results of the other rows are meaningful."""
+        automaton = self.automaton
+        before = automaton.state
+        out = self.step(tokens)
+        stepped = automaton.state
+        automaton.state = before
+        automaton.advance(feed)
+        take = feed > 0
+        automaton.state = TTFAState(*(torch.where(take, a, b) for a, b in zip(automaton.state, stepped, strict=True)))
+        return out
 
     def halted(self) -> torch.Tensor:
         return self.automaton.halted()

@@ -122,3 +122,22 @@ def test_a_session_turn_runs_a_program(scripted, chat_format, brief) -> None:
     events = [e for s in session.send("Hi", GREEDY, program=brief) for e in s.tokens]
     assert [(e.token, e.forced, e.tags, e.zone) for e in events] == expected(brief, proposed, len(events))
     assert session.messages[-1]["content"] == chat_format.decode([e.token for e in events])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fast_forwarded_feeds_equal_step_by_step(scripted, chat_format, chat_tokenizer, brief, temperature) -> None:
+    """A feed is pushed through one ragged forward while the other rows step; nothing observable changes."""
+    json_program = load_program("json", chat_tokenizer)
+    prompts = [chat_format.render_for_completion([{"role": "user", "content": t}]) for t in ("Hi", "Hello there")]
+    engine, model = scripted({}, fast_forward="always")
+    settings = GenerationSettings(max_tokens=12, temperature=temperature, seed=3, routing="off")
+    streams = {}
+    for fast_forward in (False, True):
+        model.calls.clear()
+        rows = events_by_row(engine, prompts, settings.with_(fast_forward=fast_forward), [json_program, brief])
+        streams[fast_forward] = [[(e.token, e.forced, e.tags, e.zone, e.finish_reason) for e in r] for r in rows]
+        assert (max(width for _, width in model.calls[1:]) > 1) == fast_forward
+        streams[f"calls-{fast_forward}"] = len(model.calls)
+    assert streams[True] == streams[False]
+    assert streams["calls-True"] < streams["calls-False"]
+    assert any(forced for _, forced, *_ in streams[True][0])
