@@ -23,7 +23,7 @@ What it does differently from nanochat's engine (REFERENCES.md lists that engine
   holds exactly the tokens the consumer saw.
 
 Fast-forward. A row whose next tokens are already known (a tool's output block, the tokens a grammar leaves no
-choice about; a program's feeds still go one per step, see `programs.py`) pushes the whole run through one
+choice about, a program's feed — see `programs.py`) pushes the whole run through one
 ragged `extend` call while the other rows advance by their one sampled token. The tokens are those of the
 one-per-step path by construction: forced tokens are never sampled, and each forced token still consumes one
 draw counter, so the row's later random draws are unchanged (tests compare both paths). When it pays off depends
