@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -184,6 +185,28 @@ def test_programs_force_tokens_and_tag_zones(model_dir: Path) -> None:
     assert calc["tags"][0] == ["tool"]
     assert calc["tool_calls"] and {"tool", "expression"} <= set(calc["tool_calls"][0])
     assert {"result", "refusal"} & set(calc["tool_calls"][0])
+
+
+def test_regex_and_json_schema_lines_are_constrained(model_dir: Path) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    lines = [
+        json.dumps({"id": "digits", "prompt": "What is 37*45?", "regex": "[0-9]{1,4}", "samples": 3}),
+        json.dumps({"id": "json", "prompt": "Answer in JSON.", "json_schema": schema}),
+        json.dumps({"id": "free", "prompt": "Hello!"}),  # an unconstrained row in the same device batch
+    ]
+    result = _generate(model_dir, "-", "--max-tokens", "16", "--temperature", "1.0", input="\n".join(lines))
+    assert result.exit_code == 0, result.output
+    by_id: dict[str, list[dict]] = {}
+    for record in _records(result.stdout):
+        by_id.setdefault(record["id"], []).append(record)
+    # Both grammars are finite, so every row must end by completing its match well within 16 tokens.
+    for record in by_id["digits"]:
+        assert record["finish_reason"] == "stop"
+        assert re.fullmatch("[0-9]{1,4}", record["text"]), record["text"]
+    (answer,) = by_id["json"]
+    assert answer["finish_reason"] == "stop"
+    assert isinstance(json.loads(answer["text"])["ok"], bool)
+    assert len(by_id["free"]) == 1
 
 
 def test_ordered_follows_input_order(model_dir: Path) -> None:
