@@ -166,6 +166,9 @@ def run_batch_command(
     from chatapp.engine.engine import Engine
     from chatapp.models.loader import load_model
 
+    if input_source == STDIO and sys.stdin.isatty():
+        # Without a pipe, `-` waits for typed lines; say so rather than look hung.
+        console.print("reading JSONL lines from the terminal; end with Ctrl-D", highlight=False, markup=False)
     lines = read_input(input_source)
     sink, existing = open_output(output, resume=resume, fsync=fsync, input_source=input_source)
     try:
