@@ -43,9 +43,13 @@ def conversation_sequences(path: Path, chat_format: AnyChatFormat, max_tokens: i
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise InputLineError(f"{where}: not valid JSON ({err.msg})", hint='write one {"messages": [...]} per line') from None
+            raise InputLineError(
+                f"{where}: not valid JSON ({err.msg})", hint='write one {"messages": [...]} per line'
+            ) from None
         if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-            raise InputLineError(f"{where}: expected an object with a 'messages' list", hint='write {"messages": [...]}')
+            raise InputLineError(
+                f"{where}: expected an object with a 'messages' list", hint='write {"messages": [...]}'
+            )
         try:
             ids, mask = chat_format.render_conversation(record["messages"], max_tokens=max_tokens)
         except ChatappError as err:
@@ -75,7 +79,9 @@ def load_sequences(path: str | Path, tokenizer: Tokenizer, chat_format: AnyChatF
     path = Path(path).expanduser()
     if path.suffix == ".jsonl":
         if chat_format is None:
-            raise TrainingError(f"{path} holds conversations but the tokenizer has no chat format", hint="train on text")
+            raise TrainingError(
+                f"{path} holds conversations but the tokenizer has no chat format", hint="train on text"
+            )
         return conversation_sequences(path, chat_format)
     return text_sequences(path, tokenizer)
 

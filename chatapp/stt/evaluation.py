@@ -76,7 +76,9 @@ def evaluate(
     threshold = model.config.router_threshold
     for ids, mask in batches:
         ids = ids.to(model.device)
-        weights = torch.ones_like(ids[:, 1:], dtype=torch.float32) if mask is None else mask[:, 1:].to(model.device).float()
+        weights = (
+            torch.ones_like(ids[:, 1:], dtype=torch.float32) if mask is None else mask[:, 1:].to(model.device).float()
+        )
         tokens += int(weights.sum())
         for mode in modes:
             out = model.forward_eval(ids, mode)

@@ -66,7 +66,9 @@ def load_config(model_dir: str | Path) -> tuple[STTConfig, bool]:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ModelDirError(f"{path} is not readable JSON: {err}", hint="restore the file from the original model") from None
+        raise ModelDirError(
+            f"{path} is not readable JSON: {err}", hint="restore the file from the original model"
+        ) from None
     if not isinstance(raw, dict):
         raise ModelDirError(f"{path} does not hold a JSON object", hint="restore the file from the original model")
     model_type = raw.get("model_type", "qwen2")
@@ -81,7 +83,9 @@ def load_config(model_dir: str | Path) -> tuple[STTConfig, bool]:
         config = STTConfig.from_dict(raw)
         config.validate_stt()
     except (TypeError, ValueError, StrictDataclassError) as err:
-        raise ModelDirError(f"{path} is not a valid model config: {err}", hint="fix or regenerate config.json") from None
+        raise ModelDirError(
+            f"{path} is not a valid model config: {err}", hint="fix or regenerate config.json"
+        ) from None
     if not is_stt:
         config.routing_trained = False
     return config, is_stt

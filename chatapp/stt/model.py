@@ -242,7 +242,9 @@ class STTForCausalLM(nn.Module):
         return out
 
     # ------------------------------------------------------------------------------------------ training, eval
-    def forward(self, ids: torch.Tensor, loss_mask: torch.Tensor | None = None, *, step: int | None = None) -> TrainOutput:
+    def forward(
+        self, ids: torch.Tensor, loss_mask: torch.Tensor | None = None, *, step: int | None = None
+    ) -> TrainOutput:
         """The training forward, so that DistributedDataParallel (which hooks `forward`) can wrap the model."""
         return forward_train(self, ids, loss_mask, step=step)
 

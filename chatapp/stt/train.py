@@ -153,7 +153,11 @@ class WindowSampler:
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
-            self._perms = {epoch: torch.randperm(self.num_windows, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))}
+            self._perms = {
+                epoch: torch.randperm(
+                    self.num_windows, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+                )
+            }
         return self._perms[epoch]
 
     def indices(self, step: int) -> torch.Tensor:
@@ -171,7 +175,9 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def save_checkpoint(model: STTForCausalLM, optimizer: torch.optim.Optimizer, step: int, config: TrainConfig, out_dir: Path) -> Path:
+def save_checkpoint(
+    model: STTForCausalLM, optimizer: torch.optim.Optimizer, step: int, config: TrainConfig, out_dir: Path
+) -> Path:
     """Write step_NNNNNN/ atomically, point `latest` at it, then drop older checkpoints."""
     root = out_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -179,7 +185,9 @@ def save_checkpoint(model: STTForCausalLM, optimizer: torch.optim.Optimizer, ste
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
     try:
         save_model(model, tmp)
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "train_config": asdict(config)}, tmp / STATE_NAME)
+        torch.save(
+            {"step": step, "optimizer": optimizer.state_dict(), "train_config": asdict(config)}, tmp / STATE_NAME
+        )
         final = root / name
         if final.exists():
             shutil.rmtree(final)
@@ -203,7 +211,9 @@ def _load_checkpoint(model: STTForCausalLM, optimizer: torch.optim.Optimizer, pa
         model.load_state_dict(load_state_dict(path), strict=not model.config.tie_word_embeddings)
         optimizer.load_state_dict(state["optimizer"])
     except (OSError, RuntimeError, KeyError, ValueError) as err:
-        raise TrainingError(f"cannot resume from {path}: {err}", hint="delete the checkpoint or start without --resume") from None
+        raise TrainingError(
+            f"cannot resume from {path}: {err}", hint="delete the checkpoint or start without --resume"
+        ) from None
     return int(state["step"])
 
 

@@ -19,7 +19,12 @@ runner = CliRunner()
 @pytest.fixture
 def corpus(tmp_path):
     lines = [
-        {"messages": [{"role": "user", "content": f"What is {a} plus {a}?"}, {"role": "assistant", "content": f"{2 * a}"}]}
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {a} plus {a}?"},
+                {"role": "assistant", "content": f"{2 * a}"},
+            ]
+        }
         for a in range(40)
     ]
     path = tmp_path / "corpus.jsonl"
@@ -58,7 +63,19 @@ def test_train_from_scratch_then_resume_then_eval(corpus, init_files, tmp_path):
     config_path, tokenizer_dir = init_files
     out = tmp_path / "run"
     common = ["train", str(corpus), "--out", str(out), "--init", str(config_path), "--tokenizer", str(tokenizer_dir)]
-    args = [*common, "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-interval", "1", "--lr-scale", "100"]
+    args = [
+        *common,
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--eval-interval",
+        "1",
+        "--lr-scale",
+        "100",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert (out / "tokenizer.json").is_file()
@@ -80,7 +97,16 @@ def test_train_names_the_bad_corpus_line(init_files, tmp_path):
     config_path, tokenizer_dir = init_files
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": []}\n{not json}\n')
-    args = ["train", str(bad), "--out", str(tmp_path / "o"), "--init", str(config_path), "--tokenizer", str(tokenizer_dir)]
+    args = [
+        "train",
+        str(bad),
+        "--out",
+        str(tmp_path / "o"),
+        "--init",
+        str(config_path),
+        "--tokenizer",
+        str(tokenizer_dir),
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 1
     assert "bad.jsonl:2" in result.output

@@ -98,7 +98,9 @@ def test_evaluation_report_agrees_with_a_direct_computation():
     losses, weights = [], []
     for ids, mask in batches:
         logits = model.forward_eval(ids, "off").logits
-        token_losses = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+        token_losses = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none"
+        )
         losses.append(token_losses * mask[:, 1:].flatten())
         weights.append(mask[:, 1:].sum())
     assert report.loss["off"] == pytest.approx((torch.cat(losses).sum() / sum(weights)).item(), rel=1e-5)
@@ -136,7 +138,10 @@ def test_ddp_with_gloo_keeps_both_ranks_identical(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-        env=env, capture_output=True, text=True, timeout=240,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
