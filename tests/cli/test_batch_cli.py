@@ -209,6 +209,42 @@ def test_regex_and_json_schema_lines_are_constrained(model_dir: Path) -> None:
     assert len(by_id["free"]) == 1
 
 
+def test_each_row_gets_its_own_settings_exactly(model_dir: Path) -> None:
+    """Differential: every record equals the Engine's own generate_batch of that prompt alone, with the line's
+    settings (sample 0 uses the line's seed as is), so per-row settings reach the device batch unchanged."""
+    from chatapp.engine.engine import Engine
+    from chatapp.models.loader import load_model
+    from chatapp.settings import GenerationSettings
+
+    lines = [
+        {"id": "a", "prompt": "What is 37*45?", "temperature": 0.9, "seed": 7, "max_tokens": 8},
+        {"id": "b", "prompt": "Hello!", "temperature": 1.3, "top_k": 20, "seed": 1, "max_tokens": 5},
+        {"id": "c", "prompt": "Paris is the capital of", "temperature": 0.7, "top_p": 0.8, "seed": 3},
+        {
+            "id": "d",
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "How are you?"},
+            ],
+        },
+    ]
+    result = _generate(model_dir, "-", "--max-tokens", "6", input="\n".join(json.dumps(line) for line in lines))
+    assert result.exit_code == 0, result.output
+    records = {r["id"]: r for r in _records(result.stdout)}
+
+    loaded = load_model(model_dir)
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    for line in lines:
+        fields = {k: v for k, v in line.items() if k not in ("id", "prompt", "messages")}
+        settings = GenerationSettings(**{"max_tokens": 6, **fields})
+        messages = line.get("messages") or [{"role": "user", "content": line["prompt"]}]
+        (alone,) = engine.generate_batch([loaded.chat_format.render_for_completion(messages)], settings)
+        expected = alone.tokens + ([alone.stop_token] if alone.stop_token is not None else [])
+        assert records[line["id"]]["tokens"] == expected, line["id"]
+        assert records[line["id"]]["finish_reason"] == alone.finish_reason
+
+
 def test_ordered_follows_input_order(model_dir: Path) -> None:
     result = _generate(
         model_dir,
