@@ -235,7 +235,8 @@ def generate(
         int | None, typer.Option("--samples", min=1, help="JSONL input: samples per line that sets none (default 1).")
     ] = None,
     program: Annotated[
-        str | None, typer.Option("--program", help="JSONL input: TTFA program (name or .toml) for lines without one.")
+        str | None,
+        typer.Option("--program", help="TTFA program (chat, think, calc, json or a .toml); JSONL: lines without one."),
     ] = None,
     ordered: Annotated[bool, typer.Option("--ordered", help="JSONL input: write records in input order.")] = False,
     resume: Annotated[
@@ -272,15 +273,17 @@ def generate(
             )
             raise typer.Exit(summary.exit_code)
         reject_batch_options(
-            {"--output": output, "--batch-size": batch_size, "--samples": samples, "--program": program,
+            {"--output": output, "--batch-size": batch_size, "--samples": samples,
              "--ordered": ordered, "--resume": resume, "--fsync": fsync}
         )
-        _generate_quick(prompt, settings, model, device, verbose)
+        _generate_quick(prompt, settings, model, device, verbose, program)
     except ChatappError as err:
         raise fail(err) from None
 
 
-def _generate_quick(prompt: str, settings, model: str | None, device: str | None, verbose: bool) -> None:
+def _generate_quick(
+    prompt: str, settings, model: str | None, device: str | None, verbose: bool, program: str | None = None
+) -> None:
     """Quick mode of `generate`: load the model, stream one reply to the terminal."""
     from rich.console import Console
 
@@ -290,7 +293,12 @@ def _generate_quick(prompt: str, settings, model: str | None, device: str | None
 
     loaded = load_model(model, device)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
-    stream_reply(engine, prompt, settings, Console(highlight=False), verbose=verbose)
+    compiled = None
+    if program is not None:
+        from chatapp.ttfa import load_program
+
+        compiled = load_program(program, loaded.tokenizer)
+    stream_reply(engine, prompt, settings, Console(highlight=False), verbose=verbose, program=compiled)
 
 
 @app.command()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from rich.console import Console
 from rich.text import Text
@@ -22,6 +23,7 @@ SAMPLED_STYLE = ""
 FORCED_STYLE = "italic cyan"
 SPECIAL_STYLE = "dim"
 REFUSAL_STYLE = "bold red"
+ZONE_STYLE = "dim magenta"
 
 
 @dataclass
@@ -74,13 +76,16 @@ def stream_reply(
     console: Console,
     *,
     verbose: bool = False,
+    program: Any = None,
 ) -> ReplyStats:
-    """Stream the reply to `prompt` onto `console` and return its stats (printed too with `verbose`)."""
+    """Stream the reply to `prompt` onto `console` and return its stats (printed too with `verbose`). With a
+    compiled TTFA `program`, each zone the reply enters is announced as a dim `[label]` marker."""
     layers = int(engine.model.config.num_hidden_layers)
     dense_layers = layers - len(engine.stt_layers)
     stats = ReplyStats()
     started = time.perf_counter()
-    for step in engine.generate([prompt], settings):
+    zone: str | None = None
+    for step in engine.generate([prompt], settings, programs=None if program is None else [program]):
         if step.prompt is not None:
             stats.prompt_tokens = step.prompt.prompt_tokens[0]
             stats.prefill_seconds = step.prompt.prefill_seconds
@@ -89,6 +94,9 @@ def stream_reply(
                 stats.layer_slots_computed += dense_layers + sum(computed)
         stats.decode_seconds += step.seconds
         for event in step.tokens:
+            if event.zone is not None and event.zone != zone:
+                zone = event.zone
+                console.print(Text(f"[{zone}] ", style=ZONE_STYLE), end="")
             _show(console, event)
             stats.tokens += 1
             stats.forced += event.forced

@@ -38,3 +38,17 @@ def test_generate_reports_a_missing_model_dir(tmp_path) -> None:
 def test_generate_rejects_bad_settings(model_dir) -> None:
     result = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--top-p", "0"])
     assert result.exit_code == 1 and "top_p" in result.output
+
+
+def test_generate_runs_a_program_and_marks_its_zones(model_dir) -> None:
+    args = ["generate", "3*4?", "--model", str(model_dir), "--max-tokens", "4", "--program", "calc"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("[expression] <|python_start|>")
+
+
+def test_generate_names_a_bad_program_or_a_batch_only_option(model_dir) -> None:
+    result = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--program", "nope"])
+    assert result.exit_code == 1 and "nope" in result.output
+    result = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--ordered"])
+    assert result.exit_code == 1 and "--ordered" in result.output
