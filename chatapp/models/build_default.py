@@ -51,7 +51,7 @@ class Recipe:
     weight_decay: float = 0.1
     # STT routing: capacity (the student's initial rate, the gate regulariser's target) and the optional second
     # phase of `gated_steps` steps with the spec's gated second pass on selected tokens (see STTConfig).
-    capacity: float = 0.5
+    capacity: float = 0.6
     gated_steps: int = 250
     gated_lr_ratio: float = 0.3
     # On-disk precision of the weights (they load as float32 on the CPU).
@@ -62,7 +62,7 @@ class Recipe:
     extra_config: dict[str, Any] = field(default_factory=dict)
 
     def quick(self) -> Recipe:
-        """A minutes-long recipe with the same code path (for smoke tests of the pipeline, not for shipping)."""
+        """A seconds-long recipe with the same code path (for smoke tests of the pipeline, not for shipping)."""
         return replace(
             self,
             train_conversations=300,
@@ -198,6 +198,11 @@ def train_model(recipe: Recipe, corpus: list[Conversation], chat_format, log=pri
         # model learns to work with the routing it will get. The gate is hard from the start (end betas).
         model.config.gated_second_pass = True
         model.config.beta_schedule = "constant"
+        # The teacher's biases stay as the dense phase left them (near the capacity target): through the
+        # straight-through gate the LM loss would otherwise pull them towards routing fewer and fewer tokens.
+        for layer in model.model.layers:
+            if (router := getattr(layer, "predictive_router", None)) is not None:
+                router.requires_grad_(False)
         log("gated phase: second pass on selected tokens")
         train(
             model,

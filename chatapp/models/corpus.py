@@ -183,6 +183,7 @@ _WORD_LIST = (
     "purple yellow silver golden scarlet emerald crimson turquoise lavender"
 )
 _WORDS = _WORD_LIST.split()
+_HELDOUT_WORDS = frozenset(_split_list(_WORDS, "heldout", every=5))
 
 # Facts the generator owns: (category, key, value).
 _CAPITALS = {
@@ -502,6 +503,14 @@ _JSON_REQUESTS = [
     "Use JSON.",
     "Please answer in JSON format.",
     "Output JSON.",
+    "Reply with a JSON object.",
+    "JSON please.",
+    "Write the answer in JSON.",
+    "Answer using JSON.",
+    "I need the answer as JSON.",
+    "Respond in JSON format.",
+    "Return JSON.",
+    "Give me JSON.",
 ]
 _THINK_REQUESTS = [
     "Think first.",
@@ -512,6 +521,14 @@ _THINK_REQUESTS = [
     "Think carefully.",
     "Take a moment to think.",
     "Please think it through.",
+    "Think it over first.",
+    "Think about it before answering.",
+    "Think hard.",
+    "First think, then answer.",
+    "Think it through step by step.",
+    "Please think first.",
+    "Think before replying.",
+    "Think a little first.",
 ]
 _SYSTEM_PROMPTS = [
     "You are a helpful assistant.",
@@ -558,6 +575,12 @@ class _Pools:
     json_requests: list[str]
     think_requests: list[str]
     letters: str = field(default="abcdefghijklmnopqrstuvwxyz")
+
+    @property
+    def invents_words(self) -> bool:
+        """Training also counts letters in invented words, so the model learns to copy any word it is given
+        instead of memorising the word list (held-out words are real words it has never seen)."""
+        return self.split == "train"
 
 
 def _pools(split: Split) -> _Pools:
@@ -682,9 +705,18 @@ class _Generator:
             think=think,
         )
 
+    def _invented_word(self) -> str:
+        """A random lowercase string of 3-10 letters that is not a held-out word."""
+        while True:
+            word = "".join(self.rng.choices(self.pools.letters, k=self.rng.randint(3, 10)))
+            if word not in _HELDOUT_WORDS:
+                return word
+
     def _letters(self, think: bool, json_answer_: bool) -> Conversation:
         rng = self.rng
-        word = rng.choice(self.pools.words)
+        word = (
+            self._invented_word() if self.pools.invents_words and rng.random() < 0.5 else rng.choice(self.pools.words)
+        )
         # Mostly a letter of the word (doubled letters are the interesting case), sometimes one it lacks.
         letter = rng.choice(word) if rng.random() < 0.85 else rng.choice(self.pools.letters)
         question = rng.choice(self.pools.letter_templates).format(c=letter, w=word)
