@@ -34,7 +34,7 @@ from chatapp.ui.screens.history import HistoryScreen, ResumeChoice
 from chatapp.ui.screens.program import ProgramChoice, ProgramScreen
 from chatapp.ui.screens.settings import SettingsChoice, SettingsScreen
 from chatapp.ui.stats import AnswerStats
-from chatapp.ui.streaming import Generation, GenerationEnded, Outcome, StepBatcher, StepsArrived
+from chatapp.ui.streaming import Generation, GenerationEnded, Outcome, StepChannel, StepsArrived
 from chatapp.ui.tokens import message_content, plain_text
 from chatapp.ui.widgets.heatmap import RoutingHeatmap
 from chatapp.ui.widgets.panels import StatsPanel, TokenInspector, ZonePills
@@ -221,13 +221,13 @@ class ChatApp(App[None]):
     def _generate(self, generation: Generation, stream: StepStream) -> None:
         """Iterate the backend's stream in this thread, posting batches; stop as soon as the worker is cancelled."""
         worker = get_current_worker()
-        batcher = StepBatcher()
+        channel = StepChannel()
         outcome: Outcome = "complete"
         error: str | None = None
         try:
             for step in stream:
-                if (batch := batcher.add(step)) is not None:
-                    self.post_message(StepsArrived(generation, batch))
+                if channel.put(step):
+                    self.post_message(StepsArrived(generation, channel))
                 if worker.is_cancelled:
                     outcome = "interrupted"
                     self.backend.cancel(stream)
@@ -236,16 +236,16 @@ class ChatApp(App[None]):
             outcome, error = "error", str(err)
         finally:
             stream.close()  # a no-op once exhausted; frees the engine's batch otherwise
-            self.post_message(GenerationEnded(generation, batcher.flush(), outcome, error))
+            self.post_message(GenerationEnded(generation, channel, outcome, error))
 
     @on(StepsArrived)
     def _on_steps(self, message: StepsArrived) -> None:
-        self._apply(message.generation, message.steps)
+        self._apply(message.generation, message.channel.take())
 
     @on(GenerationEnded)
     def _on_generation_ended(self, message: GenerationEnded) -> None:
         generation = message.generation
-        events = self._apply(generation, message.steps)
+        events = self._apply(generation, message.channel.take(), final=True)
         last = events[-1] if events else None
         outcome, detail = message.outcome, message.error
         answer = generation.answer
@@ -268,8 +268,9 @@ class ChatApp(App[None]):
         if self.generation is generation:
             self.generation = None
 
-    def _apply(self, generation: Generation, steps: list[Step]) -> list[TokenEvent]:
-        """Save a batch, then draw it: transcript, heatmap, zone pills, stats."""
+    def _apply(self, generation: Generation, steps: list[Step], *, final: bool = False) -> list[TokenEvent]:
+        """Save a batch, then draw it: transcript, heatmap, zone pills, stats. The stats text changes a few times a
+        second while streaming; the last batch (`final`) settles the heatmap and shows the final figures."""
         answer = generation.answer
         assert isinstance(answer, AssistantMessage)
         events: list[TokenEvent] = []
@@ -278,23 +279,25 @@ class ChatApp(App[None]):
             generation.stats.add_step(step, row_events)
             events.extend(row_events)
         generation.steps += len(steps)
-        if not events:
-            return events
-        self.store.append_tokens(
-            generation.message_id, generation.written, events, message_content([*answer.events, *events])
-        )
-        generation.written += len(events)
-        if not answer.is_attached:
-            return events
-        transcript = self._panels.transcript
-        at_bottom = transcript.is_at_bottom
-        answer.extend(events)
-        transcript.follow_if(at_bottom)
-        if self.generation is generation:
-            panels = self._panels
-            panels.heatmap.extend(events)
-            panels.zones.set_active(events[-1].tags, events[-1].zone)
-            panels.stats.show(generation.stats)
+        current = self.generation is generation
+        if events:
+            self.store.append_tokens(
+                generation.message_id, generation.written, events, message_content([*answer.events, *events])
+            )
+            generation.written += len(events)
+            if answer.is_attached:
+                transcript = self._panels.transcript
+                at_bottom = transcript.is_at_bottom
+                answer.extend(events)
+                transcript.follow_if(at_bottom)
+            if current:
+                self._panels.heatmap.extend(events)
+                self._panels.zones.set_active(events[-1].tags, events[-1].zone)
+        if current and final:
+            self._panels.heatmap.settle()
+            self._panels.stats.show(generation.stats)
+        elif current and events:
+            self._panels.stats.show_live(generation.stats)
         return events
 
     # --- token inspection -----------------------------------------------------------------------------------------

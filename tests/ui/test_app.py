@@ -60,9 +60,9 @@ async def test_tokens_arrive_in_batches_not_per_token(build_app):
     batches = []
     original = app._apply
 
-    def counting_apply(generation, steps):
+    def counting_apply(generation, steps, **options):
         batches.append(len(steps))
-        return original(generation, steps)
+        return original(generation, steps, **options)
 
     app._apply = counting_apply
     async with app.run_test(size=SIZE) as pilot:

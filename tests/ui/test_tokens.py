@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from chatapp.ui.stats import AnswerStats
-from chatapp.ui.streaming import StepBatcher
+from chatapp.ui.streaming import StepChannel
 from chatapp.ui.tokens import Segmenter, display_text, marker, message_content, plain_text, segment_events
 from tests.ui.scripted import calculator_answer, greeting, steps, think_answer, tok
 
@@ -83,26 +85,66 @@ def test_stats_from_steps():
     assert stats.context_size == 2048
 
 
-def test_batcher_releases_at_most_once_per_interval():
-    """With steps arriving every 10 ms, a 1/30 s batcher hands over a batch every 4th step, never per token."""
+def test_channel_hands_over_at_most_once_per_interval():
+    """With steps arriving every 10 ms and a UI that keeps up, a 1/30 s channel asks for a take every 4th step."""
     now = [0.0]
-    batcher = StepBatcher(interval=1 / 30, clock=lambda: now[0])
+    channel = StepChannel(interval=1 / 30, clock=lambda: now[0])
     batches = []
     all_steps = steps(greeting() * 4)
     for step in all_steps:
         now[0] += 0.010
-        if (batch := batcher.add(step)) is not None:
-            batches.append(batch)
-    batches.append(batcher.flush())
+        if channel.put(step):
+            batches.append(channel.take())
+    batches.append(channel.take())
     assert [s for batch in batches for s in batch] == all_steps
     assert all(len(batch) == 4 for batch in batches[:-1])
     assert len(batches) < len(all_steps) / 3
 
 
-def test_batcher_hands_slow_steps_over_at_once():
+def test_channel_hands_slow_steps_over_at_once():
     """A step that took longer than the interval is shown without waiting for the next one."""
     now = [0.0]
-    batcher = StepBatcher(interval=1 / 30, clock=lambda: now[0])
+    channel = StepChannel(interval=1 / 30, clock=lambda: now[0])
     for step in steps(greeting()):
         now[0] += 0.2
-        assert batcher.add(step) == [step]
+        assert channel.put(step)
+        assert channel.take() == [step]
+
+
+def test_channel_coalesces_while_the_ui_is_behind():
+    """Until the UI takes the batch it was told about, no further message is asked for; the next take gets all."""
+    now = [0.0]
+    channel = StepChannel(interval=1 / 30, clock=lambda: now[0])
+    all_steps = steps(greeting())
+    asks = []
+    for step in all_steps:
+        now[0] += 0.1
+        asks.append(channel.put(step))
+    assert asks == [True] + [False] * (len(all_steps) - 1)
+    assert channel.take() == all_steps
+    assert channel.take() == []
+
+
+def test_channel_delivers_every_step_once_in_order_across_threads():
+    """A producer thread and a consumer taking whenever asked (and at the end) see the stream exactly."""
+    channel = StepChannel(interval=0.0005)
+    all_steps = steps(greeting() * 50)
+    asked = threading.Event()
+    done = threading.Event()
+
+    def produce() -> None:
+        for step in all_steps:
+            if channel.put(step):
+                asked.set()
+        done.set()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    received = []
+    while not done.is_set():
+        if asked.wait(0.001):
+            asked.clear()
+            received += channel.take()
+    producer.join()
+    received += channel.take()
+    assert received == all_steps

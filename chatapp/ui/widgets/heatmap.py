@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from rich.segment import Segment
 from rich.style import Style
-from textual.geometry import Size
+from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
@@ -84,15 +84,37 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         self._cells = [[] for _ in range(self.rows)]
         self._append(events)
         self.selected = selected
-        self._resize(follow=selected is None)
-        if selected is not None:
+        self._set_virtual_width(len(self.columns))
+        if selected is None:
+            self.scroll_to(x=self._follow_x, animate=False, immediate=True)
+        else:
             self.scroll_to_column(selected)
+        self.refresh()
 
     def extend(self, events: Sequence[TokenEvent]) -> None:
-        """Append streamed tokens; keep following the newest while the newest is in view."""
-        follow = self.scroll_x >= self._follow_x
+        """Append streamed tokens, following the newest while it is in view.
+
+        The view follows in jumps (the newest token lands mid-view) rather than one column per batch: a scroll
+        repaints the whole grid, while between jumps a batch repaints only its own new columns.
+        """
+        visible = self._visible_columns
+        following = len(self.columns) <= self.scroll_x + visible
+        first = len(self.columns)
         self._append(events)
-        self._resize(follow=follow)
+        # Room for a jump ahead of the newest token (the scroll position is clamped to the virtual width).
+        self._set_virtual_width(len(self.columns) + visible)
+        if following and len(self.columns) > self.scroll_x + visible:
+            self.scroll_to(x=len(self.columns) - visible // 2, animate=False, immediate=True)
+        else:
+            self._refresh_columns(first, len(self.columns))
+
+    def settle(self) -> None:
+        """The answer is complete: drop the room kept for jumps and, if following, end at the newest token."""
+        following = len(self.columns) <= self.scroll_x + self._visible_columns
+        self._set_virtual_width(len(self.columns))
+        if following:
+            self.scroll_to(x=self._follow_x, animate=False, immediate=True)
+        self.refresh()
 
     @property
     def _visible_columns(self) -> int:
@@ -121,15 +143,19 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         if not self.scroll_x <= index < self.scroll_x + visible:
             self.scroll_to(x=max(index - visible // 2, 0), animate=False, immediate=True)
 
-    def _resize(self, *, follow: bool) -> None:
-        # The virtual width grows in chunks: changing it lays out the whole screen, which ~30 times a second
-        # would cost the UI thread far more than drawing the new cells does.
-        width = self._gutter + -(-len(self.columns) // _CHUNK) * _CHUNK
+    def _set_virtual_width(self, columns: int) -> None:
+        # In chunks: a new virtual size lays out the whole screen, which ~30 times a second would cost the UI
+        # thread far more than drawing the new cells does.
+        width = self._gutter + -(-columns // _CHUNK) * _CHUNK
         if width != self.virtual_size.width:
             self.virtual_size = Size(width, self.rows + 1)
-        if follow:
-            self.scroll_to(x=self._follow_x, animate=False, immediate=True)
-        self.refresh()
+
+    def _refresh_columns(self, start: int, end: int) -> None:
+        """Repaint the grid cells of columns `start:end` (where in view); the labels and ruler stay."""
+        left = max(start, int(self.scroll_x))
+        right = min(end, int(self.scroll_x) + self._visible_columns)
+        if left < right:
+            self.refresh(Region(self._gutter + left - int(self.scroll_x), 0, right - left, self.rows))
 
     @staticmethod
     def _column(event: TokenEvent) -> Column:

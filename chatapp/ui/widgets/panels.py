@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from textual.content import Content
 
@@ -98,17 +99,29 @@ class TokenInspector(LiveStatic):
         self.show_content(Content.assemble(*parts))
 
 
+STATS_INTERVAL = 0.25  # seconds between live updates of the stats text: readable, and cheap next to ~30 batches/s
+
+
 class StatsPanel(LiveStatic):
     """Tokens/s, forced share, compute saved and context use of the current (or last) answer."""
 
-    def __init__(self, *, id: str | None = None) -> None:
+    def __init__(self, *, id: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(id=id)
         self.border_title = "stats"
+        self._clock = clock
+        self._shown_at = -STATS_INTERVAL
 
     def on_mount(self) -> None:
         self.show(AnswerStats())
 
+    def show_live(self, stats: AnswerStats) -> None:
+        """Show running figures unless they were shown less than `STATS_INTERVAL` ago (digits changing 30 times a
+        second are unreadable, and each change repaints the panel)."""
+        if self._clock() - self._shown_at >= STATS_INTERVAL:
+            self.show(stats)
+
     def show(self, stats: AnswerStats) -> None:
+        self._shown_at = self._clock()
         context = f"{stats.context_used}/{stats.context_size}" if stats.context_size else str(stats.context_used)
         rows = [
             ("tokens/s", f"{stats.tokens_per_second:.1f}"),

@@ -9,20 +9,26 @@ any layout arithmetic; the keyboard cursor (←/→ while the answer is focused)
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 
+from rich.segment import Segment
+from rich.style import Style as RichStyle
 from textual import events
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
+from textual.geometry import Region, Size
 from textual.message import Message
+from textual.strip import Strip
 from textual.style import Style
 from textual.widget import Widget
 from textual.widgets import Collapsible, Static
 
 from chatapp.engine.events import TokenEvent
-from chatapp.ui.tokens import Segment, Segmenter, display_text
-from chatapp.ui.widgets.live import LiveStatic
+from chatapp.ui.tokens import Segment as TokenSegment
+from chatapp.ui.tokens import Segmenter, display_text
+from chatapp.ui.wrap import WrappedText
 
 _STATUS_TEXT = {
     "streaming": "",
@@ -42,54 +48,127 @@ class UserMessage(Static):
         self.border_title = "you"
 
 
-class TokenRun(LiveStatic):
-    """A run of an answer's tokens rendered as styled spans (`start:end` into the answer's events)."""
+class TokenRun(Widget):
+    """A run of an answer's tokens (`start:end` into the answer's events), drawn line by line.
+
+    Streaming appends tokens ~30 times a second. A `Static` would re-wrap and re-style the whole run for each
+    batch; this widget wraps incrementally (`WrappedText`: only the last line can change) and keeps one rendered
+    `Strip` per line, so a batch re-renders just the lines it touched, and asks for a layout pass only when the run
+    gains a line. Each token's segment carries its index as style meta, for clicks.
+    """
+
+    DEFAULT_CSS = "TokenRun { height: auto; }"
+    ALLOW_SELECT = False  # tokens are picked by click; ctrl+y copies the answer
 
     def __init__(self, answer: AssistantMessage, start: int, end: int, *, classes: str = "") -> None:
         super().__init__(classes=classes)
         self._answer = answer
         self.start = start
         self.end = end
-        # One styled span per token (None for a token with no text yet), built once when the token arrives: a
-        # streamed repaint then only assembles them instead of re-deriving every token's style.
-        self._spans: list[tuple[str, Style] | None] = []
-        self._styles: dict[tuple[bool, bool], Style] = {}
+        self._wrapped = WrappedText()
+        self._offsets: list[int] = []  # where each token's text starts in the run's text
+        self._token_styles: list[RichStyle | None] = []  # each token's rendered style, made when first drawn
+        self._strips: dict[int, Strip] = {}  # rendered lines
+        self._cursor: int | None = None  # the token (run-relative) drawn reversed
+        self._base: Style | None = None  # the widget style the caches were rendered on (new object = new style)
 
-    def notify_style_update(self) -> None:
-        """The theme changed: rebuild spans with the new colours."""
-        super().notify_style_update()
-        self._spans, self._styles = [], {}
+    @property
+    def text(self) -> str:
+        """The run as shown (markers for special tokens, control characters dropped)."""
+        return self._wrapped.text
 
     def refresh_tokens(self) -> None:
+        """Take in tokens added to the run and the answer's cursor; redraw the lines that changed."""
         events = self._answer.events
-        for index in range(self.start + len(self._spans), self.end):
-            self._spans.append(self._span(index, events[index]))
-        self.show_content(self._content())
-
-    def _style(self, special: bool, forced: bool) -> Style:
-        key = (special, forced)
-        if key not in self._styles:
-            spec = {
-                (False, False): "",
-                (False, True): "underline $accent",
-                (True, False): "bold $primary",
-                (True, True): "bold underline $accent",
-            }[key]
-            self._styles[key] = self.app.stylesheet.parse_style(spec) if spec else Style()
-        return self._styles[key]
-
-    def _span(self, index: int, event: TokenEvent) -> tuple[str, Style] | None:
-        text = display_text(event)
-        if not text:
-            return None  # an incomplete UTF-8 character: its bytes show with a later token
-        return text, self._style(event.special, event.forced) + Style.from_meta({"token": index})
-
-    def _content(self) -> Content:
-        spans = list(self._spans)
+        wrapped = self._wrapped
+        line_count = len(wrapped.lines)
+        changed: set[int] = set()
+        pieces: list[str] = []
+        length = len(wrapped.text)
+        for index in range(self.start + len(self._offsets), self.end):
+            self._offsets.append(length)
+            self._token_styles.append(None)
+            piece = _shown(events[index])
+            pieces.append(piece)
+            length += len(piece)
+        if pieces:
+            first = wrapped.append("".join(pieces))
+            changed.update(range(first, len(wrapped.lines)))
         cursor = self._answer.cursor - self.start
-        if 0 <= cursor < len(spans) and (span := spans[cursor]) is not None:
-            spans[cursor] = (span[0], span[1] + Style(reverse=True))
-        return Content.assemble(*(span for span in spans if span is not None))
+        cursor = cursor if 0 <= cursor < len(self._offsets) else None
+        if cursor != self._cursor:
+            for token in (self._cursor, cursor):
+                if token is not None:
+                    self._token_styles[token] = None
+                    changed.update(self._lines_of(token))
+            self._cursor = cursor
+        for line in changed:
+            self._strips.pop(line, None)
+        if len(wrapped.lines) != line_count or wrapped.width is None:
+            self.refresh(layout=True)
+        elif changed:
+            top = min(changed)
+            self.refresh(Region(0, top, wrapped.width, max(changed) - top + 1))
+
+    def _lines_of(self, token: int) -> range:
+        if self._wrapped.width is None:
+            return range(0)
+        start = self._offsets[token]
+        end = self._offsets[token + 1] if token + 1 < len(self._offsets) else len(self._wrapped.text)
+        return range(self._wrapped.line_of(start), self._wrapped.line_of(max(end - 1, start)) + 1)
+
+    # --- rendering ------------------------------------------------------------------------------------------------
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        self._wrap_at(width)
+        return len(self._wrapped.lines)
+
+    def _wrap_at(self, width: int) -> None:
+        if width != self._wrapped.width:
+            self._wrapped.rewrap(width)
+            self._strips.clear()
+
+    def render_line(self, y: int) -> Strip:
+        width = self.content_size.width
+        self._wrap_at(width)
+        if self.visual_style is not self._base:  # a new theme, or CSS that changed this widget's colours
+            self._base = self.visual_style
+            self._token_styles = [None] * len(self._token_styles)
+            self._strips.clear()
+        if y >= len(self._wrapped.lines):
+            return Strip.blank(width, self._base.rich_style)
+        strip = self._strips.get(y)
+        if strip is None:
+            strip = self._strips[y] = self._render_text_line(y)
+        return strip
+
+    def _render_text_line(self, y: int) -> Strip:
+        """One wrapped line: a segment per token piece on it (a token may continue on the next line)."""
+        text, offsets = self._wrapped.text, self._offsets
+        start, end = self._wrapped.lines[y]
+        segments: list[Segment] = []
+        token = max(bisect_right(offsets, start) - 1, 0)
+        while token < len(offsets) and offsets[token] < end:
+            token_end = offsets[token + 1] if token + 1 < len(offsets) else len(text)
+            a, b = max(start, offsets[token]), min(end, token_end)
+            if a < b:
+                segments.append(Segment(text[a:b], self._token_style(token)))
+            token += 1
+        return Strip(segments).crop(0, self.content_size.width)  # a line's trailing spaces may hang over the edge
+
+    def _token_style(self, token: int) -> RichStyle:
+        style = self._token_styles[token]
+        if style is None:
+            index = self.start + token
+            event = self._answer.events[index]
+            visual = self.visual_style + self._kind_style(event.special, event.forced)
+            if token == self._cursor:
+                visual += Style(reverse=True)
+            style = self._token_styles[token] = (visual + Style.from_meta({"token": index})).rich_style
+        return style
+
+    def _kind_style(self, special: bool, forced: bool) -> Style:
+        spec = _KIND_STYLES[special, forced]
+        return self.app.stylesheet.parse_style(spec) if spec else Style()
 
     def on_click(self, event: events.Click) -> None:
         index = event.style.meta.get("token")
@@ -98,10 +177,27 @@ class TokenRun(LiveStatic):
             self._answer.select(int(index))
 
 
+# Sampled tokens plain; forced ones coloured and underlined; special tokens (markers) bold.
+_KIND_STYLES = {
+    (False, False): "",
+    (False, True): "underline $accent",
+    (True, False): "bold $primary",
+    (True, True): "bold underline $accent",
+}
+
+# Control characters would move the terminal's cursor: tabs become spaces, the rest are dropped (as Content does).
+_CONTROL = {code: None for code in (*range(0x09), *range(0x0B, 0x20), 0x7F)} | {0x09: "    "}
+
+
+def _shown(event: TokenEvent) -> str:
+    """A token's text in the transcript; empty for a token whose UTF-8 character completes in a later token."""
+    return display_text(event).translate(_CONTROL)
+
+
 class ToolCallBlock(Collapsible):
     """One tool call: the title says expression and result; expanded it shows the call's own tokens."""
 
-    def __init__(self, answer: AssistantMessage, segment: Segment) -> None:
+    def __init__(self, answer: AssistantMessage, segment: TokenSegment) -> None:
         self._segment = segment
         self._run = TokenRun(answer, segment.start, segment.end, classes="tool-tokens")
         self._outcome = Static(classes="tool-outcome")
@@ -195,7 +291,7 @@ class AssistantMessage(Vertical, can_focus=True):
         self.set_class(status == "streaming", "-streaming")
 
     @property
-    def segments(self) -> list[Segment]:
+    def segments(self) -> list[TokenSegment]:
         return self._segmenter.segments
 
     def tool_blocks(self) -> list[ToolCallBlock]:

@@ -1,0 +1,90 @@
+"""The line-based answer text (`TokenRun`): what streaming draws equals what the whole text would show."""
+
+from __future__ import annotations
+
+import pytest
+from textual.content import Content
+
+from chatapp.ui.widgets.transcript import AssistantMessage, TokenRun
+from tests.ui.conftest import SIZE, send_and_wait
+from tests.ui.scripted import ScriptedBackend, answer, greeting, tok
+
+pytestmark = pytest.mark.asyncio
+
+
+def _lines(run: TokenRun) -> list[str]:
+    """The run's text as drawn, line by line."""
+    return [run.render_line(y).text.rstrip() for y in range(run.size.height)]
+
+
+def _content_lines(text: str, width: int) -> list[str]:
+    """The oracle: the same text wrapped by Textual's Content, as a Static would show it."""
+    return [line.plain.rstrip() for line in Content(text).wrap(width)]
+
+
+async def test_streamed_answer_draws_like_the_whole_text(build_app):
+    long_answer = greeting() * 12  # many lines, arriving over many batches
+    app = build_app(ScriptedBackend([long_answer], delay=0.001))
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "hi")
+        streamed = app.transcript.answers()[-1]
+        run = streamed.query_one(TokenRun)
+        assert run.size.height > 5
+        expected = _content_lines(run.text, run.size.width)
+        assert _lines(run) == expected
+        # The same answer drawn at once (as a resumed conversation is) gives the same lines.
+        await app.transcript.mount(AssistantMessage(long_answer, message_id=0))
+        await pilot.pause()
+        assert _lines(app.transcript.answers()[-1].query_one(TokenRun)) == expected
+
+
+async def test_resizing_rewraps_the_answer(build_app):
+    app = build_app(ScriptedBackend([greeting() * 6]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "hi")
+        run = app.transcript.answers()[-1].query_one(TokenRun)
+        await pilot.resize_terminal(90, 36)
+        await pilot.pause()
+        assert run.size.width < SIZE[0] - 50
+        assert _lines(run) == _content_lines(run.text, run.size.width)
+
+
+async def test_clicking_a_token_on_a_wrapped_line_selects_it(build_app):
+    app = build_app(ScriptedBackend([greeting() * 6]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "hi")
+        message = app.transcript.answers()[-1]
+        run = message.query_one(TokenRun)
+        second_line = _lines(run)[1]
+        await pilot.click(run, offset=(0, 1))
+        await pilot.pause()
+        # The token under the click is the one whose text starts the second line.
+        event = message.events[message.cursor]
+        assert second_line.startswith(event.text.strip())
+        assert event.text.strip()
+
+
+async def test_control_characters_never_reach_the_terminal(build_app):
+    events = answer("tab\there", " bell\x07 esc\x1b[2J done")
+    app = build_app(ScriptedBackend([events]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "hi")
+        run = app.transcript.answers()[-1].query_one(TokenRun)
+        assert run.text == "tab    here bell esc[2J done⟨end⟩"
+        assert not any(ord(c) < 32 for c in "".join(_lines(run)))
+
+
+async def test_cursor_reverses_only_the_selected_token(build_app):
+    events = [tok("one", position=0), tok(" two", position=1), tok(" three", position=2)]
+    app = build_app(ScriptedBackend([events]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "hi")
+        message = app.transcript.answers()[-1]
+        message.focus()
+        await pilot.press("home", "right")
+        run = message.query_one(TokenRun)
+        reversed_text = "".join(s.text for s in run.render_line(0) if s.style and s.style.reverse)
+        assert reversed_text == " two"
+        await pilot.press("right")
+        reversed_text = "".join(s.text for s in run.render_line(0) if s.style and s.style.reverse)
+        assert reversed_text == " three"
