@@ -13,8 +13,9 @@ from chatapp.errors import ConstraintError, ProgramError
 from chatapp.settings import GenerationSettings, default_model_dir
 from chatapp.ui import make_app
 from chatapp.ui.backend import EngineBackend
+from chatapp.ui.history import HistoryStore
 from chatapp.ui.tokens import message_content
-from tests.ui.conftest import SIZE, FixedClock, send_and_wait
+from tests.ui.conftest import SIZE, FixedClock, send_and_wait, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,55 @@ async def test_tui_shows_exactly_what_the_engine_generates(tiny_model_dir, tmp_p
         assert all(e.router_probs is None or len(e.router_probs) == 2 for e in shown)
         # The session now holds the exchange, so the next turn continues the conversation.
         assert backend._session.messages[-1] == {"role": "assistant", "content": message_content(shown)}
+
+
+async def _resume_latest(pilot) -> None:
+    """Open the history screen and resume the most recent conversation."""
+    app = pilot.app
+    await pilot.press("f4")
+    await wait_until(pilot, lambda: app.screen.query("#conversations"))
+    await pilot.press("enter")
+    await wait_until(pilot, lambda: app.conversation_id is not None and app.transcript.answers())
+
+
+@pytest.mark.asyncio
+async def test_resumed_chat_can_be_regenerated_and_edited_at_once(tiny_model_dir, tmp_path):
+    """Resume from history, then regenerate / edit before sending anything: the session re-prefills the restored
+    conversation, so the answers are exactly what a bare session gives for the same turn."""
+    db = tmp_path / "h.sqlite3"
+    first = make_app(backend=_greedy_backend(tiny_model_dir), db_path=db, clock=FixedClock(), cursor_blink=False)
+    async with first.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "What is 37*45?")
+        original = list(first.transcript.answers()[-1].events)
+
+    app = make_app(backend=_greedy_backend(tiny_model_dir), db_path=db, clock=FixedClock(), cursor_blink=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await _resume_latest(pilot)
+        resumed = app.transcript.answers()[-1]
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: resumed not in app.transcript.answers(), what="the old answer to go")
+        await wait_until(pilot, lambda: not app.is_generating and app.transcript.answers(), what="the regeneration")
+        await pilot.pause()
+        (regenerated,) = app.transcript.answers()
+        assert regenerated.status == "complete"
+        assert regenerated.events == original  # greedy: the same turn gives the same answer
+
+        await pilot.press("ctrl+e")
+        app.query_one("#prompt").text = "Paris"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: not app.is_generating and not app.editing, what="the edited turn")
+        await pilot.pause()
+        edited = app.transcript.answers()[-1]
+        assert edited.status == "complete"
+        assert edited.events == _bare_engine_answer(tiny_model_dir, "Paris")
+    stored = HistoryStore(db).load(1).messages
+    assert [(m.role, m.content) for m in stored] == [("user", "Paris"), ("assistant", message_content(edited.events))]
+
+
+def _greedy_backend(model_dir: Path) -> EngineBackend:
+    backend = EngineBackend.load(model_dir, device="cpu")
+    backend.configure(GREEDY, None)
+    return backend
 
 
 def test_engine_backend_validates_programs_and_constraints(tiny_model_dir, tmp_path):
