@@ -212,7 +212,7 @@ class ChatApp(App[None]):
         answer = AssistantMessage(message_id=message_id)
         self.transcript.add(answer)
         self.generation = Generation(answer, message_id, AnswerStats(num_layers=self.backend.info.num_layers))
-        self.query_one(RoutingHeatmap).set_tokens([])
+        self.query_one(RoutingHeatmap).start(self.backend.settings.max_tokens)
         self.query_one(TokenInspector).show(None)
         self.query_one(StatsPanel).show(self.generation.stats)
         self._worker = self._generate(self.generation, stream)

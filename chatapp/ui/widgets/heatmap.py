@@ -63,6 +63,7 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         # repaint only slices these lists (streaming repaints ~30 times a second).
         self._cells: list[list[Segment]] = [[] for _ in range(self.rows)]
         self.selected: int | None = None
+        self._room = 0  # columns the virtual width keeps for the answer being streamed
         self._gutter = max((len(self._label(r)) for r in range(self.rows)), default=0) + 1
 
     def on_mount(self) -> None:
@@ -91,6 +92,13 @@ class RoutingHeatmap(ScrollView, can_focus=True):
             self.scroll_to_column(selected)
         self.refresh()
 
+    def start(self, expected: int) -> None:
+        """Clear the grid for an answer of up to about `expected` tokens, sized for all of them at once: a new
+        virtual size means a layout of the whole screen, which should not happen every few tokens."""
+        self.set_tokens([])
+        self._room = expected
+        self._set_virtual_width(expected + self._visible_columns)
+
     def extend(self, events: Sequence[TokenEvent]) -> None:
         """Append streamed tokens, following the newest while it is in view.
 
@@ -102,15 +110,16 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         first = len(self.columns)
         self._append(events)
         # Room for a jump ahead of the newest token (the scroll position is clamped to the virtual width).
-        self._set_virtual_width(len(self.columns) + visible)
+        self._set_virtual_width(max(len(self.columns), self._room) + visible)
         if following and len(self.columns) > self.scroll_x + visible:
             self.scroll_to(x=len(self.columns) - visible // 2, animate=False, immediate=True)
         else:
             self._refresh_columns(first, len(self.columns))
 
     def settle(self) -> None:
-        """The answer is complete: drop the room kept for jumps and, if following, end at the newest token."""
+        """The answer is complete: drop the room kept for it and, if following, end at the newest token."""
         following = len(self.columns) <= self.scroll_x + self._visible_columns
+        self._room = 0
         self._set_virtual_width(len(self.columns))
         if following:
             self.scroll_to(x=self._follow_x, animate=False, immediate=True)

@@ -20,6 +20,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.geometry import Region, Size
 from textual.message import Message
+from textual.reactive import Reactive
 from textual.strip import Strip
 from textual.style import Style
 from textual.widget import Widget
@@ -48,6 +49,12 @@ class UserMessage(Static):
         self.border_title = "you"
 
 
+# Textual lays the screen out again whenever a widget's virtual size changes. For a widget that does not scroll, that
+# is just its size, set by the layout pass that has already placed it: the second pass would double the cost of
+# every line a streamed answer gains. (Scrolling containers keep the default.)
+_SIZE_WITHOUT_RELAYOUT: Reactive[Size] = Reactive(Size(0, 0), layout=False)
+
+
 class TokenRun(Widget):
     """A run of an answer's tokens (`start:end` into the answer's events), drawn line by line.
 
@@ -59,6 +66,7 @@ class TokenRun(Widget):
 
     DEFAULT_CSS = "TokenRun { height: auto; }"
     ALLOW_SELECT = False  # tokens are picked by click; ctrl+y copies the answer
+    virtual_size = _SIZE_WITHOUT_RELAYOUT
 
     def __init__(self, answer: AssistantMessage, start: int, end: int, *, classes: str = "") -> None:
         super().__init__(classes=classes)
@@ -229,6 +237,8 @@ class ToolCallBlock(Collapsible):
 
 class AssistantMessage(Vertical, can_focus=True):
     """A streamed answer: its token events, segments and token cursor."""
+
+    virtual_size = _SIZE_WITHOUT_RELAYOUT
 
     BINDINGS = [
         Binding("left", "move(-1)", "Prev token", show=False),
