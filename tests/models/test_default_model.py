@@ -1,0 +1,69 @@
+"""The embedded default model as shipped: loads offline, generates, and uses the calculator on held-out questions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chatapp.engine.engine import Engine
+from chatapp.models import load_model
+from chatapp.models.corpus import Conversation, generate_corpus
+from chatapp.models.evaluate import TaskReport, answer_from_tokens, judge
+from chatapp.settings import GenerationSettings, default_model_dir
+
+GREEDY = GenerationSettings(max_tokens=80)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    loaded = load_model()  # the embedded default: no path, no network (conftest sets HF_HUB_OFFLINE)
+    assert loaded.path == default_model_dir()
+    return Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+
+
+@pytest.fixture(scope="module")
+def heldout() -> list[Conversation]:
+    return generate_corpus(60, "heldout", seed=7)
+
+
+def test_shipped_files_are_small_and_complete() -> None:
+    files = {p.name: p.stat().st_size for p in default_model_dir().iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "MODEL_CARD.md"} <= set(files)
+    assert sum(files.values()) <= 30 * 2**20
+    assert json.loads((default_model_dir() / "config.json").read_text())["routing_trained"] is True
+
+
+def test_calls_the_calculator_for_a_heldout_arithmetic_question(engine: Engine, heldout: list[Conversation]) -> None:
+    conv = next(c for c in heldout if c.kind == "arithmetic" and len(c.messages) == 2)
+    [result] = engine.generate_batch([engine.chat_format.render_for_completion(conv.prompt)], GREEDY)
+    calls = [e for e in result.tool_events if e.kind == "call"]
+    outputs = [e.output for e in result.tool_events if e.kind == "result"]
+    assert calls and outputs == [conv.expected], (conv.question, result.text)
+    assert result.finish_reason == "stop"
+    assert judge(conv, answer_from_tokens(result.tokens, engine.chat_format), TaskReport())
+
+
+def test_uses_the_calculator_for_heldout_tool_questions(engine: Engine, heldout: list[Conversation]) -> None:
+    """A batch of held-out arithmetic and letter-counting questions (unseen numbers, words and phrasings): the model
+    reaches for the calculator. How often its answers are right is measured by `chatapp eval` (see MODEL_CARD.md)."""
+    convs = [c for c in heldout if c.expression is not None][:16]
+    prompts = [engine.chat_format.render_for_completion(c.prompt) for c in convs]
+    results = engine.generate_batch(prompts, GREEDY)
+    called = [any(e.kind == "call" for e in r.tool_events) for r in results]
+    assert sum(called) >= 0.75 * len(convs), [engine.chat_format.decode(r.tokens) for r in results]
+    assert all(r.finish_reason in ("stop", "length") for r in results)
+
+
+def test_routing_skips_tokens_when_generating(engine: Engine) -> None:
+    steps = list(engine.generate(["What is 12*34?"], GREEDY))
+    computed = [event.computed for step in steps for event in step.tokens if event.computed is not None]
+    fraction = sum(sum(c) for c in computed) / sum(len(c) for c in computed)
+    assert 0.1 < fraction < 0.9
+
+
+def test_json_request_gives_the_exact_shape(engine: Engine, heldout: list[Conversation]) -> None:
+    conv = next(c for c in heldout if c.json_answer)
+    [result] = engine.generate_batch([engine.chat_format.render_for_completion(conv.prompt)], GREEDY)
+    value = json.loads(answer_from_tokens(result.tokens, engine.chat_format).full_text)
+    assert list(value) == ["topic", "answer"]
