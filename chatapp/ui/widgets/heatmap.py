@@ -62,6 +62,8 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         # Each row's cells, rendered once when their token arrives: a column never changes afterwards, so a
         # repaint only slices these lists (streaming repaints ~30 times a second).
         self._cells: list[list[Segment]] = [[] for _ in range(self.rows)]
+        self._painted: list[list[Segment]] = []  # `_cells` on the widget's style, made as they are first drawn
+        self._painted_on: Style | None = None  # the widget style `_painted` was made with
         self.selected: int | None = None
         self._room = 0  # columns the virtual width keeps for the answer being streamed
         self._gutter = max((len(self._label(r)) for r in range(self.rows)), default=0) + 1
@@ -83,6 +85,7 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         """Show a whole answer (e.g. a resumed one, or the answer whose token was selected)."""
         self.columns = []
         self._cells = [[] for _ in range(self.rows)]
+        self._painted_on = None
         self._append(events)
         self.selected = selected
         self._set_virtual_width(len(self.columns))
@@ -178,18 +181,27 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         width = self.scrollable_content_region.width
         visible = max(width - self._gutter, 0)
         columns = range(scroll_x, min(scroll_x + visible, len(self.columns)))
-        label_style = Style(dim=True)
+        base = self.rich_style  # the widget's colours under the cells' own
         if row == self.rows:
             ruler = "".join("▲" if i == self.selected else " " for i in columns)
-            segments = [Segment(" " * self._gutter), Segment(ruler, Style(bold=True))]
+            segments = [Segment(" " * self._gutter, base), Segment(ruler, base + Style(bold=True))]
         elif row < self.rows:
-            segments = [Segment(self._label(row).ljust(self._gutter), label_style)]
-            segments.extend(self._cells[row][columns.start : columns.stop])
+            segments = [Segment(self._label(row).ljust(self._gutter), base + Style(dim=True))]
+            segments += self._painted_cells(row, base)[columns.start : columns.stop]
         else:
             segments = []
-        # Segments carry only their own colours; the widget's style underneath supplies the background.
-        base = self.rich_style
-        return Strip(segments).apply_style(base).simplify().extend_cell_length(width, base).crop(0, width)
+        used = self._gutter + len(columns) if row <= self.rows else 0
+        if used < width:
+            segments.append(Segment(" " * (width - used), base))
+        return Strip(segments, max(width, used))
+
+    def _painted_cells(self, row: int, base: Style) -> list[Segment]:
+        """The row's cells on the widget's style, combined once per cell (the grid repaints ~30 times a second)."""
+        if base != self._painted_on:
+            self._painted_on, self._painted = base, [[] for _ in range(self.rows)]
+        painted, cells = self._painted[row], self._cells[row]
+        painted += [Segment(cell.text, base + cell.style) for cell in cells[len(painted) :]]
+        return painted
 
 
 def _cell_segment(column: Column, row: int) -> Segment:

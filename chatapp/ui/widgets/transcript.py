@@ -78,7 +78,7 @@ class TokenRun(Widget):
         self._token_styles: list[RichStyle | None] = []  # each token's rendered style, made when first drawn
         self._strips: dict[int, Strip] = {}  # rendered lines
         self._cursor: int | None = None  # the token (run-relative) drawn reversed
-        self._base: Style | None = None  # the widget style the caches were rendered on (new object = new style)
+        self._base: Style | None = None  # the widget style the caches were rendered on
 
     @property
     def text(self) -> str:
@@ -138,7 +138,7 @@ class TokenRun(Widget):
     def render_line(self, y: int) -> Strip:
         width = self.content_size.width
         self._wrap_at(width)
-        if self.visual_style is not self._base:  # a new theme, or CSS that changed this widget's colours
+        if self.visual_style != self._base:  # a new theme, or CSS that changed this widget's colours
             self._base = self.visual_style
             self._token_styles = [None] * len(self._token_styles)
             self._strips.clear()
