@@ -39,20 +39,22 @@ _STATUS_TEXT = {
 }
 
 
+# Textual lays the screen out again whenever a widget's virtual size changes. For a widget that does not scroll, that
+# is just its size, set by the layout pass that has already placed it: the second pass would double the cost of
+# every message mounted and every line a streamed answer gains. (Scrolling containers keep the default.)
+_SIZE_WITHOUT_RELAYOUT: Reactive[Size] = Reactive(Size(0, 0), layout=False)
+
+
 class UserMessage(Static):
     """A message the user sent."""
+
+    virtual_size = _SIZE_WITHOUT_RELAYOUT
 
     def __init__(self, text: str, *, message_id: int) -> None:
         super().__init__(Content(text))
         self.text = text
         self.message_id = message_id  # its row in the history database
         self.border_title = "you"
-
-
-# Textual lays the screen out again whenever a widget's virtual size changes. For a widget that does not scroll, that
-# is just its size, set by the layout pass that has already placed it: the second pass would double the cost of
-# every line a streamed answer gains. (Scrolling containers keep the default.)
-_SIZE_WITHOUT_RELAYOUT: Reactive[Size] = Reactive(Size(0, 0), layout=False)
 
 
 class TokenRun(Widget):
@@ -205,23 +207,31 @@ def _shown(event: TokenEvent) -> str:
 class ToolCallBlock(Collapsible):
     """One tool call: the title says expression and result; expanded it shows the call's own tokens."""
 
+    virtual_size = _SIZE_WITHOUT_RELAYOUT
+
     def __init__(self, answer: AssistantMessage, segment: TokenSegment) -> None:
         self._segment = segment
         self._run = TokenRun(answer, segment.start, segment.end, classes="tool-tokens")
         self._outcome = Static(classes="tool-outcome")
+        self._shown_outcome: Content | None = None
         super().__init__(self._run, self._outcome, title=self._describe(), collapsed=True, classes="tool-call")
 
     def refresh_segment(self) -> None:
+        """Take in the segment's new tokens; the title and outcome line change only when the call's state does
+        (a new outcome text costs a layout pass)."""
         self._run.start, self._run.end = self._segment.start, self._segment.end
         self._run.refresh_tokens()
         self.title = self._describe()
         outcome = self._segment.outcome
         if outcome is None:
-            self._outcome.update(Content("running…" if self._segment.call else ""))
+            shown = Content("running…" if self._segment.call else "")
         elif outcome.kind == "refusal":
-            self._outcome.update(Content.assemble(("refused: ", "bold $error"), outcome.output or ""))
+            shown = Content.assemble(("refused: ", "bold $error"), outcome.output or "")
         else:
-            self._outcome.update(Content.assemble(("result: ", "bold $success"), outcome.output or ""))
+            shown = Content.assemble(("result: ", "bold $success"), outcome.output or "")
+        if self._shown_outcome is None or not shown.is_same(self._shown_outcome):
+            self._shown_outcome = shown
+            self._outcome.update(shown)
         self.set_class(outcome is not None and outcome.kind == "refusal", "-refused")
 
     def _describe(self) -> str:
@@ -257,7 +267,8 @@ class AssistantMessage(Vertical, can_focus=True):
             self.event = event
 
     def __init__(self, events: Sequence[TokenEvent] = (), *, message_id: int, status: str = "streaming") -> None:
-        super().__init__()
+        # Born in its state: a class or text changed after mounting costs another style or layout pass.
+        super().__init__(classes="-streaming" if status == "streaming" else "")
         self.message_id = message_id  # its row in the history database
         self.border_title = "assistant"
         self.events: list[TokenEvent] = []
@@ -265,7 +276,9 @@ class AssistantMessage(Vertical, can_focus=True):
         self.status = status
         self._segmenter = Segmenter()
         self._views: dict[int, TokenRun | ToolCallBlock] = {}
+        self._status_text = ""
         self._status_line = Static(classes="status")
+        self._status_line.display = False
         self._initial = list(events)
 
     def compose(self):
@@ -296,8 +309,10 @@ class AssistantMessage(Vertical, can_focus=True):
         text = _STATUS_TEXT.get(status, status)
         if detail:
             text = f"{text}: {detail}" if text else detail
-        self._status_line.update(Content(text))
-        self._status_line.display = bool(text)
+        if text != self._status_text:
+            self._status_text = text
+            self._status_line.update(Content(text))
+            self._status_line.display = bool(text)
         self.set_class(status == "streaming", "-streaming")
 
     @property
