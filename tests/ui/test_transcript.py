@@ -88,3 +88,21 @@ async def test_cursor_reverses_only_the_selected_token(build_app):
         await pilot.press("right")
         reversed_text = "".join(s.text for s in run.render_line(0) if s.style and s.style.reverse)
         assert reversed_text == " three"
+
+
+async def test_a_new_theme_recolours_the_drawn_tokens(build_app):
+    events = [tok("sampled", position=0), tok(" forced", forced=True, position=1)]
+    app = build_app(ScriptedBackend([events]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "hi")
+        run = app.transcript.answers()[-1].query_one(TokenRun)
+
+        def forced_colour() -> str:
+            (segment,) = [s for s in run.render_line(0) if s.text == " forced"]
+            return segment.style.color.triplet.hex
+
+        before = forced_colour()
+        app.theme = "gruvbox" if app.theme != "gruvbox" else "nord"
+        await pilot.pause()
+        assert forced_colour() != before
+        assert forced_colour() == app.theme_variables["accent"].lower()

@@ -80,7 +80,8 @@ class TokenRun(Widget):
         self._token_styles: list[RichStyle | None] = []  # each token's rendered style, made when first drawn
         self._strips: dict[int, Strip] = {}  # rendered lines
         self._cursor: int | None = None  # the token (run-relative) drawn reversed
-        self._base: Style | None = None  # the widget style the caches were rendered on
+        self._base: tuple[Style, str] | None = None  # the widget style and theme the caches were rendered with
+        self._kind_styles: dict[tuple[bool, bool], Style] = {}  # (special, forced) -> style, theme resolved
 
     @property
     def text(self) -> str:
@@ -140,12 +141,14 @@ class TokenRun(Widget):
     def render_line(self, y: int) -> Strip:
         width = self.content_size.width
         self._wrap_at(width)
-        if self.visual_style != self._base:  # a new theme, or CSS that changed this widget's colours
-            self._base = self.visual_style
+        base = (self.visual_style, self.app.theme)
+        if base != self._base:  # a new theme, or CSS that changed this widget's colours
+            self._base = base
             self._token_styles = [None] * len(self._token_styles)
+            self._kind_styles.clear()  # theme variables ($accent) may have changed with it
             self._strips.clear()
         if y >= len(self._wrapped.lines):
-            return Strip.blank(width, self._base.rich_style)
+            return Strip.blank(width, self.visual_style.rich_style)
         strip = self._strips.get(y)
         if strip is None:
             strip = self._strips[y] = self._render_text_line(y)
@@ -177,8 +180,11 @@ class TokenRun(Widget):
         return style
 
     def _kind_style(self, special: bool, forced: bool) -> Style:
-        spec = _KIND_STYLES[special, forced]
-        return self.app.stylesheet.parse_style(spec) if spec else Style()
+        style = self._kind_styles.get((special, forced))
+        if style is None:
+            spec = _KIND_STYLES[special, forced]
+            style = self._kind_styles[special, forced] = self.app.stylesheet.parse_style(spec) if spec else Style()
+        return style
 
     def on_click(self, event: events.Click) -> None:
         index = event.style.meta.get("token")
