@@ -77,8 +77,9 @@ class KVCache:
         return self.lengths[layer]
 
     # ----------------------------------------------------------------------------------------------- bookkeeping
-    def reserve(self, lengths: torch.Tensor, width: int) -> int:
-        """Check that every row can take `lengths[b]` more tokens and return the key-slice length to attend over.
+    def reserve(self, lengths: torch.Tensor | int, width: int) -> int:
+        """Check that every row can take `lengths[b]` more tokens (or `lengths` more, given one int) and return
+        the key-slice length to attend over.
 
         Raises ContextOverflowError naming the overflow. Only reads the device when the host bound cannot rule an
         overflow out.

@@ -45,6 +45,14 @@ def routed_causal_mask(key_selected: torch.Tensor) -> torch.Tensor:
     return mask | (causal & ~key_selected[:, :, None])
 
 
+def rms_norm(norm: Qwen2RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` in one fused op where that is bit-identical (float32: transformers upcasts to float32 anyway and
+    multiplies the same factors), transformers' own module otherwise."""
+    if x.dtype != torch.float32:
+        return norm(x)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
 class Attention(nn.Module):
     """Qwen2 grouped-query attention (biased q/k/v, unbiased o) that stores K/V through a `KVSink`."""
 

@@ -23,6 +23,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, Qwen2RotaryEm
 
 from chatapp.stt.cache import KVCache
 from chatapp.stt.config import STTConfig
+from chatapp.stt.decode import decode_step
 from chatapp.stt.layers import DecoderBlock, STTLayer
 from chatapp.stt.teacher import EvalMode, EvalOutput, TrainOutput, forward_eval, forward_train
 
@@ -168,9 +169,14 @@ class STTForCausalLM(nn.Module):
     def decode(
         self, ids: torch.Tensor, cache: KVCache, *, routing: Routing = "student", threshold: float | None = None
     ) -> ExtendOutput:
-        """One new token per row (`ids` is (B,)): `extend` with T = 1. Outputs have T = 1."""
-        ones = torch.ones(ids.shape[0], dtype=torch.long, device=self.device)
-        return self.extend(ids[:, None], ones, cache, routing=routing, threshold=threshold)
+        """One new token per row (`ids` is (B,)): `extend` with T = 1, outputs with T = 1, computed by the
+        dispatch-lean path of `chatapp.stt.decode`."""
+        if routing not in ("student", "off"):
+            raise ValueError(f"routing must be 'student' or 'off', got {routing!r}")
+        student = routing == "student" and self.routing_active
+        cutoff = self.config.router_threshold if threshold is None else threshold
+        logits, probs, selected = decode_step(self, ids, cache, student, cutoff)
+        return ExtendOutput(logits=logits, router_probs=probs, selected=selected)
 
     def _router_probs(
         self, layer: STTLayer, hidden: torch.Tensor, lengths: torch.Tensor, cache: KVCache, stt_slot: int

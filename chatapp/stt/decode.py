@@ -1,0 +1,257 @@
+"""The decode fast path: one new token per row, over the sparse KV cache, in as few torch ops as possible.
+
+At decode shapes (a handful of rows, one token each) a step is dispatch-bound: on a CPU every torch op costs a
+few microseconds whatever its size, and the matrix products are the only ops that do real work. So this path
+does the general `extend`'s maths with the bookkeeping hoisted out of the layers:
+
+- Everything the layers share is built once per step (`StepState`): rotary cos/sin looked up in a table, the
+  row index, and the attention masks of every layer at once. In decode a row's live cache entries all precede
+  the new token, so "key slot < the layer's length after the write" is the whole mask, no positions needed.
+- Per layer, K/V are written with one indexed store each, rotary runs over Q and K together, and activations
+  stay 2-D (B, D), so every projection is a single matrix product. (Concatenating the Q/K/V weights into one
+  product saved ~4 us a layer at these shapes, about what checking that a cached copy is still current costs,
+  so the projections stay the Qwen2 parameters themselves.)
+- The cache's entry positions and per-layer lengths are written once per step for all layers.
+- Routing off runs no host sync. Student routing on a CPU reads each STT layer's decisions (one small host read
+  per STT layer) and runs the block only for the selected rows; on CUDA it computes every row and discards
+  unselected outputs, like `extend`.
+
+The results equal `extend` with T = 1 (tests/stt/test_fast_paths.py checks it against `extend` and against
+transformers' Qwen2 at tight tolerance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from chatapp.stt.cache import KVCache
+from chatapp.stt.layers import DecoderBlock, STTLayer, rms_norm
+
+
+@dataclass
+class StepState:
+    """Per-step tensors every layer shares (B rows, keys sliced to `span` slots)."""
+
+    cos: torch.Tensor  # (B, 1, Dh) rotary cos at each row's position, broadcast over heads
+    sin: torch.Tensor  # (B, 1, Dh) rotary sin with rotate_half's sign folded in (see `rotate`)
+    rows: torch.Tensor  # (B,) arange: the cache row of every batch row
+    visible: torch.Tensor  # (L, B, 1, 1, span) bool: key slot < that layer's length once this token is written
+    bias: torch.Tensor  # `visible` as an additive mask (0 / -inf), converted once rather than by every attention
+    grown: torch.Tensor  # (L, B) every layer's length with this token written
+    span: int
+
+
+@dataclass
+class LayerWrite:
+    """Where one layer stored the step's token: per row its slot (`max_len`, the trash slot, when the layer
+    skipped the row) and the layer's length after the step."""
+
+    slots: torch.Tensor  # (B,)
+    lengths: torch.Tensor  # (B,)
+
+
+def rope_tables(model, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary (cos, signed sin) tables of at least `needed` positions, shaped (P, 1, Dh), cached on the model.
+
+    Built by the model's own rotary module, so a lookup equals what it computes for that position. The table
+    doubles when it runs short and is rebuilt when the rotary buffer moves (device) or the dtype changes.
+    """
+    rotary = model.model.rotary_emb
+    cached = getattr(model, "_rope_tables", None)
+    key = (rotary.inv_freq.device, dtype)
+    if cached is not None and cached[0] == key and cached[1].shape[0] >= needed:
+        return cached[1], cached[2]
+    size = max(256, 1 << (max(needed, 1) - 1).bit_length())
+    positions = torch.arange(size, device=rotary.inv_freq.device)[None]
+    probe = torch.empty(0, device=rotary.inv_freq.device, dtype=dtype)
+    cos, sin = rotary(probe, positions)
+    half = cos.shape[-1] // 2
+    # rotate_half(x) * sin == roll(x, half) * signed_sin with signed_sin = [-sin[:half], sin[half:]].
+    signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+    model._rope_tables = (key, cos[0, :, None], signed[:, None])
+    return model._rope_tables[1], model._rope_tables[2]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin` with the half swap done by one roll (same products)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def step_state(model, cache: KVCache, span: int) -> StepState:
+    """The tensors every layer of this step shares (see `StepState`)."""
+    rotary = model.model.rotary_emb
+    device = cache.device
+    if rotary.rope_type == "default":
+        cos_table, sin_table = rope_tables(model, span, model.dtype)
+        cos, sin = cos_table[cache.seen], sin_table[cache.seen]
+    else:  # scaled rotary variants may depend on the sequence length: ask the module every step
+        probe = torch.empty(0, device=device, dtype=model.dtype)
+        cos, sin = rotary(probe, cache.seen[:, None])
+        half = cos.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    grown = cache.lengths + 1
+    slot_ids = torch.arange(span, device=device)
+    visible = (slot_ids < grown[..., None])[:, :, None, None, :]
+    bias = torch.zeros(visible.shape, device=device, dtype=model.dtype).masked_fill_(~visible, float("-inf"))
+    rows = torch.arange(cache.batch_size, device=device)
+    return StepState(cos=cos, sin=sin, rows=rows, visible=visible, bias=bias, grown=grown, span=span)
+
+
+def attention(
+    block: DecoderBlock,
+    x: torch.Tensor,
+    state: StepState,
+    cache: KVCache,
+    index: int,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """Self-attention of the (B', D) queries `x` of cache rows `rows`, storing their K/V at `slots`."""
+    attn = block.self_attn
+    heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    batch = x.shape[0]
+    # Rotary runs once over Q and K side by side (B', H + H_kv, Dh).
+    qk = torch.cat((attn.q_proj(x), attn.k_proj(x)), dim=1).view(batch, heads + kv_heads, head_dim)
+    qk = rotate(qk, cos, sin)
+    keys, values = cache.keys[index], cache.values[index]
+    keys.index_put_((rows, slots), qk[:, heads:])
+    values.index_put_((rows, slots), attn.v_proj(x).view(batch, kv_heads, head_dim))
+    if rows is not state.rows:
+        keys, values = keys[rows], values[rows]
+    out = F.scaled_dot_product_attention(
+        qk[:, :heads, None],
+        keys[:, : state.span].transpose(1, 2),
+        values[:, : state.span].transpose(1, 2),
+        attn_mask=mask,
+        enable_gqa=heads != kv_heads,
+    )
+    return attn.o_proj(out.reshape(batch, heads * head_dim))
+
+
+def block_step(
+    block: DecoderBlock,
+    x: torch.Tensor,
+    state: StepState,
+    cache: KVCache,
+    index: int,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """A decoder block (attention and SwiGLU MLP, pre-norm, residuals) on (B', D) rows."""
+    h = x + attention(block, rms_norm(block.input_layernorm, x), state, cache, index, rows, slots, mask, cos, sin)
+    y = rms_norm(block.post_attention_layernorm, h)
+    mlp = block.mlp
+    return h + mlp.down_proj(F.silu(mlp.gate_proj(y)) * mlp.up_proj(y))
+
+
+def router_probs(layer: STTLayer, x: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """The causal router's probabilities (B,) from this token's and the previous token's layer inputs."""
+    router = layer.causal_router
+    if router is None:
+        return torch.ones(x.shape[0], device=x.device)
+    features = torch.cat((rms_norm(router.norm_current, x), rms_norm(router.norm_previous, previous)), dim=-1)
+    hidden = F.silu(torch.addmm(router.up.bias, features, router.up.weight.t()))
+    return torch.sigmoid(torch.addmm(router.out.bias, hidden, router.out.weight.t()).float()).squeeze(1)
+
+
+def dense_layer(block: DecoderBlock, x: torch.Tensor, state: StepState, cache: KVCache, index: int):
+    """A layer that stores and computes every row's token: returns (output, LayerWrite)."""
+    slots = cache.lengths[index]
+    out = block_step(block, x, state, cache, index, state.rows, slots, state.bias[index], state.cos, state.sin)
+    return out, LayerWrite(slots, state.grown[index])
+
+
+def routed_layer(
+    layer: STTLayer, x: torch.Tensor, selected: torch.Tensor, state: StepState, cache: KVCache, index: int
+):
+    """An STT layer under student routing: only `selected` (B,) rows run the block and store their token."""
+    lengths = cache.lengths[index]
+    slots = torch.where(selected, lengths, cache.max_len)
+    write = LayerWrite(slots, lengths + selected)
+    if x.device.type == "cuda":
+        # No host sync: every row is computed, unselected rows write to the trash slot and see every key (their
+        # discarded output stays finite).
+        mask = state.visible[index] | ~selected[:, None, None, None]
+        out = block_step(layer, x, state, cache, index, state.rows, slots, mask, state.cos, state.sin)
+        return torch.where(selected[:, None], out, x), write
+    picked = selected.nonzero().squeeze(1)  # the host read: on a CPU it is free, and a skipped row costs nothing
+    if picked.numel() == 0:
+        return x, write
+    if picked.numel() == x.shape[0]:
+        return dense_layer(layer, x, state, cache, index)
+    out = block_step(
+        layer,
+        x.index_select(0, picked),
+        state,
+        cache,
+        index,
+        picked,
+        lengths.index_select(0, picked),
+        state.visible[index].index_select(0, picked),
+        state.cos.index_select(0, picked),
+        state.sin.index_select(0, picked),
+    )
+    return x.index_copy(0, picked, out), write
+
+
+def decode_step(
+    model, ids: torch.Tensor, cache: KVCache, student: bool, cutoff: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token per row (`ids` (B,)): returns (logits (B, V), router_probs (L_stt, B, 1), selected (L_stt, B, 1)).
+
+    `student` applies the causal routers with threshold `cutoff`; otherwise every layer runs every row.
+    """
+    span = max(cache.reserve(1, 1), 1)
+    state = step_state(model, cache, span)
+    x = model.model.embed_tokens(ids)
+    writes: list[LayerWrite] = []
+    probs, chosen = [], []
+    stt_slot = 0
+    for index, layer in enumerate(model.model.layers):
+        if not isinstance(layer, STTLayer):
+            x, write = dense_layer(layer, x, state, cache, index)
+        else:
+            stored = cache.prev_hidden[stt_slot]
+            prob = router_probs(layer, x, stored.to(x.dtype))
+            stored.copy_(x)  # this token is the next token's x_{t-1}
+            if student:
+                selected = prob >= cutoff
+                x, write = routed_layer(layer, x, selected, state, cache, index)
+                chosen.append(selected)
+            else:
+                x, write = dense_layer(layer, x, state, cache, index)
+            probs.append(prob)
+            stt_slot += 1
+        writes.append(write)
+    commit(cache, writes, state, every_row=not (student and chosen))
+    logits = model.lm_head(rms_norm(model.model.norm, x))
+    batch, device = ids.shape[0], ids.device
+    router = torch.stack(probs)[..., None] if probs else torch.zeros(0, batch, 1, device=device)
+    if chosen:
+        selected = torch.stack(chosen)[..., None]
+    else:
+        selected = torch.ones(len(probs), batch, 1, dtype=torch.bool, device=device)
+    return logits, router, selected
+
+
+def commit(cache: KVCache, writes: list[LayerWrite], state: StepState, every_row: bool) -> None:
+    """Record the step in the cache: every layer's entry positions and lengths (one op each when every layer
+    stored every row), and each row's token count."""
+    if every_row:
+        slots, lengths = cache.lengths, state.grown
+    else:
+        slots = torch.stack([w.slots for w in writes])
+        lengths = torch.stack([w.lengths for w in writes])
+    position = cache.seen.to(torch.int32)[None, :, None].expand(len(writes), -1, 1)
+    cache.positions.scatter_(2, slots[..., None], position)
+    cache.lengths.copy_(lengths)
+    cache.seen += 1
