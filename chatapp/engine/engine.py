@@ -29,7 +29,7 @@ one-per-step path by construction: forced tokens are never sampled, and each for
 draw counter, so the row's later random draws are unchanged (tests compare both paths). When it pays off depends
 on the hardware: the other rows of a ragged call are padded to the run's width, which is nearly free on a GPU
 (decode is memory-bound) but is wasted compute on a CPU. Measured on CPU (benchmarks/engine_vs_transformers.py):
-1.3-1.5x faster with one row, 0.85-1.0x with eight. So the default policy `fast_forward="auto"` fast-forwards when the
+1.3-1.5x faster with one row, 0.8-1.0x with eight. So the default policy `fast_forward="auto"` fast-forwards when the
 device batch has a single active row or runs on CUDA, and otherwise feeds forced tokens one per step (still
 never sampled); `"always"` fast-forwards whenever the row's settings allow it.
 
