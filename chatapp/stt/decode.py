@@ -16,8 +16,8 @@ does the general `extend`'s maths with the bookkeeping hoisted out of the layers
   per STT layer) and runs the block only for the selected rows; on CUDA it computes every row and discards
   unselected outputs, like `extend`.
 
-The results equal `extend` with T = 1 (tests/stt/test_fast_paths.py checks it against `extend` and against
-transformers' Qwen2 at tight tolerance).
+The results equal `extend` with T = 1: tests/stt/test_fast_paths.py compares the two step by step (logits, router
+outputs, cache contents), and tests/stt/test_inference.py compares routing-off decode with transformers' Qwen2.
 """
 
 from __future__ import annotations
