@@ -3,7 +3,7 @@
 The app owns no model: it drives a `ChatBackend` and consumes `Step` events. Generation runs in a thread worker
 that hands batches to the UI (see `streaming`); every batch is saved to the history database before it is drawn,
 so whatever was on screen survives a crash. Widgets each own one thing and talk through messages: the transcript
-posts `TokenSelected`, the input posts `Submitted`, the worker posts `StepsArrived` / `GenerationEnded`.
+posts `TokenSelected`, the input posts `Submitted`, the worker posts `GenerationEnded`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from chatapp.ui.screens.history import HistoryScreen, ResumeChoice
 from chatapp.ui.screens.program import ProgramChoice, ProgramScreen
 from chatapp.ui.screens.settings import SettingsChoice, SettingsScreen
 from chatapp.ui.stats import AnswerStats
-from chatapp.ui.streaming import Generation, GenerationEnded, Outcome, StepChannel, StepsArrived
+from chatapp.ui.streaming import BATCH_INTERVAL, Generation, GenerationEnded, Outcome
 from chatapp.ui.tokens import message_content, plain_text
 from chatapp.ui.widgets.heatmap import RoutingHeatmap
 from chatapp.ui.widgets.panels import StatsPanel, TokenInspector, ZonePills
@@ -215,19 +215,20 @@ class ChatApp(App[None]):
         self.query_one(RoutingHeatmap).start(self.backend.settings.max_tokens)
         self.query_one(TokenInspector).show(None)
         self.query_one(StatsPanel).show(self.generation.stats)
-        self._worker = self._generate(self.generation, stream)
+        generation = self.generation
+        generation.ticker = self.set_interval(BATCH_INTERVAL, lambda: self._take_batch(generation))
+        self._worker = self._generate(generation, stream)
 
     @work(thread=True, exclusive=True, group="generation", exit_on_error=True)
     def _generate(self, generation: Generation, stream: StepStream) -> None:
-        """Iterate the backend's stream in this thread, posting batches; stop as soon as the worker is cancelled."""
+        """Iterate the backend's stream in this thread into the answer's channel; stop as soon as the worker is
+        cancelled."""
         worker = get_current_worker()
-        channel = StepChannel()
         outcome: Outcome = "complete"
         error: str | None = None
         try:
             for step in stream:
-                if channel.put(step):
-                    self.post_message(StepsArrived(generation, channel))
+                generation.channel.put(step)
                 if worker.is_cancelled:
                     outcome = "interrupted"
                     self.backend.cancel(stream)
@@ -236,16 +237,19 @@ class ChatApp(App[None]):
             outcome, error = "error", str(err)
         finally:
             stream.close()  # a no-op once exhausted; frees the engine's batch otherwise
-            self.post_message(GenerationEnded(generation, channel, outcome, error))
+            self.post_message(GenerationEnded(generation, outcome, error))
 
-    @on(StepsArrived)
-    def _on_steps(self, message: StepsArrived) -> None:
-        self._apply(message.generation, message.channel.take())
+    def _take_batch(self, generation: Generation) -> None:
+        """Timer tick: draw whatever the worker has produced since the last tick."""
+        if steps := generation.channel.take():
+            self._apply(generation, steps)
 
     @on(GenerationEnded)
     def _on_generation_ended(self, message: GenerationEnded) -> None:
         generation = message.generation
-        events = self._apply(generation, message.channel.take(), final=True)
+        if generation.ticker is not None:
+            generation.ticker.stop()
+        events = self._apply(generation, generation.channel.take(), final=True)
         last = events[-1] if events else None
         outcome, detail = message.outcome, message.error
         answer = generation.answer

@@ -75,6 +75,23 @@ async def test_tokens_arrive_in_batches_not_per_token(build_app):
         assert len(batches) < len(long_answer) / 2
 
 
+async def test_tokens_before_a_stall_are_shown_during_it(build_app):
+    """The generator produces 20 tokens at once, then stalls (a slow tool, a long prefill): the 20 are on screen
+    within a few frames, not when the next token comes."""
+    backend = ScriptedBackend([greeting() * 4])
+    backend.hold_after = 20
+    app = build_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await submit(pilot, "hi")
+        await wait_until(pilot, backend.held.is_set)
+        started = time.monotonic()
+        await wait_until(pilot, lambda: len(app.transcript.answers()[-1].events) == 20, timeout=2, what="20 tokens")
+        assert time.monotonic() - started < 1
+        backend.release.set()
+        await wait_until(pilot, lambda: not app.is_generating)
+        assert app.transcript.answers()[-1].events == greeting() * 4
+
+
 async def test_escape_cancels_and_keeps_the_partial_answer(build_app, tmp_path):
     backend = ScriptedBackend([greeting()])
     backend.hold_after = 3

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from textual.content import Content
 
-from chatapp.ui.widgets.transcript import AssistantMessage, TokenRun
-from tests.ui.conftest import SIZE, send_and_wait
+from chatapp.ui.widgets.transcript import GROWTH, AssistantMessage, TokenRun
+from tests.ui.conftest import SIZE, send_and_wait, submit, wait_until
 from tests.ui.scripted import ScriptedBackend, answer, greeting, tok
 
 pytestmark = pytest.mark.asyncio
@@ -33,7 +33,7 @@ async def test_streamed_answer_draws_like_the_whole_text(build_app):
         expected = _content_lines(run.text, run.size.width)
         assert _lines(run) == expected
         # The same answer drawn at once (as a resumed conversation is) gives the same lines.
-        await app.transcript.mount(AssistantMessage(long_answer, message_id=0))
+        await app.transcript.mount(AssistantMessage(long_answer, message_id=0, status="complete"))
         await pilot.pause()
         assert _lines(app.transcript.answers()[-1].query_one(TokenRun)) == expected
 
@@ -106,3 +106,22 @@ async def test_a_new_theme_recolours_the_drawn_tokens(build_app):
         await pilot.pause()
         assert forced_colour() != before
         assert forced_colour() == app.theme_variables["accent"].lower()
+
+
+async def test_a_streaming_answer_grows_in_steps_and_fits_when_done(build_app):
+    backend = ScriptedBackend([greeting() * 8])
+    backend.hold_after = 60  # several lines in, still streaming
+    app = build_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await submit(pilot, "hi")
+        await wait_until(pilot, backend.held.is_set)
+        answer = app.transcript.answers()[-1]
+        await wait_until(pilot, lambda: len(answer.events) == 60 and answer.query(TokenRun), what="60 tokens shown")
+        run = answer.query_one(TokenRun)
+        await pilot.pause()  # nothing more arrives while the stream is held: let the last batch's layout happen
+        text_lines = len(_content_lines(run.text, run.size.width))
+        assert run.size.height % GROWTH == 0 and text_lines <= run.size.height < text_lines + GROWTH
+        backend.release.set()
+        await wait_until(pilot, lambda: not app.is_generating)
+        await pilot.pause()
+        assert run.size.height == len(_content_lines(run.text, run.size.width))

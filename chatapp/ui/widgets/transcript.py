@@ -57,6 +57,9 @@ class UserMessage(Static):
         self.border_title = "you"
 
 
+GROWTH = 3  # lines a streaming run's height grows by at a time
+
+
 class TokenRun(Widget):
     """A run of an answer's tokens (`start:end` into the answer's events), drawn line by line.
 
@@ -70,8 +73,11 @@ class TokenRun(Widget):
     ALLOW_SELECT = False  # tokens are picked by click; ctrl+y copies the answer
     virtual_size = _SIZE_WITHOUT_RELAYOUT
 
-    def __init__(self, answer: AssistantMessage, start: int, end: int, *, classes: str = "") -> None:
+    def __init__(
+        self, answer: AssistantMessage, start: int, end: int, *, classes: str = "", growing: bool = False
+    ) -> None:
         super().__init__(classes=classes)
+        self.growing = growing  # streaming: the height grows in steps (see `_height`)
         self._answer = answer
         self.start = start
         self.end = end
@@ -92,7 +98,7 @@ class TokenRun(Widget):
         """Take in tokens added to the run and the answer's cursor; redraw the lines that changed."""
         events = self._answer.events
         wrapped = self._wrapped
-        line_count = len(wrapped.lines)
+        height = self._height()
         changed: set[int] = set()
         pieces: list[str] = []
         length = len(wrapped.text)
@@ -115,7 +121,7 @@ class TokenRun(Widget):
             self._cursor = cursor
         for line in changed:
             self._strips.pop(line, None)
-        if len(wrapped.lines) != line_count or wrapped.width is None:
+        if self._height() != height or wrapped.width is None:
             self.refresh(layout=True)
         elif changed:
             top = min(changed)
@@ -131,7 +137,19 @@ class TokenRun(Widget):
     # --- rendering ------------------------------------------------------------------------------------------------
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         self._wrap_at(width)
-        return len(self._wrapped.lines)
+        return self._height()
+
+    def _height(self) -> int:
+        """Lines of text; while streaming, rounded up to whole steps of `GROWTH` lines: each time the run grows,
+        the screen is laid out and the transcript scrolls and repaints, so it grows a few lines at a time."""
+        lines = len(self._wrapped.lines)
+        return -(-lines // GROWTH) * GROWTH if self.growing else lines
+
+    def stop_growing(self) -> None:
+        """The answer is finished: fit the text exactly."""
+        if self.growing:
+            self.growing = False
+            self.refresh(layout=True)
 
     def _wrap_at(self, width: int) -> None:
         if width != self._wrapped.width:
@@ -301,7 +319,10 @@ class AssistantMessage(Vertical, can_focus=True):
         for segment in self._segmenter.feed(new_events):
             view = self._views.get(segment.start)
             if view is None:
-                view = ToolCallBlock(self, segment) if segment.kind == "tool" else TokenRun(self, segment.start, 0)
+                if segment.kind == "tool":
+                    view = ToolCallBlock(self, segment)
+                else:
+                    view = TokenRun(self, segment.start, 0, growing=self.status == "streaming")
                 self._views[segment.start] = view
                 self.mount(view, before=self._status_line)
             if isinstance(view, ToolCallBlock):
@@ -320,6 +341,10 @@ class AssistantMessage(Vertical, can_focus=True):
             self._status_line.update(Content(text))
             self._status_line.display = bool(text)
         self.set_class(status == "streaming", "-streaming")
+        if status != "streaming":
+            for run in self._views.values():
+                if isinstance(run, TokenRun):
+                    run.stop_growing()
 
     @property
     def segments(self) -> list[TokenSegment]:
