@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from chatapp.tools.calculator import evaluate
@@ -46,6 +47,8 @@ class Conversation:
     expression: str | None = None
     json_answer: bool = False
     think: bool = False
+    # Other replies that are just as right (small talk picks one of several replies at random).
+    alternatives: tuple[str, ...] = ()
 
     @property
     def question(self) -> str:
@@ -63,8 +66,12 @@ class Conversation:
 
 
 def _heldout_number(n: int) -> bool:
-    """Operands with this property appear only in held-out questions (about one in five numbers)."""
-    return n % 5 == 3
+    """Operands with this property appear only in held-out questions (about one in five numbers).
+
+    A hash, not a residue: `n % 5 == 3` would make every held-out operand end in 3 or 8, digits training operands
+    would then never end in, which tests an unseen final digit rather than unseen numbers.
+    """
+    return zlib.crc32(str(n).encode()) % 5 == 0
 
 
 def _split_list(items: Sequence[str], split: Split, every: int = 4) -> list[str]:
@@ -646,9 +653,7 @@ class _Generator:
             ]
         if not prefix:
             return conv
-        return Conversation(
-            conv.kind, prefix + conv.messages, conv.expected, conv.expression, conv.json_answer, conv.think
-        )
+        return replace(conv, messages=prefix + conv.messages)
 
     def _request(self, think: bool, json_answer_: bool) -> str | None:
         if think:
@@ -777,6 +782,7 @@ class _Generator:
             expected=expected,
             json_answer=json_answer_,
             think=think,
+            alternatives=() if json_answer_ else tuple(replies),
         )
 
 

@@ -7,7 +7,8 @@ student routing unless told otherwise), then judged from the tokens:
   states the correct number (as a whole number, not a digit run inside a longer one);
 - JSON: the answer (thinking, if any, removed) parses as exactly `{"topic": str, "answer": str}`; `json_exact`
   additionally requires the reference answer's text;
-- facts / small talk: the reference answer's key value appears in the reply.
+- facts / small talk: the reference answer's key value (or, for small talk, any of the intent's replies) appears in
+  the reply.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def judge(conv: Conversation, answer: Answer, report: TaskReport) -> bool:
         report.json_valid.add(ok)
         report.json_exact.add(reply == conv.expected)
         return ok
-    ok = conv.expected in reply
+    ok = any(answer in reply for answer in (conv.expected, *conv.alternatives))
     (report.facts if conv.kind == "fact" else report.smalltalk).add(ok)
     return ok
 

@@ -115,3 +115,12 @@ def test_evaluate_tasks_batches_and_counts(heldout: list[Conversation], chat: Ch
     assert total == 90 and correct == sum(1 for i in range(90) if (i % 32) % 3)
     assert len(report.failures) == 5
     assert json.dumps(report.as_dict())
+
+
+def test_small_talk_accepts_any_reply_of_the_intent(heldout: list[Conversation], chat: ChatFormat) -> None:
+    conv = next(c for c in heldout if c.kind == "smalltalk" and not c.json_answer and not c.think)
+    other = next(reply for reply in conv.alternatives if reply != conv.expected)
+    messages = [*conv.prompt, {"role": "assistant", "content": other}]
+    assert judge(conv, answer_from_tokens(reply_tokens(chat, messages), chat), TaskReport())
+    messages = [*conv.prompt, {"role": "assistant", "content": "The capital of Peru is Lima."}]
+    assert not judge(conv, answer_from_tokens(reply_tokens(chat, messages), chat), TaskReport())
