@@ -361,7 +361,7 @@ arithmetic (`+ - * /` on integers, answered through the calculator: text, python
 letter counting (python `"word".count("x")`), facts, small talk, JSON answers and think-then-answer, some
 multi-turn or with a system prompt. Tool outputs are computed with `chatapp.tools.calculator.evaluate`, the
 engine's own tool. The held-out split ({recipe.heldout_conversations} conversations) shares no question with
-training: operands (numbers ≡ 3 mod 5), letter-counting words, question templates and the JSON / think requests are
+training: operands (a hashed fifth of the numbers), letter-counting words, question templates and the JSON / think requests are
 partitioned between the splits. Tokenizer: byte-level BPE trained on the training split with every digit a
 separate token, the 9 chat special tokens and `<think>`, `</think>`.
 
