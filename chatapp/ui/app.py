@@ -167,8 +167,7 @@ class ChatApp(App[None]):
             self.query_one(PromptInput).set_text(text)
             return
         self._ensure_conversation(text)
-        self._add_user_message(text)
-        self._start(stream)
+        self._start(stream, self._user_message(text))
 
     def _resend_edited(self, text: str) -> None:
         if (stream := self._open(lambda: self.backend.edit_last(text))) is None:
@@ -177,8 +176,7 @@ class ChatApp(App[None]):
         self.editing = False
         self.query_one(PromptInput).border_subtitle = ""
         self._drop_last_exchange()
-        self._add_user_message(text)
-        self._start(stream)
+        self._start(stream, self._user_message(text))
 
     def _open(self, open_stream: Callable[[], StepStream]) -> StepStream | None:
         """Start a backend call on the UI thread: it validates (context, settings) before anything is shown, and
@@ -195,22 +193,24 @@ class ChatApp(App[None]):
             program = self.backend.program.name if self.backend.program else None
             self.conversation_id = self.store.create_conversation(title, model=self.backend.info.name, program=program)
 
-    def _add_user_message(self, text: str) -> None:
+    def _user_message(self, text: str) -> UserMessage:
+        """Save the user's message; its widget is mounted together with the answer's (one layout pass, not two)."""
         assert self.conversation_id is not None
         self._remove_welcome()
         message_id = self.store.add_message(self.conversation_id, "user", text)
-        self.transcript.add(UserMessage(text, message_id=message_id))
+        return UserMessage(text, message_id=message_id)
 
     def _remove_welcome(self) -> None:
         for welcome in self.query("#welcome"):
             welcome.remove()
 
-    def _start(self, stream: StepStream) -> None:
-        """Create the answer (on screen and in the database) and generate it in a thread worker."""
+    def _start(self, stream: StepStream, user: UserMessage | None = None) -> None:
+        """Create the answer (on screen, after the user's message if given, and in the database) and generate it in
+        a thread worker."""
         assert self.conversation_id is not None
         message_id = self.store.add_message(self.conversation_id, "assistant", "", status="streaming")
         answer = AssistantMessage(message_id=message_id)
-        self.transcript.add(answer)
+        self.transcript.add(*([user] if user else []), answer)
         self.generation = Generation(answer, message_id, AnswerStats(num_layers=self.backend.info.num_layers))
         self.query_one(RoutingHeatmap).start(self.backend.settings.max_tokens)
         self.query_one(TokenInspector).show(None)

@@ -142,8 +142,8 @@ class TokenRun(Widget):
     def _height(self) -> int:
         """Lines of text; while streaming, rounded up to whole steps of `GROWTH` lines: each time the run grows,
         the screen is laid out and the transcript scrolls and repaints, so it grows a few lines at a time."""
-        lines = len(self._wrapped.lines)
-        return -(-lines // GROWTH) * GROWTH if self.growing else lines
+        lines = len(self._wrapped.lines) if self._offsets else 0
+        return -(-max(lines, 1) // GROWTH) * GROWTH if self.growing else lines
 
     def stop_growing(self) -> None:
         """The answer is finished: fit the text exactly."""
@@ -300,12 +300,16 @@ class AssistantMessage(Vertical, can_focus=True):
         self.status = status
         self._segmenter = Segmenter()
         self._views: dict[int, TokenRun | ToolCallBlock] = {}
+        self._first_run = TokenRun(self, 0, 0, growing=status == "streaming")
         self._status_text = ""
         self._status_line = Static(classes="status")
         self._status_line.display = False
         self._initial = list(events)
 
     def compose(self):
+        # The first text run comes with the message: mounting it with the first token would lay the screen out
+        # and repaint all of it once more per answer. While streaming it holds a few blank lines for the text.
+        yield self._first_run
         yield self._status_line
 
     def on_mount(self) -> None:
@@ -318,9 +322,13 @@ class AssistantMessage(Vertical, can_focus=True):
         self.events.extend(new_events)
         for segment in self._segmenter.feed(new_events):
             view = self._views.get(segment.start)
-            if view is None:
+            if view is None and segment.kind == "text" and segment.start == 0:
+                view = self._views[0] = self._first_run
+            elif view is None:
                 if segment.kind == "tool":
                     view = ToolCallBlock(self, segment)
+                    if segment.start == 0:  # the answer opens with a tool call: no text before it
+                        self._first_run.stop_growing()
                 else:
                     view = TokenRun(self, segment.start, 0, growing=self.status == "streaming")
                 self._views[segment.start] = view
@@ -342,7 +350,7 @@ class AssistantMessage(Vertical, can_focus=True):
             self._status_line.display = bool(text)
         self.set_class(status == "streaming", "-streaming")
         if status != "streaming":
-            for run in self._views.values():
+            for run in [self._first_run, *self._views.values()]:
                 if isinstance(run, TokenRun):
                     run.stop_growing()
 
@@ -381,9 +389,9 @@ class AssistantMessage(Vertical, can_focus=True):
 class Transcript(VerticalScroll):
     """The scrolling conversation. Follows new tokens only while the reader is already at the bottom."""
 
-    def add(self, widget: Widget) -> None:
+    def add(self, *widgets: Widget) -> None:
         follow = self.is_at_bottom
-        self.mount(widget)
+        self.mount(*widgets)
         if follow:
             self.scroll_end(animate=False, immediate=False)
 
