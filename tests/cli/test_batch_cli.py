@@ -14,7 +14,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from chatapp.cli import app
@@ -24,10 +23,9 @@ from chatapp.cli import app
 def model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Path:
     """A random 4-layer STT model (layers 1 and 3 routed, routers spread so about half the tokens pass) saved with
     the locally trained chat tokenizer, loadable with `--model`."""
-    from chatapp.stt import STTConfig, STTForCausalLM
+    from chatapp.stt import STTConfig
+    from chatapp.stt.random_init import save_random_model_dir
 
-    path = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
     config = STTConfig(
         vocab_size=chat_tokenizer.get_vocab_size(),
         hidden_size=64,
@@ -38,16 +36,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Path:
         max_position_embeddings=256,
         routing_trained=True,
     )
-    model = STTForCausalLM(config).eval()
-    with torch.no_grad():
-        for index in model.stt_layer_indices:
-            router = model.model.layers[index].causal_router
-            router.up.weight.normal_(std=0.5)
-            router.out.weight.normal_(std=0.5)
-            router.out.bias.zero_()
-    model.save_pretrained(path)
-    chat_tokenizer.save(str(path / "tokenizer.json"))
-    return path
+    return save_random_model_dir(tmp_path_factory.mktemp("model"), config, chat_tokenizer)
 
 
 def _lines(count: int, **fields: object) -> str:

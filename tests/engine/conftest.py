@@ -108,14 +108,7 @@ def routed_model(chat_tokenizer) -> STTForCausalLM:
     """An STT model whose causal routers act trained: spread-out weights, so roughly half the tokens run each
     STT layer and the decisions depend on the token and its predecessor."""
     from chatapp.stt import STTConfig
+    from chatapp.stt.random_init import random_routed_model
 
-    torch.manual_seed(3)
     config = STTConfig(vocab_size=chat_tokenizer.get_vocab_size(), routing_trained=True, **TINY)
-    model = STTForCausalLM(config).eval()
-    with torch.no_grad():
-        for index in model.stt_layer_indices:
-            router = model.model.layers[index].causal_router
-            router.up.weight.normal_(std=0.5)
-            router.out.weight.normal_(std=0.5)
-            router.out.bias.zero_()
-    return model
+    return random_routed_model(config, seed=3)

@@ -9,6 +9,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from chatapp.stt import STTConfig, STTForCausalLM
+from chatapp.stt.random_init import random_routed_model
 
 VOCAB = 300
 TINY = dict(
@@ -28,15 +29,7 @@ def tiny_config(**overrides) -> STTConfig:
 
 def routed_model(seed: int = 0, **overrides) -> STTForCausalLM:
     """A random STT model whose causal routers are 'trained': spread-out weights so about half the tokens pass."""
-    torch.manual_seed(seed)
-    model = STTForCausalLM(tiny_config(routing_trained=True, **overrides)).eval()
-    with torch.no_grad():
-        for index in model.stt_layer_indices:
-            router = model.model.layers[index].causal_router
-            router.up.weight.normal_(std=0.5)
-            router.out.weight.normal_(std=0.5)
-            router.out.bias.zero_()
-    return model
+    return random_routed_model(tiny_config(routing_trained=True, **overrides), seed=seed)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from chatapp.cli import app as cli
@@ -22,10 +21,9 @@ from tests.ui.conftest import SIZE, FixedClock, send_and_wait, wait_until
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Path:
     """A random 4-layer STT model (layers 1 and 3 routed, routers spread so some tokens skip) with the chat
     tokenizer, saved like a real model directory."""
-    from chatapp.stt import STTConfig, STTForCausalLM
+    from chatapp.stt import STTConfig
+    from chatapp.stt.random_init import save_random_model_dir
 
-    path = tmp_path_factory.mktemp("tiny_stt")
-    torch.manual_seed(0)
     config = STTConfig(
         vocab_size=chat_tokenizer.get_vocab_size(),
         hidden_size=64,
@@ -36,16 +34,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> 
         max_position_embeddings=256,
         routing_trained=True,
     )
-    model = STTForCausalLM(config).eval()
-    with torch.no_grad():
-        for index in model.stt_layer_indices:
-            router = model.model.layers[index].causal_router
-            router.up.weight.normal_(std=0.5)
-            router.out.weight.normal_(std=0.5)
-            router.out.bias.zero_()
-    model.save_pretrained(path)
-    chat_tokenizer.save(str(path / "tokenizer.json"))
-    return path
+    return save_random_model_dir(tmp_path_factory.mktemp("tiny_stt"), config, chat_tokenizer)
 
 
 GREEDY = GenerationSettings(max_tokens=12)
