@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 from textual.content import Content
+from textual.geometry import Offset
+from textual.selection import Selection
 
 from chatapp.ui.widgets.transcript import GROWTH, AssistantMessage, TokenRun
 from tests.ui.conftest import SIZE, send_and_wait, submit, wait_until
@@ -125,3 +127,22 @@ async def test_a_streaming_answer_grows_in_steps_and_fits_when_done(build_app):
         await wait_until(pilot, lambda: not app.is_generating)
         await pilot.pause()
         assert run.size.height == len(_content_lines(run.text, run.size.width))
+
+
+async def test_mouse_selection_copies_the_text_as_written(build_app):
+    """Selection offsets are positions in the unwrapped text: a selection across wrapped lines copies the words
+    with their spaces, not the line breaks the screen added; the selected part is drawn highlighted."""
+    app = build_app(ScriptedBackend([greeting() * 6]))
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "hi")
+        run = app.transcript.answers()[-1].query_one(TokenRun)
+        first, second = _lines(run)[:2]
+        # Segments say where they are: line 1 starts right after line 0 and the space it dropped.
+        assert run.render_line(1)._segments[0].style.meta["offset"] == (len(first) + 1, 0)
+        app.screen.selections = {run: Selection.from_offsets(Offset(6, 0), Offset(len(first) + 6, 0))}
+        await pilot.pause()
+        assert app.screen.get_selected_text() == run.text[6 : len(first) + 6]
+        assert "\n" not in app.screen.get_selected_text()
+        selection_colour = app.screen.get_component_rich_style("screen--selection").bgcolor
+        highlighted = "".join(s.text for s in run.render_line(1) if s.style.bgcolor == selection_colour)
+        assert highlighted == second[:5]

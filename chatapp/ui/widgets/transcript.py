@@ -21,6 +21,7 @@ from textual.content import Content
 from textual.geometry import Region, Size
 from textual.message import Message
 from textual.reactive import Reactive
+from textual.selection import Selection
 from textual.strip import Strip
 from textual.style import Style
 from textual.widget import Widget
@@ -70,7 +71,6 @@ class TokenRun(Widget):
     """
 
     DEFAULT_CSS = "TokenRun { height: auto; }"
-    ALLOW_SELECT = False  # tokens are picked by click; ctrl+y copies the answer
     virtual_size = _SIZE_WITHOUT_RELAYOUT
 
     def __init__(
@@ -167,24 +167,52 @@ class TokenRun(Widget):
             self._strips.clear()
         if y >= len(self._wrapped.lines):
             return Strip.blank(width, self.visual_style.rich_style)
+        if self.text_selection is not None:  # rare and short-lived: drawn afresh, not cached
+            return self._render_text_line(y, self.text_selection)
         strip = self._strips.get(y)
         if strip is None:
             strip = self._strips[y] = self._render_text_line(y)
         return strip
 
-    def _render_text_line(self, y: int) -> Strip:
-        """One wrapped line: a segment per token piece on it (a token may continue on the next line)."""
+    def _render_text_line(self, y: int, selection: Selection | None = None) -> Strip:
+        """One wrapped line: a segment per token piece on it (a token may continue on the next line), the part in
+        the mouse selection highlighted. Segments carry their position in the unwrapped text as Textual's selection
+        expects (offset in the paragraph, paragraph index), so selecting across wrapped lines copies the text as
+        written."""
         text, offsets = self._wrapped.text, self._offsets
         start, end = self._wrapped.lines[y]
+        paragraph_start = text.rfind("\n", 0, start) + 1
+        paragraph = text.count("\n", 0, start)
+        selected = range(0)
+        if selection is not None and (span := selection.get_span(paragraph)) is not None:
+            paragraph_end = text.find("\n", start) % (len(text) + 1)  # -1 (last paragraph) becomes len(text)
+            selected = range(paragraph_start + span[0], paragraph_end if span[1] == -1 else paragraph_start + span[1])
+        highlight = self.screen.get_component_rich_style("screen--selection") if selected else None
         segments: list[Segment] = []
         token = max(bisect_right(offsets, start) - 1, 0)
         while token < len(offsets) and offsets[token] < end:
             token_end = offsets[token + 1] if token + 1 < len(offsets) else len(text)
             a, b = max(start, offsets[token]), min(end, token_end)
-            if a < b:
-                segments.append(Segment(text[a:b], self._token_style(token)))
+            style = self._token_style(token)
+            # Up to three pieces: before, inside and after the selection.
+            for lo, hi, piece_style in (
+                (a, min(b, selected.start), style),
+                (max(a, selected.start), min(b, selected.stop), style + highlight if highlight else style),
+                (max(a, selected.stop), b, style),
+            ):
+                if lo < hi:
+                    segments.append(Segment(text[lo:hi], piece_style))
             token += 1
-        return Strip(segments).crop(0, self.content_size.width)  # a line's trailing spaces may hang over the edge
+        strip = Strip(segments).crop(0, self.content_size.width)  # a line's trailing spaces may hang over the edge
+        return strip.apply_offsets(start - paragraph_start, paragraph)
+
+    def get_selection(self, selection: Selection) -> tuple[str, str] | None:
+        """The selected text, as written (wrapping undone)."""
+        return selection.extract(self.text), "\n"
+
+    def selection_updated(self, selection: Selection | None) -> None:
+        self._strips.clear()
+        self.refresh()
 
     def _token_style(self, token: int) -> RichStyle:
         style = self._token_styles[token]
