@@ -7,6 +7,7 @@ from textual.content import Content
 from textual.geometry import Offset
 from textual.selection import Selection
 
+from chatapp.ui.widgets.heatmap import RoutingHeatmap
 from chatapp.ui.widgets.transcript import GROWTH, AssistantMessage, TokenRun
 from tests.ui.conftest import SIZE, send_and_wait, submit, wait_until
 from tests.ui.scripted import ScriptedBackend, answer, greeting, tok
@@ -146,3 +147,22 @@ async def test_mouse_selection_copies_the_text_as_written(build_app):
         selection_colour = app.screen.get_component_rich_style("screen--selection").bgcolor
         highlighted = "".join(s.text for s in run.render_line(1) if s.style.bgcolor == selection_colour)
         assert highlighted == second[:5]
+
+
+async def test_heatmap_follows_a_long_answer_and_ends_at_its_newest_token(build_app):
+    backend = ScriptedBackend([greeting() * 10], delay=0.002)
+    backend.hold_after = 70
+    app = build_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await submit(pilot, "hi")
+        await wait_until(pilot, backend.held.is_set)
+        heatmap = app.query_one(RoutingHeatmap)
+        await wait_until(pilot, lambda: len(heatmap.columns) == 70, what="70 columns")
+        await pilot.pause()
+        visible = heatmap.scrollable_content_region.width - len("L1/L3 ")  # the grid right of the labels
+        assert heatmap.scroll_x <= 69 < heatmap.scroll_x + visible  # the newest column is in view
+        backend.release.set()
+        await wait_until(pilot, lambda: not app.is_generating)
+        await pilot.pause()
+        assert heatmap.scroll_x == 100 - visible  # ends with the newest token at the right edge
+        assert heatmap.virtual_size.width == len("L1/L3 ") + 128  # 100 columns, in chunks of 32

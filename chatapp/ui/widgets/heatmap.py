@@ -90,17 +90,17 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         self.selected = selected
         self._set_virtual_width(len(self.columns))
         if selected is None:
-            self.scroll_to(x=self._follow_x, animate=False, immediate=True)
+            self.scroll_to(x=self._follow_x, animate=False, force=True)
         else:
             self.scroll_to_column(selected)
         self.refresh()
 
     def start(self, expected: int) -> None:
-        """Clear the grid for an answer of up to about `expected` tokens, sized for all of them at once: a new
-        virtual size means a layout of the whole screen, which should not happen every few tokens."""
+        """Clear the grid for an answer of up to about `expected` tokens. Once the answer overflows the view, the
+        grid is sized for all of them at once: a new virtual size means a layout of the whole screen, which should
+        not happen every few tokens (nor at all for an answer that fits, whose grid keeps its size)."""
         self.set_tokens([])
         self._room = expected
-        self._set_virtual_width(expected + self._visible_columns)
 
     def extend(self, events: Sequence[TokenEvent]) -> None:
         """Append streamed tokens, following the newest while it is in view.
@@ -109,23 +109,25 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         repaints the whole grid, while between jumps a batch repaints only its own new columns.
         """
         visible = self._visible_columns
-        following = len(self.columns) <= self.scroll_x + visible
+        # At the right end of the grid counts as following too: the grid may not have grown to its new size yet.
+        following = len(self.columns) <= self.scroll_x + visible or self.scroll_x >= self.max_scroll_x
         first = len(self.columns)
         self._append(events)
-        # Room for a jump ahead of the newest token (the scroll position is clamped to the virtual width).
-        self._set_virtual_width(max(len(self.columns), self._room) + visible)
+        if len(self.columns) > visible:  # plus room for a jump ahead (the scroll position is clamped to the width)
+            self._set_virtual_width(max(len(self.columns), self._room) + visible)
         if following and len(self.columns) > self.scroll_x + visible:
-            self.scroll_to(x=len(self.columns) - visible // 2, animate=False, immediate=True)
+            # Forced: the scrollbar of a grid that has just outgrown the view appears only with the next layout.
+            self.scroll_to(x=len(self.columns) - visible // 2, animate=False, force=True)
         else:
             self._refresh_columns(first, len(self.columns))
 
     def settle(self) -> None:
         """The answer is complete: drop the room kept for it and, if following, end at the newest token."""
-        following = len(self.columns) <= self.scroll_x + self._visible_columns
+        following = len(self.columns) <= self.scroll_x + self._visible_columns or self.scroll_x >= self.max_scroll_x
         self._room = 0
         self._set_virtual_width(len(self.columns))
         if following:
-            self.scroll_to(x=self._follow_x, animate=False, immediate=True)
+            self.scroll_to(x=self._follow_x, animate=False, force=True)
         self.refresh()
 
     @property
@@ -153,11 +155,11 @@ class RoutingHeatmap(ScrollView, can_focus=True):
     def scroll_to_column(self, index: int) -> None:
         visible = self._visible_columns
         if not self.scroll_x <= index < self.scroll_x + visible:
-            self.scroll_to(x=max(index - visible // 2, 0), animate=False, immediate=True)
+            self.scroll_to(x=max(index - visible // 2, 0), animate=False, force=True)
 
     def _set_virtual_width(self, columns: int) -> None:
-        # In chunks: a new virtual size lays out the whole screen, which ~30 times a second would cost the UI
-        # thread far more than drawing the new cells does.
+        """Size the grid for `columns`, in chunks: a new virtual size lays out the whole screen, which ~30 times a
+        second would cost the UI thread far more than drawing the new cells does."""
         width = self._gutter + -(-columns // _CHUNK) * _CHUNK
         if width != self.virtual_size.width:
             self.virtual_size = Size(width, self.rows + 1)
