@@ -15,7 +15,7 @@ from chatapp.ui.screens.program import ProgramScreen
 from chatapp.ui.screens.settings import SettingsScreen
 from chatapp.ui.tokens import message_content
 from chatapp.ui.widgets.heatmap import RoutingHeatmap
-from chatapp.ui.widgets.panels import TokenInspector, ZonePills
+from chatapp.ui.widgets.panels import StatsPanel, TokenInspector, ZonePills
 from chatapp.ui.widgets.prompt import PromptInput
 from chatapp.ui.widgets.transcript import AssistantMessage, ToolCallBlock, UserMessage
 from tests.ui.conftest import SIZE, send_and_wait, submit, wait_until
@@ -87,6 +87,9 @@ async def test_tokens_before_a_stall_are_shown_during_it(build_app):
         started = time.monotonic()
         await wait_until(pilot, lambda: len(app.transcript.answers()[-1].events) == 20, timeout=2, what="20 tokens")
         assert time.monotonic() - started < 1
+        # The stats text, updated a few times a second, catches up too.
+        stats = app.query_one(StatsPanel)
+        await wait_until(pilot, lambda: "tokens        20 " in str(stats.render()), timeout=2, what="stats")
         backend.release.set()
         await wait_until(pilot, lambda: not app.is_generating)
         assert app.transcript.answers()[-1].events == greeting() * 4

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from textual.content import Content
+from textual.timer import Timer
 
 from chatapp.engine.events import TokenEvent
 from chatapp.ui.backend import ProgramInfo
@@ -110,17 +111,25 @@ class StatsPanel(LiveStatic):
         self.border_title = "stats"
         self._clock = clock
         self._shown_at = -STATS_INTERVAL
+        self._held_back: Timer | None = None  # shows figures held back by `show_live`
 
     def on_mount(self) -> None:
         self.show(AnswerStats())
 
     def show_live(self, stats: AnswerStats) -> None:
-        """Show running figures unless they were shown less than `STATS_INTERVAL` ago (digits changing 30 times a
-        second are unreadable, and each change repaints the panel)."""
-        if self._clock() - self._shown_at >= STATS_INTERVAL:
+        """Show running figures at most every `STATS_INTERVAL` (digits changing 30 times a second are unreadable,
+        and each change repaints the panel). Figures held back are shown when the interval is up, so a pause in the
+        stream never leaves them stale. `stats` is the answer's live counter, read when shown."""
+        wait = STATS_INTERVAL - (self._clock() - self._shown_at)
+        if wait <= 0:
             self.show(stats)
+        elif self._held_back is None:
+            self._held_back = self.set_timer(wait, lambda: self.show(stats))
 
     def show(self, stats: AnswerStats) -> None:
+        if self._held_back is not None:
+            self._held_back.stop()
+            self._held_back = None
         self._shown_at = self._clock()
         context = f"{stats.context_used}/{stats.context_size}" if stats.context_size else str(stats.context_used)
         rows = [
