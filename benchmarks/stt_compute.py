@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from unittest import mock
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from chatapp.stt import KVCache, STTConfig, STTForCausalLM
+from chatapp.stt import ExtendOutput, KVCache, STTConfig, STTForCausalLM
+from chatapp.stt import decode as fast_decode
 from chatapp.stt.layers import STTLayer
 
 SHAPE = dict(
@@ -36,18 +38,37 @@ GOLDEN = 0.6180339887498949
 
 
 class ForcedRouting(STTForCausalLM):
-    """An STT model whose routing decision is a fixed pattern with a chosen selected fraction."""
+    """An STT model whose routing decision is a fixed pattern with a chosen selected fraction.
+
+    The causal router still runs (its cost stays in); only its decision is replaced, in `extend` and in the
+    decode fast path (`chatapp.stt.decode.router_probs`, patched for the duration of a decode call).
+    """
 
     capacity = 1.0
+
+    def pattern(self, positions: torch.Tensor, stt_slot: int) -> torch.Tensor:
+        """1.0 where token (row, position) is selected in STT layer `stt_slot`, else 0.0; shape of `positions`."""
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        phase = ((positions + 7 * rows + 13 * stt_slot).double() * GOLDEN) % 1.0
+        return (phase < self.capacity).float()
 
     def _router_probs(
         self, layer: STTLayer, hidden: torch.Tensor, lengths: torch.Tensor, cache: KVCache, stt_slot: int
     ) -> torch.Tensor:
-        super()._router_probs(layer, hidden, lengths, cache, stt_slot)  # pay for the router as usual
+        super()._router_probs(layer, hidden, lengths, cache, stt_slot)
         positions = cache.seen[:, None] + torch.arange(hidden.shape[1], device=hidden.device)[None, :]
-        rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
-        phase = ((positions + 7 * rows + 13 * stt_slot).double() * GOLDEN) % 1.0
-        return (phase < self.capacity).float()
+        return self.pattern(positions, stt_slot)
+
+    def decode(self, ids: torch.Tensor, cache: KVCache, **kwargs) -> ExtendOutput:
+        slots = {id(self.model.layers[index]): slot for slot, index in enumerate(self.stt_layer_indices)}
+        router = fast_decode.router_probs
+
+        def forced(layer: STTLayer, x: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+            router(layer, x, previous)
+            return self.pattern(cache.seen[:, None], slots[id(layer)])[:, 0]
+
+        with mock.patch.object(fast_decode, "router_probs", forced):
+            return super().decode(ids, cache, **kwargs)
 
 
 def sync(device: torch.device) -> None:
@@ -55,26 +76,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_once(model: ForcedRouting, ids: torch.Tensor, routing: str) -> tuple[float, float, float]:
-    """(prefill seconds, decode seconds, fraction of STT-layer tokens computed)."""
-    device = ids.device
-    cache = model.new_cache(ROWS, PROMPT + DECODE)
-    lengths = torch.full((ROWS,), ids.shape[1], device=device)
-    sync(device)
+def prefill_once(model: ForcedRouting, ids: torch.Tensor, routing: str) -> tuple[float, KVCache, torch.Tensor, float]:
+    """(seconds, filled cache, last logits, fraction of STT-layer tokens computed) of one prefill."""
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + DECODE)
+    lengths = torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
+    sync(ids.device)
     start = time.perf_counter()
     out = model.extend(ids, lengths, cache, routing=routing)
-    sync(device)
-    prefill = time.perf_counter() - start
-    selected = [out.selected.float().mean()]
-    token = out.logits.argmax(-1)
+    sync(ids.device)
+    return time.perf_counter() - start, cache, out.logits, float(out.selected.float().mean())
+
+
+def decode_once(model: ForcedRouting, cache: KVCache, logits: torch.Tensor, routing: str) -> tuple[float, float]:
+    """(seconds, fraction computed) of DECODE greedy steps after a prefill."""
+    token = logits.argmax(-1)
+    selected = []
     start = time.perf_counter()
     for _ in range(DECODE):
         step = model.decode(token, cache, routing=routing)
         token = step.logits.argmax(-1)
         selected.append(step.selected.float().mean())
-    sync(device)
-    decode = time.perf_counter() - start
-    return prefill, decode, float(torch.stack(selected).mean()) if routing == "student" else 1.0
+    sync(token.device)
+    return time.perf_counter() - start, float(torch.stack(selected).mean())
 
 
 def prefill_flops(model: ForcedRouting, ids: torch.Tensor, routing: str) -> float:
@@ -87,25 +110,32 @@ def prefill_flops(model: ForcedRouting, ids: torch.Tensor, routing: str) -> floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=1, help="Best of N interleaved passes.")
+    parser.add_argument("--repeats", type=int, default=3, help="Best of N interleaved prefill passes.")
+    parser.add_argument("--decode-repeats", type=int, default=1, help="Best of N interleaved decode passes.")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = ForcedRouting(STTConfig(**SHAPE, routing_trained=True)).to(device).eval()
     ids = torch.randint(0, SHAPE["vocab_size"], (ROWS, PROMPT), device=device)
-    run_once(model, ids[:, :64], "off")  # warm-up (allocator, kernels)
+    prefill_once(model, ids[:, :64], "off")  # warm-up (allocator, kernels)
 
     # Configurations are interleaved within each pass so that load from other processes hits them alike.
     configs = [("off", 1.0)] + [("student", c) for c in CAPACITIES]
     best: dict[float | str, list[float]] = {}
-    for _ in range(args.repeats):
+    for repeat in range(max(args.repeats, args.decode_repeats)):
         for routing, capacity in configs:
             model.capacity = capacity
             key = "off" if routing == "off" else capacity
-            prefill, decode, computed = run_once(model, ids, routing)
+            prefill, cache, logits, computed = prefill_once(model, ids, routing)
+            decode = float("inf")
+            if repeat < args.decode_repeats:
+                decode, decode_computed = decode_once(model, cache, logits, routing)
+                computed = (computed * PROMPT + decode_computed * DECODE) / (PROMPT + DECODE)
+            if repeat >= args.repeats:
+                prefill = float("inf")
             old = best.get(key, [float("inf"), float("inf"), computed])
-            best[key] = [min(old[0], prefill), min(old[1], decode), computed]
+            best[key] = [min(old[0], prefill), min(old[1], decode), old[2]]
     flops = {}
     for routing, capacity in configs:
         model.capacity = capacity
@@ -113,7 +143,8 @@ def main() -> None:
 
     base_prefill, base_decode, _ = best["off"]
     print(
-        f"STT compute: {device}, {torch.get_num_threads()} threads, best of {args.repeats}; {ROWS}x{PROMPT} prefill "
+        f"STT compute: {device}, {torch.get_num_threads()} threads, best of {args.repeats} prefills / "
+        f"{args.decode_repeats} decodes; {ROWS}x{PROMPT} prefill "
         f"+ {DECODE} decode steps; hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} layers (6 STT)"
     )
     header = (

@@ -166,6 +166,7 @@ class STTForCausalLM(nn.Module):
             selected=torch.stack(chosen) if chosen else empty.bool(),
         )
 
+    @torch.no_grad()
     def decode(
         self, ids: torch.Tensor, cache: KVCache, *, routing: Routing = "student", threshold: float | None = None
     ) -> ExtendOutput:
