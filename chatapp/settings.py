@@ -26,7 +26,8 @@ class GenerationSettings:
     top_p: float = 1.0
     max_tokens: int = 256
     seed: int = 0
-    # Causal-router threshold for STT layers at generation time; None uses the model config's `g_threshold`.
+    # Causal-router decision threshold for STT layers at generation time; None uses the model config's
+    # `router_threshold` (the student's own threshold, distinct from the teacher's `g_threshold`).
     routing_threshold: float | None = None
     # Routing mode at generation time: "student" (causal router), "off" (every token through every layer).
     routing: Literal["student", "off"] = "student"
