@@ -20,6 +20,7 @@ Torch runs single-threaded by default on both sides (`--threads`): on a small sh
 only add noise, and it leaves the TUI's own thread a core, as on any machine with more cores than torch uses.
 
 Run: .venv/bin/python benchmarks/ui_throughput.py [--repeats N] [--max-tokens N] [--threads N] [--model DIR]
+     [--hidden N --layers N]  (size of the random model; a bigger one is a slower engine)
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ TEXT = (
 )
 
 
-def random_model_dir(directory: Path) -> Path:
+def random_model_dir(directory: Path, hidden: int = 256, layers: int = 6) -> Path:
     """A random STT checkpoint with routers spread so that some tokens skip some layers."""
     from chatapp.models.tokenizer import train_bpe_tokenizer
     from chatapp.stt import STTConfig, STTForCausalLM
@@ -69,9 +70,9 @@ def random_model_dir(directory: Path) -> Path:
     torch.manual_seed(0)
     config = STTConfig(
         vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=6,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
@@ -169,6 +170,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on both sides")
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: embedded and random)")
+    # The UI's cost is per frame and per answer, so its share depends on the engine's speed: a bigger random model
+    # (e.g. --hidden 512 --layers 8) measures the TUI against a slower engine.
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the random model")
+    parser.add_argument("--layers", type=int, default=6, help="layers of the random model (odd ones are STT)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -179,8 +184,9 @@ def main() -> None:
             return
         if (default_model_dir() / "config.json").is_file():
             compare("embedded default model", default_model_dir(), DEFAULT_MODEL_TURNS, args, tmp_path)
-        random_dir = random_model_dir(tmp_path / "model")
-        compare("random STT model (hidden 256, 6 layers, 3 STT)", random_dir, (PROMPT,), args, tmp_path)
+        random_dir = random_model_dir(tmp_path / "model", args.hidden, args.layers)
+        label = f"random STT model (hidden {args.hidden}, {args.layers} layers, {args.layers // 2} STT)"
+        compare(label, random_dir, (PROMPT,), args, tmp_path)
 
 
 if __name__ == "__main__":

@@ -66,8 +66,9 @@ class TokenRun(Widget):
 
     Streaming appends tokens ~30 times a second. A `Static` would re-wrap and re-style the whole run for each
     batch; this widget wraps incrementally (`WrappedText`: only the last line can change) and keeps one rendered
-    `Strip` per line, so a batch re-renders just the lines it touched, and asks for a layout pass only when the run
-    gains a line. Each token's segment carries its index as style meta, for clicks.
+    `Strip` per line, so a batch re-renders just the lines it touched. Its height changes (a whole-screen layout)
+    only when the text outgrows it: while streaming it grows `GROWTH` lines at a time. Each token's segment carries
+    its index as style meta, for clicks, and its place in the unwrapped text, for mouse selection.
     """
 
     DEFAULT_CSS = "TokenRun { height: auto; }"
