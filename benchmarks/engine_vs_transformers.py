@@ -54,7 +54,8 @@ GPU_SHAPE = dict(
 
 
 class NoStopFormat:
-    """A chat format with no stop tokens, so both sides produce exactly NEW_TOKENS tokens."""
+    """A chat format with no stop tokens, so both sides produce exactly NEW_TOKENS tokens. The benchmark passes
+    token ids, so the engine never asks it to render a conversation."""
 
     supports_tools = False
     assistant_end_id = None
@@ -68,12 +69,6 @@ class NoStopFormat:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
-
-    def render_conversation(self, messages, max_tokens=None):
-        raise NotImplementedError("the benchmark passes token ids")
-
-    def render_for_completion(self, messages):
-        raise NotImplementedError("the benchmark passes token ids")
 
 
 @dataclass
