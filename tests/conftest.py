@@ -37,3 +37,23 @@ def chat_tokenizer():
     from chatapp.models.tokenizer import train_bpe_tokenizer
 
     return train_bpe_tokenizer([SAMPLE_TEXT] * 20, vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def routed_model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer):
+    """A random 4-layer STT model directory (layers 1 and 3 routed, routers spread so about half the tokens pass)
+    with the chat tokenizer, loadable with `--model` / `load_model` like a real checkpoint."""
+    from chatapp.stt import STTConfig
+    from chatapp.stt.random_init import save_random_model_dir
+
+    config = STTConfig(
+        vocab_size=chat_tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        routing_trained=True,
+    )
+    return save_random_model_dir(tmp_path_factory.mktemp("routed_model"), config, chat_tokenizer)

@@ -20,23 +20,8 @@ from chatapp.cli import app
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Path:
-    """A random 4-layer STT model (layers 1 and 3 routed, routers spread so about half the tokens pass) saved with
-    the locally trained chat tokenizer, loadable with `--model`."""
-    from chatapp.stt import STTConfig
-    from chatapp.stt.random_init import save_random_model_dir
-
-    config = STTConfig(
-        vocab_size=chat_tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        routing_trained=True,
-    )
-    return save_random_model_dir(tmp_path_factory.mktemp("model"), config, chat_tokenizer)
+def model_dir(routed_model_dir: Path) -> Path:
+    return routed_model_dir
 
 
 def _lines(count: int, **fields: object) -> str:

@@ -18,23 +18,8 @@ from tests.ui.conftest import SIZE, FixedClock, send_and_wait, wait_until
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Path:
-    """A random 4-layer STT model (layers 1 and 3 routed, routers spread so some tokens skip) with the chat
-    tokenizer, saved like a real model directory."""
-    from chatapp.stt import STTConfig
-    from chatapp.stt.random_init import save_random_model_dir
-
-    config = STTConfig(
-        vocab_size=chat_tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        routing_trained=True,
-    )
-    return save_random_model_dir(tmp_path_factory.mktemp("tiny_stt"), config, chat_tokenizer)
+def tiny_model_dir(routed_model_dir: Path) -> Path:
+    return routed_model_dir
 
 
 GREEDY = GenerationSettings(max_tokens=12)
