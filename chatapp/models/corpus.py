@@ -557,10 +557,10 @@ def json_answer(topic: str, answer: str) -> str:
 class CorpusMix:
     """Relative weights of conversation kinds and how often a request / extra turn is added."""
 
-    arithmetic: float = 0.34
-    letters: float = 0.22
-    fact: float = 0.28
-    smalltalk: float = 0.16
+    arithmetic: float = 0.36
+    letters: float = 0.30
+    fact: float = 0.22
+    smalltalk: float = 0.12
     think_rate: float = 0.2
     json_rate: float = 0.3  # of fact and small-talk conversations
     system_rate: float = 0.08
@@ -624,10 +624,11 @@ def _think_text(reasoning: str) -> str:
 
 
 class _Generator:
-    def __init__(self, split: Split, seed: int, mix: CorpusMix) -> None:
+    def __init__(self, split: Split, seed: int, mix: CorpusMix, word_pieces: Sequence[str] = ()) -> None:
         self.rng = random.Random(f"chatapp-corpus:{split}:{seed}")
         self.pools = _pools(split)
         self.mix = mix
+        self.word_pieces = sorted(set(word_pieces))  # sorted: the corpus must not depend on the caller's order
 
     def conversation(self) -> Conversation:
         rng, mix = self.rng, self.mix
@@ -711,16 +712,27 @@ class _Generator:
         )
 
     def _invented_word(self) -> str:
-        """A random lowercase string of 3-10 letters that is not a held-out word."""
+        """A random lowercase word that is not a held-out word: random letters, or (when the caller gave the
+        tokenizer's letter pieces) one to three pieces drawn uniformly.
+
+        Why pieces: an unseen real word tokenizes into BPE pieces, and a piece that only ever occurred inside longer
+        training words (`ine` in "pineapple", `tract` in "tractor") would otherwise reach the model with an embedding
+        it never learned to copy. Uniform draws put every piece into a copying context a few dozen times.
+        """
         while True:
-            word = "".join(self.rng.choices(self.pools.letters, k=self.rng.randint(3, 10)))
+            if self.word_pieces and self.rng.random() < 0.5:
+                word = "".join(self.rng.choices(self.word_pieces, k=self.rng.randint(1, 3)))
+                if not 3 <= len(word) <= 14:
+                    continue
+            else:
+                word = "".join(self.rng.choices(self.pools.letters, k=self.rng.randint(3, 10)))
             if word not in _HELDOUT_WORDS:
                 return word
 
     def _letters(self, think: bool, json_answer_: bool) -> Conversation:
         rng = self.rng
         word = (
-            self._invented_word() if self.pools.invents_words and rng.random() < 0.5 else rng.choice(self.pools.words)
+            self._invented_word() if self.pools.invents_words and rng.random() < 0.6 else rng.choice(self.pools.words)
         )
         # Mostly a letter of the word (doubled letters are the interesting case), sometimes one it lacks.
         letter = rng.choice(word) if rng.random() < 0.85 else rng.choice(self.pools.letters)
@@ -786,11 +798,21 @@ class _Generator:
         )
 
 
-def generate_corpus(n: int, split: Split = "train", seed: int = 0, mix: CorpusMix | None = None) -> list[Conversation]:
-    """`n` conversations of `split`, deterministic in `(split, n, seed, mix)`; a longer corpus extends a shorter one."""
+def generate_corpus(
+    n: int,
+    split: Split = "train",
+    seed: int = 0,
+    mix: CorpusMix | None = None,
+    word_pieces: Sequence[str] = (),
+) -> list[Conversation]:
+    """`n` conversations of `split`, deterministic in `(split, n, seed, mix, word_pieces)`; a longer corpus extends
+    a shorter one. `word_pieces` (lowercase letter strings, e.g. a tokenizer's letter-only tokens) are building
+    blocks for half of the training split's invented letter-counting words; the held-out split never invents."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    gen = _Generator(split, seed, mix or CorpusMix())
+    if bad := [p for p in word_pieces if not (p.isascii() and p.isalpha() and p.islower())]:
+        raise ValueError(f"word pieces must be lowercase ASCII letters, got {bad[:3]!r}")
+    gen = _Generator(split, seed, mix or CorpusMix(), word_pieces)
     return [gen.conversation() for _ in range(n)]
 
 

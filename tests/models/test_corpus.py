@@ -115,3 +115,26 @@ def test_conversations_render_short_with_the_chat_format(train: list[Conversatio
         assert len(ids) <= 160
         assert (think_id in ids) == conv.think
         assert sum(mask) > 0
+
+
+def test_word_pieces_build_invented_words_and_stay_out_of_heldout(train: list[Conversation]) -> None:
+    pieces = ("qqa", "zzb", "xxc")  # pieces no real or random word would produce together
+    with_pieces = generate_corpus(N_TRAIN, "train", seed=0, word_pieces=pieces)
+    assert generate_corpus(N_TRAIN, "train", seed=0, word_pieces=tuple(reversed(pieces))) == with_pieces
+    words = [_word(c.expression or "") for c in with_pieces if c.kind == "letters"]
+    built = [w for w in words if re.fullmatch(r"(qqa|zzb|xxc)+", w)]
+    # About a third of letter-counting words: 60% are invented, half of those from pieces.
+    assert 0.2 < len(built) / len(words) < 0.4
+    assert {len(w) // 3 for w in built} == {1, 2, 3}
+    # The mix of kinds is unchanged (the random stream itself diverges at the first invented word).
+    kinds = [c.kind for c in with_pieces]
+    assert abs(kinds.count("letters") - [c.kind for c in train].count("letters")) < N_TRAIN * 0.03
+    heldout = generate_corpus(300, "heldout", word_pieces=pieces)
+    heldout_words = {_word(c.expression or "") for c in heldout if c.kind == "letters"}
+    assert not any(re.fullmatch(r"(qqa|zzb|xxc)+", w) for w in heldout_words)
+
+
+@pytest.mark.parametrize("bad", [("Abc",), ("ab1",), ("ünï",), ("a b",)])
+def test_word_pieces_must_be_lowercase_letters(bad: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError, match="lowercase ASCII letters"):
+        generate_corpus(10, "train", word_pieces=bad)
