@@ -6,9 +6,10 @@ as special tokens so they are single ids that ordinary text can never produce.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CHAT_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|bos|>",
@@ -29,19 +30,27 @@ def train_bpe_tokenizer(
     special_tokens: tuple[str, ...] = CHAT_SPECIAL_TOKENS,
     min_frequency: int = 2,
     individual_digits: bool = False,
+    isolated: str = "",
 ) -> Tokenizer:
     """Train a byte-level BPE tokenizer on `texts`. Special tokens take the first ids, in the order given.
 
     `individual_digits` splits every number into single digits before BPE (as Llama and nanochat-style arithmetic
     tokenizers do): a number's digits are then the same ids wherever it appears, so a small model copies operands
     and results digit by digit instead of memorising one id per multi-digit chunk.
+
+    `isolated` characters are always tokens of their own, never merged with a neighbour. The default model isolates
+    `"`: a quoted word in a question (` "word"`) then starts with the same `"` id as the word the model quotes in
+    its calculator call (`"word".count(...)`), so copying the word is a plain match-and-copy (induction) step
+    instead of a lookup across two different ids (`Ġ"` vs `"`).
     """
     tok = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    steps: list[pre_tokenizers.PreTokenizer] = []
+    if isolated:
+        steps.append(pre_tokenizers.Split(Regex("[" + "".join(re.escape(c) for c in isolated) + "]"), "isolated"))
     if individual_digits:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

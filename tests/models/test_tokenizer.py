@@ -25,3 +25,22 @@ def test_individual_digits_round_trips_and_keeps_special_ids() -> None:
     assert [tok.token_to_id(s) for s in specials] == list(range(len(specials)))
     text = "  x = 3.14159 * -12 ;\n\ttabs and ünïcödé 99 "
     assert tok.decode(tok.encode(text).ids) == text
+
+
+QUOTED = ['How many r in "strawberry"? "strawberry".count("r") {"topic": "a-b", "answer": "x"}'] * 50
+
+
+def test_isolated_characters_are_never_merged() -> None:
+    tok = train_bpe_tokenizer(QUOTED, vocab_size=400, isolated='"-')
+    assert not [t for t in tok.get_vocab() if len(t) > 1 and ('"' in t or "-" in t)]
+    # The quoted word in the question and in the call are the same ids, each after the same `"` id.
+    question = tok.encode(' "strawberry"?').tokens
+    call = tok.encode('"strawberry".count("r")').tokens
+    assert question[1:3] == call[:2] == ['"', "strawberry"]
+    text = 'say "hi" - now, "ok"-ish'
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_without_isolation_quotes_merge_with_their_neighbours() -> None:
+    tok = train_bpe_tokenizer(QUOTED, vocab_size=400)
+    assert any(len(t) > 1 and '"' in t for t in tok.encode(' "strawberry"?').tokens)
