@@ -1,10 +1,12 @@
 """Tokens/s of the same greedy chat through the chat TUI (headless) versus the bare engine.
 
-Both sides run in this process on the same model and the same turns: the engine side iterates `ChatSession.send`
-directly; the TUI side is `ChatApp` run headless (`run_test`) with the real `EngineBackend`: a thread worker
-iterating the same session, batches handed to the UI ~30 times a second, every batch saved to SQLite and drawn
-(transcript, heatmap, zone pills, stats). Timed from the first turn's start to the last token consumed (engine) or
-drawn (TUI); the TUI side starts the clock once the app has finished starting up.
+All sides run from this process on the same model and the same turns: the engine side iterates `ChatSession.send`
+directly; the TUI sides are `ChatApp` run headless (`run_test`): a thread worker iterating the backend's stream,
+batches handed to the UI ~30 times a second, every batch saved to SQLite and drawn (transcript, heatmap, zone
+pills, stats). "TUI, engine process" is what `chatapp run` does (`ProcessBackend`: the engine and its session in a
+spawned child, steps over a pipe); "TUI, in-process" is `chatapp run --in-process` (`EngineBackend`: the engine in
+the UI's process, sharing its interpreter lock). Timed from the first turn's start to the last token consumed
+(engine) or drawn (TUI); the TUI sides start the clock once the app has finished starting up.
 
 Models: the embedded default model when it has been trained (its answers are short, so it answers several
 questions in one conversation: every turn pays its own start-up, as in use), and a random STT model (hidden 256,
@@ -32,7 +34,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +44,9 @@ from chatapp.engine.engine import Engine
 from chatapp.models.loader import load_model
 from chatapp.settings import GenerationSettings, default_model_dir
 from chatapp.ui.app import ChatApp
-from chatapp.ui.backend import EngineBackend
+from chatapp.ui.backend import ChatBackend, EngineBackend
 from chatapp.ui.history import HistoryStore
+from chatapp.ui.process import ProcessBackend
 
 PROMPT = "Tell me about Paris, the capital of France, and what 37*45 is."
 # For the default model: one question from each skill it was trained on, asked in one conversation.
@@ -108,9 +111,10 @@ def engine_run(engine: Engine, settings: GenerationSettings, turns: Sequence[str
     return Run(tokens, time.perf_counter() - started)
 
 
-async def tui_run(engine: Engine, model_dir: Path, settings: GenerationSettings, turns: Sequence[str], db: Path) -> Run:
-    """The turns through the headless TUI, each sent once the previous answer is drawn."""
-    backend = EngineBackend(engine, model_dir=model_dir)
+async def tui_run(backend: ChatBackend, settings: GenerationSettings, turns: Sequence[str], db: Path) -> Run:
+    """The turns through the headless TUI on a fresh session of `backend`, each sent once the previous answer is
+    drawn."""
+    backend.new_session()
     backend.configure(settings, None)
     app = ChatApp(backend, HistoryStore(db), cursor_blink=False)
     async with app.run_test(size=(120, 36)) as pilot:
@@ -129,39 +133,55 @@ async def tui_run(engine: Engine, model_dir: Path, settings: GenerationSettings,
 
 
 def compare(label: str, model_dir: Path, turns: Sequence[str], args: argparse.Namespace, tmp: Path) -> None:
-    """Warm up, run both sides interleaved, print the table."""
+    """Warm up, run the sides interleaved, print the table."""
     loaded = load_model(model_dir, device="cpu")
     engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
     settings = GenerationSettings(max_tokens=args.max_tokens)
-    engine_run(engine, settings, turns)  # warm-up (allocator, kernels)
-    asyncio.run(tui_run(engine, model_dir, settings, turns, tmp / f"{label}-warm.sqlite3"))
-    engine_results, tui_results = [], []
-    for i in range(args.repeats):  # interleaved, so machine load affects both sides alike
-        engine_results.append(engine_run(engine, settings, turns))
-        tui_results.append(asyncio.run(tui_run(engine, model_dir, settings, turns, tmp / f"{label}-{i}.sqlite3")))
+    in_process = EngineBackend(engine, model_dir=model_dir)
+    with ProcessBackend(model_dir, device="cpu") as remote:  # started (model loaded) before any clock runs
+        sides: dict[str, Callable[[int], Run]] = {
+            "bare engine (ChatSession)": lambda i: engine_run(engine, settings, turns),
+            "TUI, engine process (chatapp run)": lambda i: asyncio.run(
+                tui_run(remote, settings, turns, tmp / f"{label}-p{i}.sqlite3")
+            ),
+            "TUI, in-process (--in-process)": lambda i: asyncio.run(
+                tui_run(in_process, settings, turns, tmp / f"{label}-t{i}.sqlite3")
+            ),
+        }
+        for run in sides.values():  # warm-up (allocator, kernels, the child's first forward)
+            run(-1)
+        results: dict[str, list[Run]] = {name: [] for name in sides}
+        for i in range(args.repeats):  # interleaved, so machine load affects every side alike
+            for name, run in sides.items():
+                gc.collect()
+                results[name].append(run(i))
 
-    same = all(run.tokens == engine_results[0].tokens for run in engine_results + tui_results)
+    engine_runs = results["bare engine (ChatSession)"]
+    same = all(run.tokens == engine_runs[0].tokens for runs in results.values() for run in runs)
     print(f"model: {label}; {len(turns)} turn(s), greedy, max_tokens {args.max_tokens}")
     print(
-        f"device cpu ({os.cpu_count()} cores), torch {torch.get_num_threads()} thread(s); {args.repeats} runs per side"
+        f"device cpu ({os.cpu_count()} cores), torch {torch.get_num_threads()} thread(s) in each process; "
+        f"{args.repeats} runs per side"
     )
-    print(f"identical tokens on both sides: {same}\n")
-    print("| side | tokens | best s | tokens/s (best) | tokens/s (median) | vs engine (best) | vs engine (median) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    rates = []
-    for name, results in (("bare engine (ChatSession)", engine_results), ("TUI, headless (ChatApp)", tui_results)):
-        count = len(results[0].tokens)
-        best = min(run.seconds for run in results)
-        median = statistics.median(run.seconds for run in results)
-        rates.append((count / best, count / median))
-        rate, median_rate = rates[-1]
+    print(f"identical tokens on every side: {same}\n")
+    print(
+        "| side | tokens | best s | tokens/s (best) | tokens/s (median) | vs engine (best) | vs engine (median) "
+        "| UI thread CPU (median) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    base = None
+    for name, runs in results.items():
+        count = len(runs[0].tokens)
+        best = min(run.seconds for run in runs)
+        median = statistics.median(run.seconds for run in runs)
+        rate, median_rate = count / best, count / median
+        base = base or (rate, median_rate)
+        ui_cpu = statistics.median(run.ui_cpu for run in runs)
         print(
             f"| {name} | {count} | {best:.3f} | {rate:.1f} | {median_rate:.1f} "
-            f"| {rate / rates[0][0]:.0%} | {median_rate / rates[0][1]:.0%} |"
+            f"| {rate / base[0]:.0%} | {median_rate / base[1]:.0%} | {ui_cpu * 1000:.0f} ms |"
         )
-    ui_cpu = statistics.median(run.ui_cpu for run in tui_results)
-    seconds = statistics.median(run.seconds for run in tui_results)
-    print(f"\nUI thread CPU per TUI run (median): {ui_cpu * 1000:.0f} ms of {seconds * 1000:.0f} ms\n")
+    print()
 
 
 def main() -> None:
@@ -176,6 +196,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6, help="layers of the random model (odd ones are STT)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engine process's torch reads it when it starts
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)

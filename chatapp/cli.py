@@ -191,11 +191,19 @@ def run(
         str | None, typer.Option("--db", help="Chat history database (default: history.sqlite3 in the data dir).")
     ] = None,
     device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")] = None,
+    in_process: Annotated[
+        bool,
+        typer.Option(
+            "--in-process",
+            help="Run the model in the UI's process instead of its own engine process (slower while drawing).",
+        ),
+    ] = False,
 ) -> None:
     """Open the chat TUI: streamed tokens (sampled vs forced), zone tags, routing heatmap, tool calls, history."""
     from pathlib import Path
 
     from chatapp.ui import make_app
+    from chatapp.ui.app import close_backend
 
     try:
         chat = make_app(
@@ -203,10 +211,14 @@ def run(
             program=program,
             db_path=Path(db).expanduser() if db else None,
             device=device,
+            in_process=in_process,
         )
     except ChatappError as err:
         raise fail(err) from None
-    chat.run()
+    try:
+        chat.run()
+    finally:
+        close_backend(chat.backend)
 
 
 @app.command()

@@ -13,6 +13,18 @@ class ChatappError(Exception):
         self.hint = hint
         super().__init__(message if hint is None else f"{message}\n  fix: {hint}")
 
+    def __reduce__(self):
+        # Errors cross a process boundary (the TUI's engine process): keep the subclass and every field, which
+        # the default (`cls(*args)`) would not for subclasses with keyword-only fields.
+        return (_restore_error, (type(self), self.args, self.__dict__))
+
+
+def _restore_error(cls: type[ChatappError], args: tuple, state: dict) -> ChatappError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
 
 class ModelDirError(ChatappError):
     """A model directory is missing, incomplete or unreadable."""

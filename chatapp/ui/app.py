@@ -221,7 +221,7 @@ class ChatApp(App[None]):
 
     @work(thread=True, exclusive=True, group="generation", exit_on_error=True)
     def _generate(self, generation: Generation, stream: StepStream) -> None:
-        """Iterate the backend's stream in this thread into the answer's channel; stop as soon as the worker is
+        """Iterate the backend's stream in this thread into the answer's channel; cancel it as soon as the worker is
         cancelled."""
         worker = get_current_worker()
         outcome: Outcome = "complete"
@@ -229,10 +229,11 @@ class ChatApp(App[None]):
         try:
             for step in stream:
                 generation.channel.put(step)
-                if worker.is_cancelled:
+                if worker.is_cancelled and outcome != "interrupted":
                     outcome = "interrupted"
+                    # Keep reading: what a stream still yields after `cancel` belongs to the answer (an engine
+                    # process has a few steps in flight); an in-process stream simply ends here.
                     self.backend.cancel(stream)
-                    break
         except ChatappError as err:
             outcome, error = "error", str(err)
         finally:
@@ -481,19 +482,42 @@ def make_app(
     db_path: Path | None = None,
     device: str | None = None,
     backend: ChatBackend | None = None,
+    in_process: bool = False,
     clock: Callable[[], float] = time.time,
     cursor_blink: bool | None = None,
 ) -> ChatApp:
     """Build the chat app: load the model (unless a backend is given), the program and the history database.
 
+    The model runs in its own engine process (`ProcessBackend`), so that the UI's drawing never competes with
+    generation for the interpreter lock; `in_process` keeps it in this process (`EngineBackend`). Whoever runs the
+    app closes `app.backend` afterwards (`close_backend`).
+
     Raises `ModelDirError` / `ProgramError` before any UI starts, so the CLI can report them plainly.
     """
     if backend is None:
         from chatapp.settings import default_model_dir
-        from chatapp.ui.backend import EngineBackend
 
-        backend = EngineBackend.load(Path(model_dir) if model_dir else default_model_dir(), device=device)
-    if program is not None:
-        backend.switch_program(program)
-    store = HistoryStore(Path(db_path) if db_path else history_db_path(), clock=clock)
+        directory = Path(model_dir) if model_dir else default_model_dir()
+        if in_process:
+            from chatapp.ui.backend import EngineBackend
+
+            backend = EngineBackend.load(directory, device=device)
+        else:
+            from chatapp.ui.process import ProcessBackend
+
+            backend = ProcessBackend(directory, device=device)
+    try:
+        if program is not None:
+            backend.switch_program(program)
+        store = HistoryStore(Path(db_path) if db_path else history_db_path(), clock=clock)
+    except BaseException:
+        close_backend(backend)
+        raise
     return ChatApp(backend, store, clock=clock, cursor_blink=cursor_blink)
+
+
+def close_backend(backend: ChatBackend) -> None:
+    """Stop a backend's engine process, if it has one (an in-process or scripted backend has nothing to stop)."""
+    close = getattr(backend, "close", None)
+    if close is not None:
+        close()

@@ -94,7 +94,10 @@ class ChatBackend(Protocol):
         ...
 
     def cancel(self, stream: StepStream) -> None:
-        """Stop a stream early, keeping the partial answer (called from the thread that iterates the stream)."""
+        """Stop a stream early, keeping the partial answer (called from the thread that iterates the stream).
+
+        The stream may still yield a few steps before it ends (an engine in another process has some in flight);
+        the caller keeps iterating until it does, and those steps are part of the answer."""
         ...
 
 

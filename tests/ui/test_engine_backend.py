@@ -11,6 +11,7 @@ from chatapp.cli import app as cli
 from chatapp.errors import ConstraintError, ProgramError
 from chatapp.settings import GenerationSettings, default_model_dir
 from chatapp.ui import make_app
+from chatapp.ui.app import close_backend
 from chatapp.ui.backend import EngineBackend
 from chatapp.ui.history import HistoryStore
 from chatapp.ui.tokens import message_content
@@ -136,13 +137,14 @@ DEFAULT_MODEL = default_model_dir()
 @pytest.mark.asyncio
 async def test_default_model_answers_headless(tmp_path):
     """`chatapp run` with no arguments: the default model answers a short greedy question in the TUI."""
-    app = make_app(db_path=tmp_path / "h.sqlite3", clock=FixedClock(), cursor_blink=False)
-    app.backend.configure(GenerationSettings(max_tokens=24), None)
-    async with app.run_test(size=SIZE) as pilot:
-        await send_and_wait(pilot, "What is the capital of France?")
-        answer = app.transcript.answers()[-1]
-        assert answer.status == "complete"
-        assert answer.events and message_content(answer.events)
-        assert (
-            answer.events == _bare_engine_answer(DEFAULT_MODEL, "What is the capital of France?")[: len(answer.events)]
-        )
+    app = make_app(db_path=tmp_path / "h.sqlite3", clock=FixedClock(), cursor_blink=False)  # an engine process
+    try:
+        app.backend.configure(GenerationSettings(max_tokens=24), None)
+        async with app.run_test(size=SIZE) as pilot:
+            await send_and_wait(pilot, "What is the capital of France?")
+            answer = app.transcript.answers()[-1]
+    finally:
+        close_backend(app.backend)
+    assert answer.status == "complete"
+    assert answer.events and message_content(answer.events)
+    assert answer.events == _bare_engine_answer(DEFAULT_MODEL, "What is the capital of France?")[: len(answer.events)]

@@ -1,0 +1,265 @@
+"""The engine in its own process, so that drawing the UI never slows generation down.
+
+In one process the TUI and the engine share one interpreter lock: every torch op the generation thread runs hands
+the lock back and has to win it again, and while Textual lays out or paints a frame (milliseconds of pure Python)
+the engine waits for it. vLLM's V1 moved its engine core out of the API server's process for the same reason.
+Here `ProcessBackend` is the app's `ChatBackend` and an `EngineBackend` lives in a spawned child process: the UI's
+thread worker still iterates a `StepStream` (the app does not know the difference), but the stream now reads
+`Step` events, plain picklable data, from a pipe.
+
+Protocol (one request at a time; the app never overlaps them, and a stream is always drained or closed before the
+next request):
+
+    parent                         child
+    (method, args)          ->     calls EngineBackend.method(*args)
+                            <-     ("ok", value) | ("error", ChatappError)
+    a generating method     ->     ("open", None), then ("step", Step) per step, then ("end", None) or ("error", err)
+    ("cancel", ()) mid-stream ->   the child closes the stream at its next step and ends it with ("end", None)
+
+The child ignores SIGINT (the parent owns its life) and exits when the pipe closes, so it never outlives the app.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import signal
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from chatapp.errors import ChatappError, ModelDirError
+from chatapp.settings import GenerationSettings
+from chatapp.ui.backend import Message, ModelInfo, ProgramInfo, StepStream
+
+# EngineBackend methods that return a StepStream.
+_GENERATING = frozenset({"send", "regenerate", "edit_last"})
+# And those that answer once.
+_CALLS = frozenset({"new_session", "switch_program", "configure"})
+
+
+class ProcessBackend:
+    """`ChatBackend` whose engine (and its `ChatSession`) runs in a child process.
+
+    Construction waits until the child has loaded the model: a broken model directory raises `ModelDirError` here,
+    as `EngineBackend.load` would. `close()` (or leaving a `with` block) stops the child.
+    """
+
+    def __init__(self, model_dir: Path, *, device: str | None = None, start_timeout: float = 300.0) -> None:
+        context = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and CUDA state
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=serve, args=(child_conn, str(model_dir), device), name="chatapp-engine", daemon=True
+        )
+        self._process.start()
+        child_conn.close()  # the child's end lives in the child: EOF reaches us if it dies
+        self._streaming = False
+        self._cancelling = False
+        if not self._conn.poll(start_timeout):
+            self.close()
+            raise ModelDirError(f"the engine process did not load {model_dir} within {start_timeout:.0f}s")
+        kind, payload = self._receive()
+        if kind == "error":
+            self.close()
+            raise payload
+        self._info: ModelInfo
+        self._settings: GenerationSettings
+        self._info, self._settings, self._builtin = payload
+        self._constraint: str | None = None
+        self._program: ProgramInfo | None = None
+
+    # --- properties (mirrored here: the UI reads them every frame, a round trip each would be silly) -----------
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def settings(self) -> GenerationSettings:
+        return self._settings
+
+    @property
+    def constraint(self) -> str | None:
+        return self._constraint
+
+    @property
+    def program(self) -> ProgramInfo | None:
+        return self._program
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (None once it has been closed)."""
+        return self._process.pid if self._process.is_alive() else None
+
+    def builtin_programs(self) -> Sequence[str]:
+        return self._builtin
+
+    # --- calls --------------------------------------------------------------------------------------------------
+    def new_session(self, history: Sequence[Message] = ()) -> None:
+        self._call("new_session", [dict(message) for message in history])
+
+    def switch_program(self, name_or_path: str | None) -> ProgramInfo | None:
+        self._program = self._call("switch_program", name_or_path)
+        return self._program
+
+    def configure(self, settings: GenerationSettings, constraint: str | None) -> None:
+        self._call("configure", settings, constraint)
+        self._settings, self._constraint = settings, constraint or None
+
+    def send(self, text: str) -> StepStream:
+        return self._open("send", text)
+
+    def regenerate(self) -> StepStream:
+        return self._open("regenerate")
+
+    def edit_last(self, text: str) -> StepStream:
+        return self._open("edit_last", text)
+
+    def cancel(self, stream: StepStream) -> None:
+        """Ask the child to stop at its next step. The stream then yields the steps the child had already sent
+        (it runs a few ahead of the UI) and ends: they are part of the interrupted answer, which the child's session
+        keeps too, so what the UI shows and saves is exactly what the conversation continues from."""
+        if self._streaming and not self._cancelling:
+            self._cancelling = True
+            with contextlib.suppress(BrokenPipeError, OSError):  # a dead child: the stream's next read says so
+                self._conn.send(("cancel", ()))
+
+    def close(self) -> None:
+        """Stop the engine process (idempotent)."""
+        if self._process.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self._conn.send(("close", ()))
+            self._process.join(timeout=5)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        self._conn.close()
+
+    def __enter__(self) -> ProcessBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the pipe -----------------------------------------------------------------------------------------------
+    def _request(self, method: str, args: tuple[Any, ...]) -> None:
+        if self._streaming:
+            raise RuntimeError(f"{method}() while an answer is still streaming: close the stream first")
+        try:
+            self._conn.send((method, args))
+        except (BrokenPipeError, OSError):
+            raise self._died() from None
+
+    def _receive(self) -> tuple[str, Any]:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise self._died() from None
+
+    def _died(self) -> ChatappError:
+        self._process.join(timeout=5)
+        return ChatappError(
+            f"the engine process stopped (exit code {self._process.exitcode})",
+            hint="start chatapp again; if it keeps happening, run with --in-process to see the engine's own error",
+        )
+
+    def _call(self, method: str, *args: Any) -> Any:
+        self._request(method, args)
+        kind, payload = self._receive()
+        if kind == "error":
+            raise payload
+        return payload
+
+    def _open(self, method: str, *args: Any) -> StepStream:
+        """Validate on the child now (raising here, as `ChatSession` does), stream when iterated."""
+        self._call(method, *args)  # ("open", None) or the error that refused the call
+        self._streaming, self._cancelling = True, False
+        return self._stream()
+
+    def _stream(self) -> StepStream:
+        ended = False
+        try:
+            while True:
+                kind, payload = self._receive()
+                if kind == "step":
+                    yield payload
+                    continue
+                ended = True
+                if kind == "error":
+                    raise payload
+                return
+        finally:
+            if not ended:  # closed before its end: stop the child, drop what it still sends
+                self._cancel_and_drain()
+            self._streaming = False
+
+    def _cancel_and_drain(self) -> None:
+        try:
+            if not self._cancelling:
+                self._conn.send(("cancel", ()))
+            while self._receive()[0] == "step":
+                pass
+        except (ChatappError, BrokenPipeError, OSError):
+            pass  # the child died meanwhile: the next request reports it
+
+
+# --- the child ------------------------------------------------------------------------------------------------
+
+
+def serve(conn: Connection, model_dir: str, device: str | None) -> None:
+    """The engine process: load the model, then answer requests until the pipe closes or `close` arrives."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl+c belongs to the UI; it closes us through the pipe
+    from chatapp.ui.backend import EngineBackend
+
+    try:
+        backend = EngineBackend.load(Path(model_dir), device=device)
+    except ChatappError as err:
+        conn.send(("error", err))
+        return
+    except Exception as err:  # anything else is reported as a model-directory problem
+        conn.send(("error", ModelDirError(f"cannot load {model_dir}: {type(err).__name__}: {err}")))
+        return
+    conn.send(("ok", (backend.info, backend.settings, tuple(backend.builtin_programs()))))
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        if method == "close":
+            return
+        if method == "cancel":  # arrived after the stream had already ended: nothing left to stop
+            continue
+        if method not in _GENERATING | _CALLS:
+            conn.send(("error", ChatappError(f"unknown engine request {method!r}")))
+            continue
+        try:
+            result = getattr(backend, method)(*args)
+        except ChatappError as err:
+            conn.send(("error", err))
+            continue
+        if method in _CALLS:
+            conn.send(("ok", result))
+        else:
+            conn.send(("open", None))
+            _pump(conn, backend, result)
+
+
+def _pump(conn: Connection, backend: Any, stream: StepStream) -> None:
+    """Send a stream's steps until it ends or the parent cancels (checked after every step)."""
+    try:
+        for step in stream:
+            conn.send(("step", step))
+            if conn.poll():
+                request = conn.recv()
+                if request[0] == "cancel":
+                    backend.cancel(stream)
+                    break
+    except ChatappError as err:
+        conn.send(("error", err))
+        return
+    except Exception as err:  # an engine bug ends this answer, not the process or the app
+        conn.send(("error", ChatappError(f"the engine failed: {type(err).__name__}: {err}")))
+        return
+    finally:
+        stream.close()
+    conn.send(("end", None))

@@ -1,0 +1,140 @@
+"""The engine in its own process: the same events as the in-process backend, cancellation, errors, a dead child."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from chatapp.errors import ChatappError, ConstraintError, ModelDirError, ProgramError
+from chatapp.settings import GenerationSettings
+from chatapp.ui import make_app
+from chatapp.ui.app import close_backend
+from chatapp.ui.backend import EngineBackend
+from chatapp.ui.process import ProcessBackend
+from tests.ui.conftest import SIZE, FixedClock, send_and_wait
+
+GREEDY = GenerationSettings(max_tokens=12)
+SAMPLED = GenerationSettings(max_tokens=10, temperature=1.0, seed=7)
+
+
+@pytest.fixture(scope="module")
+def remote(routed_model_dir: Path) -> Iterator[ProcessBackend]:
+    """One engine process for the module (spawning one costs a few seconds: a fresh interpreter loads torch)."""
+    with ProcessBackend(routed_model_dir, device="cpu") as backend:
+        yield backend
+
+
+@pytest.fixture
+def local(routed_model_dir: Path) -> EngineBackend:
+    return EngineBackend.load(routed_model_dir, device="cpu")
+
+
+def _events(stream) -> list:
+    return [event for step in stream for event in step.tokens]
+
+
+def test_streams_exactly_what_the_in_process_backend_does(remote: ProcessBackend, local: EngineBackend) -> None:
+    assert remote.info == local.info and remote.builtin_programs() == local.builtin_programs()
+    for backend in (remote, local):
+        backend.new_session()
+        backend.configure(SAMPLED, None)
+    turns = [
+        (lambda b: b.send("What is 37*45?")),
+        (lambda b: b.send("And the letters in strawberry?")),  # the session continues the conversation
+        (lambda b: b.regenerate()),
+        (lambda b: b.edit_last("How many r in strawberry?")),
+    ]
+    for turn in turns:
+        assert _events(turn(remote)) == _events(turn(local))
+
+
+def test_cancel_ends_the_stream_with_the_steps_in_flight_and_the_session_keeps_them(
+    remote: ProcessBackend, local: EngineBackend
+) -> None:
+    for backend in (remote, local):
+        backend.new_session()
+        backend.configure(GenerationSettings(max_tokens=60), None)
+    stream = remote.send("Tell me a story.")
+    shown = [event for _, step in zip(range(3), stream, strict=False) for event in step.tokens]
+    remote.cancel(stream)
+    shown += _events(stream)  # the steps already in flight, then the end
+    assert 3 <= len(shown) < 60 and all(event.finish_reason is None for event in shown)
+    # The in-process backend stopped after the same tokens holds the same partial answer: the conversations agree.
+    stream = local.send("Tell me a story.")
+    partial = [event for _, step in zip(range(len(shown)), stream, strict=False) for event in step.tokens]
+    local.cancel(stream)
+    assert partial == shown
+    assert _events(remote.send("Go on.")) == _events(local.send("Go on."))
+
+
+def test_a_stream_closed_early_is_stopped_and_drained(remote: ProcessBackend) -> None:
+    remote.new_session()
+    remote.configure(GenerationSettings(max_tokens=60), None)
+    stream = remote.send("Tell me a story.")
+    next(stream)
+    stream.close()
+    assert _events(remote.send("Again"))  # the pipe holds nothing of the old answer
+
+
+def test_user_errors_cross_the_process_boundary_with_their_type_and_leave_state_alone(remote: ProcessBackend) -> None:
+    remote.new_session()
+    remote.configure(GREEDY, "[0-9]+")
+    with pytest.raises(ConstraintError, match=r"\(\[0-9\]"):
+        remote.configure(GenerationSettings(max_tokens=3), "([0-9]")
+    assert remote.settings == GREEDY and remote.constraint == "[0-9]+"
+    with pytest.raises(ProgramError, match=r"missing\.toml"):
+        remote.switch_program("missing.toml")
+    assert remote.program is None
+    info = remote.switch_program("chat")
+    assert info is not None and info.name == "chat" and info.tags and remote.program == info
+    assert remote.switch_program(None) is None
+    remote.configure(GREEDY, None)
+    assert _events(remote.send("Hi"))  # still serving
+
+
+def test_a_second_request_while_streaming_is_refused(remote: ProcessBackend) -> None:
+    remote.new_session()
+    remote.configure(GREEDY, None)
+    stream = remote.send("Hello")
+    next(stream)
+    with pytest.raises(RuntimeError, match="still streaming"):
+        remote.send("Again")
+    stream.close()
+    assert _events(remote.send("Again"))
+
+
+def test_a_broken_model_directory_fails_at_start(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelDirError, match=str(tmp_path)):
+        ProcessBackend(tmp_path, device="cpu")
+
+
+def test_a_dead_engine_process_is_reported_not_hung_on(routed_model_dir: Path) -> None:
+    backend = ProcessBackend(routed_model_dir, device="cpu")
+    try:
+        assert backend.pid is not None
+        os.kill(backend.pid, signal.SIGKILL)
+        with pytest.raises(ChatappError, match="engine process stopped"):
+            _events(backend.send("Hello"))
+    finally:
+        backend.close()
+    assert backend.pid is None
+
+
+@pytest.mark.asyncio
+async def test_the_app_on_an_engine_process(routed_model_dir: Path, local: EngineBackend, tmp_path: Path) -> None:
+    """`chatapp run`'s default: make_app spawns the engine process; the TUI shows what the engine generates."""
+    app = make_app(model_dir=routed_model_dir, device="cpu", db_path=tmp_path / "h.sqlite3", clock=FixedClock())
+    try:
+        app.backend.configure(GREEDY, None)
+        async with app.run_test(size=SIZE) as pilot:
+            await send_and_wait(pilot, "What is 37*45?")
+            shown = app.transcript.answers()[-1].events
+    finally:
+        close_backend(app.backend)
+    local.configure(GREEDY, None)
+    assert shown == _events(local.send("What is 37*45?"))
