@@ -101,7 +101,33 @@ class ChatBackend(Protocol):
         ...
 
 
-class EngineBackend:
+class BackendState:
+    """The read-only state every backend keeps on the UI's side: the model, and the settings, constraint and program
+    of the next answer (set by `configure` / `switch_program`)."""
+
+    _info: ModelInfo
+    _settings: GenerationSettings
+    _constraint: str | None = None
+    _program: ProgramInfo | None = None
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def settings(self) -> GenerationSettings:
+        return self._settings
+
+    @property
+    def constraint(self) -> str | None:
+        return self._constraint
+
+    @property
+    def program(self) -> ProgramInfo | None:
+        return self._program
+
+
+class EngineBackend(BackendState):
     """`ChatBackend` over the real engine: one `ChatSession` at a time on a loaded STT model."""
 
     def __init__(self, engine: Any, *, model_dir: Path, settings: GenerationSettings | None = None) -> None:
@@ -134,23 +160,6 @@ class EngineBackend:
         loaded = load_model(model_dir, device=device)
         engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
         return cls(engine, model_dir=loaded.path)
-
-    # --- properties -------------------------------------------------------------------------------------------
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def settings(self) -> GenerationSettings:
-        return self._settings
-
-    @property
-    def constraint(self) -> str | None:
-        return self._constraint
-
-    @property
-    def program(self) -> ProgramInfo | None:
-        return self._program
 
     # --- session ----------------------------------------------------------------------------------------------
     def builtin_programs(self) -> Sequence[str]:

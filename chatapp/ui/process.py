@@ -31,7 +31,7 @@ from typing import Any
 
 from chatapp.errors import ChatappError, ModelDirError
 from chatapp.settings import GenerationSettings
-from chatapp.ui.backend import Message, ModelInfo, ProgramInfo, StepStream
+from chatapp.ui.backend import BackendState, Message, ProgramInfo, StepStream
 
 # EngineBackend methods that return a StepStream.
 _GENERATING = frozenset({"send", "regenerate", "edit_last"})
@@ -39,7 +39,7 @@ _GENERATING = frozenset({"send", "regenerate", "edit_last"})
 _CALLS = frozenset({"new_session", "switch_program", "configure"})
 
 
-class ProcessBackend:
+class ProcessBackend(BackendState):
     """`ChatBackend` whose engine (and its `ChatSession`) runs in a child process.
 
     Construction waits until the child has loaded the model: a broken model directory raises `ModelDirError` here,
@@ -63,28 +63,8 @@ class ProcessBackend:
         if kind == "error":
             self.close()
             raise payload
-        self._info: ModelInfo
-        self._settings: GenerationSettings
+        # The state properties (`BackendState`) are mirrored on this side: the UI reads them every frame.
         self._info, self._settings, self._builtin = payload
-        self._constraint: str | None = None
-        self._program: ProgramInfo | None = None
-
-    # --- properties (mirrored here: the UI reads them every frame, a round trip each would be silly) -----------
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def settings(self) -> GenerationSettings:
-        return self._settings
-
-    @property
-    def constraint(self) -> str | None:
-        return self._constraint
-
-    @property
-    def program(self) -> ProgramInfo | None:
-        return self._program
 
     @property
     def pid(self) -> int | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from chatapp.engine.events import PromptInfo, Step, TokenEvent, ToolEvent
 from chatapp.errors import ChatappError, ConstraintError, ProgramError
 from chatapp.settings import GenerationSettings
-from chatapp.ui.backend import Message, ModelInfo, ProgramInfo, StepStream
+from chatapp.ui.backend import BackendState, Message, ModelInfo, ProgramInfo, StepStream
 from chatapp.ui.tokens import message_content
 
 STT_LAYERS = (1, 3, 5, 7)
@@ -162,7 +162,7 @@ def expression_tokens(expression: str) -> list[TokenEvent]:
     return [tok(piece) for piece in re.findall(r"\d+|\D", expression)]
 
 
-class ScriptedBackend:
+class ScriptedBackend(BackendState):
     """A `ChatBackend` that answers from a queue of scripted token lists (the last one repeats)."""
 
     def __init__(
@@ -181,25 +181,10 @@ class ScriptedBackend:
         # A test can make the next generating call refuse (as a session does when the context is full).
         self.refuse: ChatappError | None = None
         self.held = threading.Event()
+        self._info = INFO
         self._settings = GenerationSettings()
         self._constraint: str | None = None
         self._program: ProgramInfo | None = None
-
-    @property
-    def info(self) -> ModelInfo:
-        return INFO
-
-    @property
-    def settings(self) -> GenerationSettings:
-        return self._settings
-
-    @property
-    def constraint(self) -> str | None:
-        return self._constraint
-
-    @property
-    def program(self) -> ProgramInfo | None:
-        return self._program
 
     def builtin_programs(self) -> Sequence[str]:
         return tuple(PROGRAMS)
