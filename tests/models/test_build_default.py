@@ -73,3 +73,26 @@ def test_quick_recipe_keeps_the_code_path() -> None:
     quick = Recipe(gated_steps=10).quick()
     assert quick.gated_steps > 0 and quick.steps < Recipe().steps and quick.seed == Recipe().seed
     assert Recipe(gated_steps=0).quick().gated_steps == 0
+
+
+def test_calibrated_threshold_makes_the_student_select_what_the_teacher_selects(routed_model_dir: Path) -> None:
+    import torch
+
+    from chatapp.models.build_default import calibrate_router_threshold
+    from chatapp.stt.train import TokenStream
+
+    model = load_model(routed_model_dir, device="cpu").model
+    model.config.use_g_threshold_selection = False  # the teacher picks the top 70% of each window
+    model.config.capacity = 0.7
+    ids = torch.randint(10, model.config.vocab_size, (4096,), generator=torch.Generator().manual_seed(0))
+    data = TokenStream(ids, torch.ones_like(ids, dtype=torch.bool))
+    recipe = Recipe(seq_len=64)
+    threshold, teacher = calibrate_router_threshold(model, data, recipe, windows=32)
+    assert 0.05 <= threshold <= 0.95 and abs(teacher - 0.7) < 0.02
+    windows, _ = data.windows(torch.arange(data.num_windows(64)), 64)
+    with torch.no_grad():
+        out = model.forward_eval(windows, "teacher")
+    student = (out.router_probs >= threshold).float().mean().item()
+    # Calibrated on a sample of the windows; every window lands close to the teacher's fraction.
+    assert abs(student - out.selected.float().mean().item()) < 0.05
+    assert calibrate_router_threshold(model, data, recipe, windows=32) == (threshold, teacher)  # seeded
