@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import inspect
 import os
 import statistics
 import tempfile
@@ -103,22 +104,28 @@ class Run:
     tokens: list[int]
     seconds: float
     first_token: float
+    first_count: int  # tokens that arrived with each turn's first (summed over turns)
     ui_cpu: float = 0.0
 
-    def streaming_rate(self, turns: int) -> float:
-        """Tokens/s once each answer has started: tokens after each turn's first, over the time after it."""
-        return (len(self.tokens) - turns) / (self.seconds - self.first_token)
+    @property
+    def streaming_rate(self) -> float:
+        """Tokens/s once each answer has started: tokens after each turn's first arrival (a step, or a batch drawn),
+        over the time after it."""
+        return (len(self.tokens) - self.first_count) / (self.seconds - self.first_token)
 
 
 class TimedChatApp(ChatApp):
     """The chat app, noting when the first batch of each answer is drawn (for the time to first token)."""
 
+    # Textual resolves relative CSS paths against the module of the class that is run: anchor them to ChatApp's.
+    CSS_PATH = [Path(inspect.getfile(ChatApp)).parent / path for path in ChatApp.CSS_PATH]
     first_drawn: float | None = None
+    first_count = 0
 
     def _apply(self, generation, steps, *, final=False):
         events = super()._apply(generation, steps, final=final)
         if events and self.first_drawn is None:
-            self.first_drawn = time.perf_counter()
+            self.first_drawn, self.first_count = time.perf_counter(), len(events)
         return events
 
 
@@ -127,16 +134,17 @@ def engine_run(engine: Engine, settings: GenerationSettings, turns: Sequence[str
     gc.collect()
     session = engine.session()
     tokens: list[int] = []
-    first_token = 0.0
+    first_token, first_count = 0.0, 0
     started = time.perf_counter()
     for text in turns:
         sent: float | None = time.perf_counter()
         for step in session.send(text, settings):
             if step.tokens and sent is not None:
                 first_token += time.perf_counter() - sent
+                first_count += len(step.tokens)
                 sent = None
             tokens.extend(event.token for event in step.tokens)
-    return Run(tokens, time.perf_counter() - started, first_token)
+    return Run(tokens, time.perf_counter() - started, first_token, first_count)
 
 
 async def tui_run(backend: ChatBackend, settings: GenerationSettings, turns: Sequence[str], db: Path) -> Run:
@@ -145,7 +153,7 @@ async def tui_run(backend: ChatBackend, settings: GenerationSettings, turns: Seq
     backend.new_session()
     backend.configure(settings, None)
     app = TimedChatApp(backend, HistoryStore(db), cursor_blink=False)
-    first_token = 0.0
+    first_token, first_count = 0.0, 0
     async with app.run_test(size=(120, 36)) as pilot:
         # The app finishes starting up (footer keys, first paints) before the user types: not part of an answer.
         await pilot.pause()
@@ -153,15 +161,16 @@ async def tui_run(backend: ChatBackend, settings: GenerationSettings, turns: Seq
         gc.collect()
         started, cpu_started = time.perf_counter(), time.thread_time()  # run_test runs the app on this thread
         for text in turns:
-            app.first_drawn = None
+            app.first_drawn, app.first_count = None, 0
             sent = time.perf_counter()
             app.send(text)
             while app.is_generating:  # a plain sleep: Pilot.pause would also make the app's loop wait for idle
                 await asyncio.sleep(0.005)
             first_token += (app.first_drawn or time.perf_counter()) - sent
+            first_count += app.first_count
         elapsed, ui_cpu = time.perf_counter() - started, time.thread_time() - cpu_started
         tokens = [event.token for answer in app.transcript.answers() for event in answer.events]
-    return Run(tokens, elapsed, first_token, ui_cpu)
+    return Run(tokens, elapsed, first_token, first_count, ui_cpu)
 
 
 def compare(label: str, model_dir: Path, turns: Sequence[str], args: argparse.Namespace, tmp: Path) -> None:
@@ -206,7 +215,7 @@ def compare(label: str, model_dir: Path, turns: Sequence[str], args: argparse.Na
         count = len(runs[0].tokens)
         rate = count / min(run.seconds for run in runs)
         median_rate = count / statistics.median(run.seconds for run in runs)
-        streaming = statistics.median(run.streaming_rate(len(turns)) for run in runs)
+        streaming = statistics.median(run.streaming_rate for run in runs)
         first = statistics.median(run.first_token for run in runs) / len(turns)
         base = base or (rate, median_rate, streaming)
         ui_cpu = statistics.median(run.ui_cpu for run in runs)

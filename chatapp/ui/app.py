@@ -34,7 +34,7 @@ from chatapp.ui.screens.history import HistoryScreen, ResumeChoice
 from chatapp.ui.screens.program import ProgramChoice, ProgramScreen
 from chatapp.ui.screens.settings import SettingsChoice, SettingsScreen
 from chatapp.ui.stats import AnswerStats
-from chatapp.ui.streaming import BATCH_INTERVAL, Generation, GenerationEnded, Outcome
+from chatapp.ui.streaming import BATCH_INTERVAL, FirstTokens, Generation, GenerationEnded, Outcome
 from chatapp.ui.tokens import message_content, plain_text
 from chatapp.ui.widgets.heatmap import RoutingHeatmap
 from chatapp.ui.widgets.panels import StatsPanel, TokenInspector, ZonePills
@@ -226,9 +226,13 @@ class ChatApp(App[None]):
         worker = get_current_worker()
         outcome: Outcome = "complete"
         error: str | None = None
+        first = True
         try:
             for step in stream:
                 generation.channel.put(step)
+                if first and step.tokens:
+                    first = False
+                    self.post_message(FirstTokens(generation))
                 if worker.is_cancelled and outcome != "interrupted":
                     outcome = "interrupted"
                     # Keep reading: what a stream still yields after `cancel` belongs to the answer (an engine
@@ -244,6 +248,10 @@ class ChatApp(App[None]):
         """Timer tick: draw whatever the worker has produced since the last tick."""
         if steps := generation.channel.take():
             self._apply(generation, steps)
+
+    @on(FirstTokens)
+    def _on_first_tokens(self, message: FirstTokens) -> None:
+        self._take_batch(message.generation)
 
     @on(GenerationEnded)
     def _on_generation_ended(self, message: GenerationEnded) -> None:
