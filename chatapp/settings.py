@@ -82,6 +82,11 @@ def data_dir() -> Path:
     return Path(base) / "chatapp"
 
 
+def engine_log_path() -> Path:
+    """Where the TUI's engine process writes its output (loading messages, warnings, a crash's traceback)."""
+    return data_dir() / "engine.log"
+
+
 def history_db_path() -> Path:
     """The SQLite history database."""
     return data_dir() / "history.sqlite3"

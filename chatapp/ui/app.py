@@ -24,7 +24,7 @@ from textual.worker import Worker, WorkerCancelled, WorkerFailed, get_current_wo
 
 from chatapp.engine.events import Step, TokenEvent
 from chatapp.errors import ChatappError
-from chatapp.settings import config_dir, data_dir, history_db_path
+from chatapp.settings import config_dir, data_dir, engine_log_path, history_db_path
 from chatapp.ui.backend import ChatBackend, StepStream
 from chatapp.ui.commands import ChatCommands
 from chatapp.ui.export import export_conversation
@@ -475,6 +475,7 @@ class ChatApp(App[None]):
                 ("config", str(config_dir())),
                 ("exports", str(data_dir() / "exports")),
                 ("model", self.backend.info.path),
+                *((("engine log", str(log)),) if (log := getattr(self.backend, "log_path", None)) else ()),
             ),
         )
         self.push_screen(HelpScreen(facts))
@@ -513,7 +514,7 @@ def make_app(
         else:
             from chatapp.ui.process import ProcessBackend
 
-            backend = ProcessBackend(directory, device=device)
+            backend = ProcessBackend(directory, device=device, log_path=engine_log_path())
     try:
         if program is not None:
             backend.switch_program(program)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import signal
+import sys
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -46,11 +48,24 @@ class ProcessBackend(BackendState):
     as `EngineBackend.load` would. `close()` (or leaving a `with` block) stops the child.
     """
 
-    def __init__(self, model_dir: Path, *, device: str | None = None, start_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        device: str | None = None,
+        log_path: Path | None = None,
+        start_timeout: float = 300.0,
+    ) -> None:
         context = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and CUDA state
         self._conn, child_conn = context.Pipe()
+        # The child's stdout/stderr (loading progress, warnings, a crash's traceback) go to `log_path`: written to
+        # the terminal they would tear through the TUI's screen.
+        self.log_path = log_path
         self._process = context.Process(
-            target=serve, args=(child_conn, str(model_dir), device), name="chatapp-engine", daemon=True
+            target=serve,
+            args=(child_conn, str(model_dir), device, None if log_path is None else str(log_path)),
+            name="chatapp-engine",
+            daemon=True,
         )
         self._process.start()
         child_conn.close()  # the child's end lives in the child: EOF reaches us if it dies
@@ -138,8 +153,9 @@ class ProcessBackend(BackendState):
 
     def _died(self) -> ChatappError:
         self._process.join(timeout=5)
+        where = f"its output is in {self.log_path}" if self.log_path else "its output went to this terminal"
         return ChatappError(
-            f"the engine process stopped (exit code {self._process.exitcode})",
+            f"the engine process stopped (exit code {self._process.exitcode}); {where}",
             hint="start chatapp again; if it keeps happening, run with --in-process to see the engine's own error",
         )
 
@@ -186,9 +202,11 @@ class ProcessBackend(BackendState):
 # --- the child ------------------------------------------------------------------------------------------------
 
 
-def serve(conn: Connection, model_dir: str, device: str | None) -> None:
+def serve(conn: Connection, model_dir: str, device: str | None, log_path: str | None = None) -> None:
     """The engine process: load the model, then answer requests until the pipe closes or `close` arrives."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl+c belongs to the UI; it closes us through the pipe
+    if log_path is not None:
+        _redirect_output(log_path)
     from chatapp.ui.backend import EngineBackend
 
     try:
@@ -243,3 +261,14 @@ def _pump(conn: Connection, backend: Any, stream: StepStream) -> None:
     finally:
         stream.close()
     conn.send(("end", None))
+
+
+def _redirect_output(log_path: str) -> None:
+    """Point this process's stdout and stderr (the file descriptors, so C++ and child output follow) at the log."""
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)

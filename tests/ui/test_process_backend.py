@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import re
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,16 +116,40 @@ def test_a_broken_model_directory_fails_at_start(tmp_path: Path) -> None:
         ProcessBackend(tmp_path, device="cpu")
 
 
-def test_a_dead_engine_process_is_reported_not_hung_on(routed_model_dir: Path) -> None:
-    backend = ProcessBackend(routed_model_dir, device="cpu")
+def test_a_dead_engine_process_is_reported_not_hung_on(routed_model_dir: Path, tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "engine.log"
+    backend = ProcessBackend(routed_model_dir, device="cpu", log_path=log)
     try:
-        assert backend.pid is not None
+        assert backend.pid is not None and log.is_file()  # the child's output goes there, not to the terminal
         os.kill(backend.pid, signal.SIGKILL)
-        with pytest.raises(ChatappError, match="engine process stopped"):
+        with pytest.raises(ChatappError, match=f"engine process stopped.*{re.escape(str(log))}"):
             _events(backend.send("Hello"))
     finally:
         backend.close()
     assert backend.pid is None
+
+
+def _print_everywhere(log: str) -> None:
+    """Run in a spawned child: redirect as the engine process does, then write through Python and the raw fds."""
+    from chatapp.ui.process import _redirect_output
+
+    _redirect_output(log)
+    print("from python stdout")
+    print("from python stderr", file=sys.stderr)
+    os.write(2, b"from fd 2 (C++ code writes here)\n")
+
+
+def test_the_engine_process_output_goes_to_the_log_appended(tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "engine.log"
+    log.parent.mkdir()
+    log.write_text("earlier run\n")
+    child = multiprocessing.get_context("spawn").Process(target=_print_everywhere, args=(str(log),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    lines = log.read_text().splitlines()
+    assert lines[0] == "earlier run"  # appended, never truncated
+    assert set(lines[1:]) == {"from python stdout", "from python stderr", "from fd 2 (C++ code writes here)"}
 
 
 @pytest.mark.asyncio
