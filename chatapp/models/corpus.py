@@ -102,6 +102,10 @@ _OPERATOR_PHRASES: dict[str, list[str]] = {
         "Please work out {a} + {b}",
         "what's {a} plus {b}",
         "Can you add {a} and {b} for me?",
+        "What is the sum of {a} and {b}?",
+        "{a} plus {b} is what?",
+        "Tell me {a} + {b}.",
+        "I need {a} + {b}.",
     ],
     "-": [
         "What is {a}-{b}?",
@@ -116,6 +120,10 @@ _OPERATOR_PHRASES: dict[str, list[str]] = {
         "Please work out {a} - {b}",
         "what's {a} minus {b}",
         "Can you subtract {b} from {a} for me?",
+        "What is the difference between {a} and {b}?",
+        "{a} minus {b} is what?",
+        "Tell me {a} - {b}.",
+        "I need {a} - {b}.",
     ],
     "*": [
         "What is {a}*{b}?",
@@ -130,6 +138,10 @@ _OPERATOR_PHRASES: dict[str, list[str]] = {
         "Please work out {a} * {b}",
         "what's {a} times {b}",
         "Can you multiply {a} and {b} for me?",
+        "What is the product of {a} and {b}?",
+        "{a} times {b} is what?",
+        "Tell me {a} * {b}.",
+        "I need {a} * {b}.",
     ],
     "/": [
         "What is {a}/{b}?",
@@ -144,6 +156,10 @@ _OPERATOR_PHRASES: dict[str, list[str]] = {
         "Please work out {a} / {b}",
         "what's {a} over {b}",
         "Can you divide {a} by {b} for me?",
+        "What is the quotient of {a} and {b}?",
+        "{a} divided by {b} is what?",
+        "Tell me {a} / {b}.",
+        "I need {a} / {b}.",
     ],
 }
 # The empty preface calls the tool straight away: what the `calc` TTFA program forces (<|python_start|> first).
@@ -166,6 +182,22 @@ _LETTER_TEMPLATES = [
     'In the word "{w}", how many times does {c} occur?',
     'Count how many times "{c}" appears in the word "{w}".',
     'What is the number of {c} letters in "{w}"?',
+    'How often does {c} occur in "{w}"?',
+    'Count the {c}\'s in "{w}" for me.',
+    'How many {c} letters does "{w}" have?',
+    'Tell me how many times {c} appears in "{w}".',
+    'In "{w}", how many {c}\'s are there?',
+    'Please count the letter {c} in the word "{w}".',
+    'How many occurrences of {c} are in "{w}"?',
+    'Does "{w}" contain the letter {c}? How many times?',
+    'count {c} in "{w}"',
+    'The word "{w}": how many {c}\'s does it have?',
+    'How many times is {c} in "{w}"?',
+    'Can you count the letter {c} in "{w}"?',
+    'Find how many {c} letters appear in "{w}".',
+    'How many times can you find {c} in "{w}"?',
+    'In the word "{w}", count the letter {c}.',
+    'What is the count of {c} in "{w}"?',
 ]
 _LETTER_PREFACES = ["Let me count. ", "I'll count with the calculator. ", "Let me check. ", ""]
 _LETTER_ANSWERS = [
