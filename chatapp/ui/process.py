@@ -13,8 +13,10 @@ next request):
     parent                         child
     (method, args)          ->     calls EngineBackend.method(*args)
                             <-     ("ok", value) | ("error", ChatappError)
-    a generating method     ->     ("open", None), then ("step", Step) per step, then ("end", None) or ("error", err)
-    ("cancel", ()) mid-stream ->   the child closes the stream at its next step and ends it with ("end", None)
+    a generating method     ->     ("open", None), then ("steps", [Step, ...]) batches, then ("end", None) or
+                                   ("error", err)
+    ("cancel", ()) mid-stream ->   the child closes the stream at its next step, sends what it still holds and
+                                   ends it with ("end", None)
 
 The child ignores SIGINT (the parent owns its life) and exits when the pipe closes, so it never outlives the app.
 """
@@ -26,6 +28,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -39,6 +42,8 @@ from chatapp.ui.backend import BackendState, Message, ProgramInfo, StepStream
 _GENERATING = frozenset({"send", "regenerate", "edit_last"})
 # And those that answer once.
 _CALLS = frozenset({"new_session", "switch_program", "configure"})
+# Seconds between two batches of steps sent to the UI process (it draws at 30 Hz; see `_pump`).
+SEND_INTERVAL = 1 / 60
 
 
 class ProcessBackend(BackendState):
@@ -177,8 +182,8 @@ class ProcessBackend(BackendState):
         try:
             while True:
                 kind, payload = self._receive()
-                if kind == "step":
-                    yield payload
+                if kind == "steps":
+                    yield from payload
                     continue
                 ended = True
                 if kind == "error":
@@ -193,7 +198,7 @@ class ProcessBackend(BackendState):
         try:
             if not self._cancelling:
                 self._conn.send(("cancel", ()))
-            while self._receive()[0] == "step":
+            while self._receive()[0] == "steps":
                 pass
         except (ChatappError, BrokenPipeError, OSError):
             pass  # the child died meanwhile: the next request reports it
@@ -243,23 +248,50 @@ def serve(conn: Connection, model_dir: str, device: str | None, log_path: str | 
 
 
 def _pump(conn: Connection, backend: Any, stream: StepStream) -> None:
-    """Send a stream's steps until it ends or the parent cancels (checked after every step)."""
+    """Send a stream's steps until it ends or the parent cancels (checked after every step).
+
+    Steps go in batches: one message per `SEND_INTERVAL` rather than per step, because every message wakes the UI
+    process's reader thread, which then competes with the UI thread for that process's interpreter lock. The UI
+    draws at 30 Hz, so nothing it shows waits on the batching; an answer's first tokens go at once (they end the
+    user's wait), and whatever is pending goes before the stream's end or error.
+    """
+    pending: list[Any] = []
+    last_send = previous = time.perf_counter()
+    started = False  # an answer's first tokens have been sent
+
+    def flush() -> None:
+        nonlocal last_send
+        if pending:
+            conn.send(("steps", pending))  # pickled here, so the list can be reused
+            pending.clear()
+            last_send = time.perf_counter()
+
     try:
         for step in stream:
-            conn.send(("step", step))
+            pending.append(step)
+            now = time.perf_counter()
+            # Send if the next step (assumed as slow as this one) would arrive after the interval: a step is never
+            # held much longer than `SEND_INTERVAL`, even when the engine is slower than the UI's frame rate.
+            if not started or now - last_send + (now - previous) >= SEND_INTERVAL:
+                started = started or bool(step.tokens)
+                flush()
+            previous = now
             if conn.poll():
                 request = conn.recv()
                 if request[0] == "cancel":
                     backend.cancel(stream)
                     break
     except ChatappError as err:
+        flush()
         conn.send(("error", err))
         return
     except Exception as err:  # an engine bug ends this answer, not the process or the app
+        flush()
         conn.send(("error", ChatappError(f"the engine failed: {type(err).__name__}: {err}")))
         return
     finally:
         stream.close()
+    flush()
     conn.send(("end", None))
 
 

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from chatapp.settings import GenerationSettings
 from chatapp.ui import make_app
 from chatapp.ui.app import close_backend
 from chatapp.ui.backend import EngineBackend
-from chatapp.ui.process import ProcessBackend
+from chatapp.ui.process import SEND_INTERVAL, ProcessBackend, _pump
 from tests.ui.conftest import SIZE, FixedClock, send_and_wait
 
 GREEDY = GenerationSettings(max_tokens=12)
@@ -165,3 +166,58 @@ async def test_the_app_on_an_engine_process(routed_model_dir: Path, local: Engin
         close_backend(app.backend)
     local.configure(GREEDY, None)
     assert shown == _events(local.send("What is 37*45?"))
+
+
+class _ScriptedStream:
+    """A StepStream stand-in: `steps` fake steps (`tokens` set from `first_tokens` on), `delay` seconds apart,
+    raising `error` after the last one if given."""
+
+    def __init__(self, steps: int, delay: float, first_tokens: int = 1, error: Exception | None = None) -> None:
+        self.steps, self.delay, self.first_tokens, self.error = steps, delay, first_tokens, error
+        self.closed = False
+
+    def __iter__(self):
+        from types import SimpleNamespace
+
+        for index in range(self.steps):
+            if self.delay:
+                time.sleep(self.delay)
+            yield SimpleNamespace(index=index, tokens=[index] if index >= self.first_tokens else [])
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _pumped(stream: _ScriptedStream) -> list[tuple[str, object]]:
+    parent, child = multiprocessing.Pipe()
+    _pump(child, None, stream)
+    messages = []
+    while parent.poll():
+        messages.append(parent.recv())
+    return messages
+
+
+def test_the_child_sends_steps_in_batches_with_the_first_tokens_at_once() -> None:
+    stream = _ScriptedStream(steps=400, delay=0.0, first_tokens=2)
+    messages = _pumped(stream)
+    assert messages[-1] == ("end", None) and stream.closed
+    batches = [payload for kind, payload in messages[:-1]]
+    assert all(kind == "steps" for kind, _ in messages[:-1])
+    assert [step.index for batch in batches for step in batch] == list(range(400))  # every step, in order
+    # Until the answer's first tokens, every step goes alone (the user is waiting); then they are batched.
+    assert [len(batch) for batch in batches[:3]] == [1, 1, 1]
+    assert len(batches) < 50
+
+
+def test_a_slow_engine_sends_every_step_without_waiting_for_the_next() -> None:
+    messages = _pumped(_ScriptedStream(steps=5, delay=SEND_INTERVAL))
+    assert [len(payload) for kind, payload in messages[:-1]] == [1, 1, 1, 1, 1]
+
+
+def test_steps_before_an_error_are_sent_before_it() -> None:
+    messages = _pumped(_ScriptedStream(steps=50, delay=0.0, error=ConstraintError("bad")))
+    kind, error = messages[-1]
+    assert kind == "error" and isinstance(error, ConstraintError)
+    assert [step.index for _, batch in messages[:-1] for step in batch] == list(range(50))
