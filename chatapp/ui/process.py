@@ -24,6 +24,7 @@ The child ignores SIGINT (the parent owns its life) and exits when the pipe clos
 from __future__ import annotations
 
 import contextlib
+import inspect
 import multiprocessing
 import os
 import signal
@@ -76,6 +77,7 @@ class ProcessBackend(BackendState):
         child_conn.close()  # the child's end lives in the child: EOF reaches us if it dies
         self._streaming = False
         self._cancelling = False
+        self._stream_gen: StepStream | None = None
         if not self._conn.poll(start_timeout):
             self.close()
             raise ModelDirError(f"the engine process did not load {model_dir} within {start_timeout:.0f}s")
@@ -143,6 +145,10 @@ class ProcessBackend(BackendState):
 
     # --- the pipe -----------------------------------------------------------------------------------------------
     def _request(self, method: str, args: tuple[Any, ...]) -> None:
+        if self._streaming and inspect.getgeneratorstate(self._stream_gen) == inspect.GEN_CLOSED:
+            # Closed before it was ever iterated, so its `finally` never ran: stop the child's answer now.
+            self._streaming = False
+            self._cancel_and_drain()
         if self._streaming:
             raise RuntimeError(f"{method}() while an answer is still streaming: close the stream first")
         try:
@@ -175,7 +181,8 @@ class ProcessBackend(BackendState):
         """Validate on the child now (raising here, as `ChatSession` does), stream when iterated."""
         self._call(method, *args)  # ("open", None) or the error that refused the call
         self._streaming, self._cancelling = True, False
-        return self._stream()
+        self._stream_gen = self._stream()
+        return self._stream_gen
 
     def _stream(self) -> StepStream:
         ended = False

@@ -84,6 +84,15 @@ def test_a_stream_closed_early_is_stopped_and_drained(remote: ProcessBackend) ->
     assert _events(remote.send("Again"))  # the pipe holds nothing of the old answer
 
 
+def test_a_stream_closed_before_it_was_read_is_stopped_too(remote: ProcessBackend) -> None:
+    remote.new_session()
+    remote.configure(GenerationSettings(max_tokens=40), None)
+    remote.send("Tell me a story.").close()  # never iterated, but the child is already generating it
+    events = _events(remote.send("Go on."))  # not refused as "still streaming", and nothing of the old answer
+    assert events and events[-1].finish_reason is not None
+    assert sum(event.finish_reason is not None for event in events) == 1
+
+
 def test_user_errors_cross_the_process_boundary_with_their_type_and_leave_state_alone(remote: ProcessBackend) -> None:
     remote.new_session()
     remote.configure(GREEDY, "[0-9]+")
