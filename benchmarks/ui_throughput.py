@@ -121,11 +121,15 @@ class TimedChatApp(ChatApp):
     CSS_PATH = [Path(inspect.getfile(ChatApp)).parent / path for path in ChatApp.CSS_PATH]
     first_drawn: float | None = None
     first_count = 0
+    answered: asyncio.Event | None = None  # set when an answer's last batch has been drawn
 
     def _apply(self, generation, steps, *, final=False):
         events = super()._apply(generation, steps, final=final)
         if events and self.first_drawn is None:
             self.first_drawn, self.first_count = time.perf_counter(), len(events)
+        if final and self.answered is not None:
+            # Called from the handler that ends the answer; the benchmark resumes only after that handler returns.
+            self.answered.set()
         return events
 
 
@@ -162,10 +166,11 @@ async def tui_run(backend: ChatBackend, settings: GenerationSettings, turns: Seq
         started, cpu_started = time.perf_counter(), time.thread_time()  # run_test runs the app on this thread
         for text in turns:
             app.first_drawn, app.first_count = None, 0
+            app.answered = asyncio.Event()  # awaited, not polled: a poll's sleep would be charged to the TUI
             sent = time.perf_counter()
             app.send(text)
-            while app.is_generating:  # a plain sleep: Pilot.pause would also make the app's loop wait for idle
-                await asyncio.sleep(0.005)
+            await app.answered.wait()
+            assert not app.is_generating
             first_token += (app.first_drawn or time.perf_counter()) - sent
             first_count += app.first_count
         elapsed, ui_cpu = time.perf_counter() - started, time.thread_time() - cpu_started
