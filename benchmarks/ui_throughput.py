@@ -169,6 +169,8 @@ async def tui_run(backend: ChatBackend, settings: GenerationSettings, turns: Seq
             app.answered = asyncio.Event()  # awaited, not polled: a poll's sleep would be charged to the TUI
             sent = time.perf_counter()
             app.send(text)
+            if not app.is_generating:  # refused (e.g. the context is full): it said so in a notification
+                raise RuntimeError(f"the app refused to answer {text!r} (too long for the model's context?)")
             await app.answered.wait()
             assert not app.is_generating
             first_token += (app.first_drawn or time.perf_counter()) - sent

@@ -44,7 +44,7 @@ class Recipe:
     num_layers: int = 6
     intermediate_size: int = 576
     num_heads: int = 3
-    num_kv_heads: int = 1
+    num_kv_heads: int = 3
     context: int = 256
     # Training: conversations laid end to end and cut into windows (chatapp.stt.train), AdamW with linear warmup
     # then cosine decay to `min_lr_ratio` of the peak. `lr` is the base model's peak learning rate.
