@@ -526,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="override the dense phase's steps")
     parser.add_argument("--gated-steps", type=int, help="override the gated phase's steps")
     parser.add_argument("--threads", type=int, help="override the recipe's CPU threads")
+    parser.add_argument(
+        "--seed", type=int, help="override the recipe's seed (corpus, initialisation, batch order): to measure variance"
+    )
     args = parser.parse_args(argv)
     recipe = Recipe().quick() if args.quick else Recipe()
     if args.steps is not None:
@@ -534,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe = replace(recipe, gated_steps=args.gated_steps)
     if args.threads:
         recipe = replace(recipe, threads=args.threads)
+    if args.seed is not None:
+        recipe = replace(recipe, seed=args.seed)
 
     def log(message: str) -> None:
         print(message, flush=True)

@@ -42,6 +42,13 @@ def test_build_is_reproducible(built: Path, tmp_path: Path) -> None:
         assert (again / name).read_bytes() == (built / name).read_bytes(), name
 
 
+def test_another_seed_builds_another_model(built: Path, tmp_path: Path) -> None:
+    other = tmp_path / "seed1"
+    assert main(["--quick", "--seed", "1", "--out", str(other)]) == 0
+    assert (other / "model.safetensors").read_bytes() != (built / "model.safetensors").read_bytes()
+    assert "| `seed` | `1` |" in (other / "MODEL_CARD.md").read_text()
+
+
 def _metrics(calculator: float, student_ppl: float, fractions: list[float], f1: list[float]) -> Metrics:
     def tally(rate: float) -> dict[str, float | int]:
         return {"correct": round(rate * 100), "total": 100, "rate": rate}
