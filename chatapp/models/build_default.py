@@ -204,7 +204,8 @@ def _progress(log, every: int, started: float):
 
 
 def train_model(recipe: Recipe, corpus: list[Conversation], chat_format, log=print):
-    """Initialise the STT model with the recipe's seed and train it: the dense phase, then the gated one if any."""
+    """Initialise the STT model with the recipe's seed and train it: the dense phase, then the gated one if any;
+    returns the model and the seconds training took."""
     import torch
 
     from chatapp.stt import STTForCausalLM
@@ -252,7 +253,7 @@ def train_model(recipe: Recipe, corpus: list[Conversation], chat_format, log=pri
             on_step=_progress(log, max(1, recipe.gated_steps // 20), started),
         )
     model.config.routing_trained = True
-    return model, data, time.perf_counter() - started
+    return model, time.perf_counter() - started
 
 
 def calibrate_model_dir(directory: Path, conversations: list[Conversation], log=print) -> float:
@@ -361,7 +362,7 @@ def _build(recipe: Recipe, out_dir: Path, log) -> Metrics:
     corpus, tokenizer, heldout = build_corpus(recipe)
     chat_format = ChatFormat(tokenizer)
     log(f"corpus: {len(corpus)} train / {len(heldout)} held-out conversations; vocab {tokenizer.get_vocab_size()}")
-    model, _, train_seconds = train_model(recipe, corpus, chat_format, log)
+    model, train_seconds = train_model(recipe, corpus, chat_format, log)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
     try:
