@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chatapp.errors import TrainingError
 from chatapp.stt import STTForCausalLM
@@ -45,6 +47,42 @@ def test_token_stream_windows_and_batches():
     assert ids.tolist() == [[4, 5, 6], [1, 2, 3]]
     assert mask.tolist() == [[False, False, True], [False, True, True]]
     assert [b[0].shape[0] for b in data.batches(1, 3)] == [1, 1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30), seq_len=st.integers(2, 24))
+def test_windows_start_at_sequences_and_hold_each_short_one_whole(lengths, seq_len):
+    """Oracle: brute force over the stream. Every window begins where a sequence begins (or goes on inside one
+    longer than a window), every sequence that fits a window lies whole in one, and no stretch of a window's
+    length is left out of every window."""
+    sequences = [([100 * i + j for j in range(n)], [j % 2 for j in range(n)]) for i, n in enumerate(lengths)]
+    data = TokenStream.from_sequences(sequences)
+    ids = data.ids.tolist()
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    offsets = data.window_offsets(seq_len).tolist()
+    assert offsets == sorted(set(offsets)) and all(o + seq_len <= len(ids) for o in offsets)
+    assert data.num_windows(seq_len) == len(offsets) >= (1 if len(ids) >= seq_len else 0)
+    for offset in offsets:
+        owner = max(s for s in starts if s <= offset)
+        assert offset == owner or offset - owner >= seq_len  # inside a sequence only when it is longer than a window
+    covered = [False] * len(ids)
+    for offset in offsets:
+        covered[offset : offset + seq_len] = [True] * seq_len
+    for start, n in zip(starts, lengths, strict=True):
+        if n <= seq_len and start + seq_len <= len(ids):
+            assert any(o <= start and start + n <= o + seq_len for o in offsets), (start, n)
+    last_window_end = max((o + seq_len for o in offsets), default=0)
+    assert all(covered[:last_window_end]) and len(ids) - last_window_end < seq_len + max(lengths)
+    if offsets:
+        window_ids, window_mask = data.windows(torch.arange(len(offsets)), seq_len)
+        assert window_ids.tolist() == [ids[o : o + seq_len] for o in offsets]
+        assert window_mask.tolist() == [[bool(m) for m in data.loss_mask.tolist()[o : o + seq_len]] for o in offsets]
+
+
+def test_stream_without_sequence_starts_is_cut_at_multiples_of_the_window():
+    data = stream(100)
+    assert data.window_offsets(30).tolist() == [0, 30, 60]
+    assert torch.equal(data.windows(torch.tensor([2]), 30)[0][0], data.ids[60:90])
 
 
 def test_training_checkpoints_and_resumes_exactly(tmp_path):
