@@ -38,6 +38,8 @@ class Recipe:
     vocab_size: int = 2048
     # Characters the tokenizer never merges (see `train_bpe_tokenizer`): `"` makes quoted words copyable.
     isolated_chars: str = ""
+    # Quoted lowercase words are spelled one token per letter (`train_bpe_tokenizer`): letter counting copies them.
+    spell_quoted_words: bool = True
     # Shape: blocks hold most parameters (the vocabulary of this corpus is under 2k tokens); STT layers alternate
     # with dense ones, starting at layer 1, as in the STT paper.
     hidden_size: int = 192
@@ -102,6 +104,7 @@ def build_tokenizer(corpus: list[Conversation], recipe: Recipe):
         SPECIAL_TOKENS,
         individual_digits=True,
         isolated=recipe.isolated_chars,
+        spell_quoted_words=recipe.spell_quoted_words,
     )
 
 

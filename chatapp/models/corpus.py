@@ -162,6 +162,37 @@ _OPERATOR_PHRASES: dict[str, list[str]] = {
         "I need {a} / {b}.",
     ],
 }
+# Training-only phrasings that teach the words the held-out phrasings are made of. A model trained from scratch on
+# this corpus knows a word only from the corpus, and the BPE tokens of `Add` (sentence-initial) and ` add` are
+# unrelated ids: with no training phrasing starting `Add`, `Multiply` or `Divide`, held-out `Add {a} and {b}.`
+# scored 0% on every run through J while `{a} plus {b} is what?` scored 100%. These keep the held-out phrasings
+# unseen as phrasings; `test_corpus` checks that every word of a held-out phrasing occurs in training ones.
+_TRAIN_ONLY_OPERATOR_PHRASES: dict[str, list[str]] = {
+    "+": [
+        "Add {a} to {b}.",
+        "Please add {a} and {b}.",
+        "Could you work out {a} plus {b}?",
+        "Tell me what {a} plus {b} is.",
+    ],
+    "-": [
+        "Subtract {b} from {a} and give me the result.",
+        "Please subtract {b} from {a}.",
+        "Could you work out {a} minus {b}?",
+        "Tell me what {a} minus {b} is.",
+    ],
+    "*": [
+        "Multiply {a} and {b} together.",
+        "Please multiply {a} by {b}.",
+        "Could you work out {a} times {b}?",
+        "Tell me what {a} times {b} is.",
+    ],
+    "/": [
+        "Divide {a} into {b} equal parts.",
+        "Please divide {a} by {b}.",
+        "Could you work out {a} divided by {b}?",
+        "Tell me what {a} divided by {b} is.",
+    ],
+}
 # The empty preface calls the tool straight away: what the `calc` TTFA program forces (<|python_start|> first).
 _CALC_PREFACES = ["Let me compute that. ", "I'll use the calculator. ", "Let me calculate. ", ""]
 _CALC_ANSWERS = ["{expr} is {result}.", "The answer is {result}.", "{expr} = {result}."]
@@ -198,6 +229,14 @@ _LETTER_TEMPLATES = [
     'How many times can you find {c} in "{w}"?',
     'In the word "{w}", count the letter {c}.',
     'What is the count of {c} in "{w}"?',
+]
+# Training-only letter phrasings, for the same reason as `_TRAIN_ONLY_OPERATOR_PHRASES` (held-out `How many times can
+# you find {c} in ...` was answered with `.count("f")`: ` find` was a word the model had never read).
+_TRAIN_ONLY_LETTER_TEMPLATES = [
+    'Could you count the {c}\'s in "{w}" for me?',
+    'Please count how many {c}\'s are in "{w}".',
+    'The word is "{w}". How many {c}\'s are in it?',
+    'Tell me if you can find {c} in "{w}", and how many times.',
 ]
 _LETTER_PREFACES = ["Let me count. ", "I'll count with the calculator. ", "Let me check. ", ""]
 _LETTER_ANSWERS = [
@@ -551,6 +590,8 @@ _JSON_REQUESTS = [
     "Return JSON.",
     "Give me JSON.",
 ]
+# Training-only, as `_TRAIN_ONLY_OPERATOR_PHRASES`: the words of the held-out requests.
+_TRAIN_ONLY_THINK_REQUESTS = ["Think about it carefully first.", "Think it over before answering."]
 _THINK_REQUESTS = [
     "Think first.",
     "Think before you answer.",
@@ -629,12 +670,15 @@ def _pools(split: Split) -> _Pools:
         numbers_small=[n for n in range(2, 100) if _heldout_number(n) == heldout],
         numbers_large=[n for n in range(100, 1000) if _heldout_number(n) == heldout],
         words=_split_list(_WORDS, split, every=5),
-        operator_phrases={op: _split_list(t, split) for op, t in _OPERATOR_PHRASES.items()},
-        letter_templates=_split_list(_LETTER_TEMPLATES, split),
+        operator_phrases={
+            op: _split_list(t, split) + ([] if heldout else _TRAIN_ONLY_OPERATOR_PHRASES[op])
+            for op, t in _OPERATOR_PHRASES.items()
+        },
+        letter_templates=_split_list(_LETTER_TEMPLATES, split) + ([] if heldout else _TRAIN_ONLY_LETTER_TEMPLATES),
         fact_questions={name: _split_list(c.questions, split) for name, c in _FACTS.items()},
         smalltalk=[(_split_list(users, split), replies, topic) for users, replies, topic in _SMALLTALK],
         json_requests=_split_list(_JSON_REQUESTS, split),
-        think_requests=_split_list(_THINK_REQUESTS, split),
+        think_requests=_split_list(_THINK_REQUESTS, split) + ([] if heldout else _TRAIN_ONLY_THINK_REQUESTS),
     )
 
 

@@ -31,6 +31,7 @@ def train_bpe_tokenizer(
     min_frequency: int = 2,
     individual_digits: bool = False,
     isolated: str = "",
+    spell_quoted_words: bool = False,
 ) -> Tokenizer:
     """Train a byte-level BPE tokenizer on `texts`. Special tokens take the first ids, in the order given.
 
@@ -42,9 +43,19 @@ def train_bpe_tokenizer(
     `"`: a quoted word in a question (` "word"`) then starts with the same `"` id as the word the model quotes in
     its calculator call (`"word".count(...)`), so copying the word is a plain match-and-copy (induction) step
     instead of a lookup across two different ids (`Ġ"` vs `"`).
+
+    `spell_quoted_words` cuts a lowercase word in double quotes (`"banana"`) into one token per letter, quotes
+    separate, as digits are: the default model's letter-counting questions quote the word and its calculator call
+    quotes it again, so copying an unseen word is copying 26 well-trained letter ids instead of BPE pieces it met in
+    other words (run J wrote `"lavender"` as `"lav5`). Words outside quotes merge as usual. Two regex splits do it
+    (the second only finds letters whose piece ends in a quote, i.e. the quoted words the first cut out), so the
+    rule is plain data in tokenizer.json; a text that itself ends in `word"` also gets that word spelled.
     """
     tok = Tokenizer(models.BPE())
     steps: list[pre_tokenizers.PreTokenizer] = []
+    if spell_quoted_words:
+        steps.append(pre_tokenizers.Split(Regex('"[a-z]+"'), "isolated"))
+        steps.append(pre_tokenizers.Split(Regex('[a-z](?=[a-z]*"\\z)'), "isolated"))
     if isolated:
         steps.append(pre_tokenizers.Split(Regex("[" + "".join(re.escape(c) for c in isolated) + "]"), "isolated"))
     if individual_digits:

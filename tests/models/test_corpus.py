@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+from tokenizers import pre_tokenizers
 
 from chatapp.chat import ChatFormat
 from chatapp.models.corpus import THINK_CLOSE, THINK_OPEN, Conversation, conversation_text, generate_corpus
@@ -138,3 +139,23 @@ def test_word_pieces_build_invented_words_and_stay_out_of_heldout(train: list[Co
 def test_word_pieces_must_be_lowercase_letters(bad: tuple[str, ...]) -> None:
     with pytest.raises(ValueError, match="lowercase ASCII letters"):
         generate_corpus(10, "train", word_pieces=bad)
+
+
+def _question_words(conv: Conversation) -> set[str]:
+    """The words of a conversation's question as the tokenizer's pre-tokenizer cuts them (` add` and `Add` differ),
+    without the operands, the quoted word and the letter, which the held-out split draws apart on purpose."""
+    text = re.sub(r'"[a-z]+"|\d+', " ", conv.question)
+    pieces = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True).pre_tokenize_str(text)
+    return {p for p, _ in pieces if sum(ch.isalpha() for ch in p) > 1}
+
+
+@pytest.mark.parametrize("kind", ["arithmetic", "letters"])
+def test_heldout_phrasings_are_new_but_made_of_words_training_uses(
+    train: list[Conversation], heldout: list[Conversation], kind: str
+) -> None:
+    """Held-out tool questions are phrased in ways training never uses, from words training does use: a model built
+    from this corpus alone can only know what `Multiply` means from training questions that say it."""
+    known = set().union(*(_question_words(c) for c in train if c.kind == kind))
+    for conv in heldout:
+        if conv.kind == kind:
+            assert _question_words(conv) <= known, (conv.question, sorted(_question_words(conv) - known))

@@ -1,4 +1,4 @@
-"""The tokenizer trainer's digit option: numbers become one id per digit, and text still round-trips."""
+"""The tokenizer trainer's options (single digits, isolated characters, spelled quoted words); text still round-trips."""
 
 from __future__ import annotations
 
@@ -44,3 +44,21 @@ def test_isolated_characters_are_never_merged() -> None:
 def test_without_isolation_quotes_merge_with_their_neighbours() -> None:
     tok = train_bpe_tokenizer(QUOTED, vocab_size=400)
     assert any(len(t) > 1 and '"' in t for t in tok.encode(' "strawberry"?').tokens)
+
+
+def test_spelled_quoted_words_are_one_id_per_letter_in_question_and_call() -> None:
+    tok = train_bpe_tokenizer(QUOTED, vocab_size=400, spell_quoted_words=True)
+    question = tok.encode('How many r in "strawberry"?').tokens
+    call = tok.encode('"strawberry".count("r")').tokens
+    spelled = ['"', *"strawberry", '"']
+    assert question[question.index('"') :][: len(spelled)] == spelled
+    assert call[: len(spelled)] == spelled
+    # Unquoted words still merge (the corpus repeats them, so BPE learned them whole).
+    assert "Ġmany" in question and "count" in call
+    for text in ['say "hi there" and "ok"', '"Paris" is "capital of France"', 'x"y"z', '""""', 'it "ends here"']:
+        assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_words_are_not_spelled_unless_asked() -> None:
+    tok = train_bpe_tokenizer(QUOTED, vocab_size=400)
+    assert "strawberry" in tok.encode('"strawberry".count("r")').tokens
