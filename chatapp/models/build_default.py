@@ -477,13 +477,17 @@ arithmetic (`+ - * /` on integers, answered through the calculator: text, python
 letter counting (python `"word".count("x")`), facts, small talk, JSON answers and think-then-answer, some
 multi-turn or with a system prompt. Tool outputs are computed with `chatapp.tools.calculator.evaluate`, the
 engine's own tool. The held-out split ({recipe.heldout_conversations} conversations) shares no question with
-training: operands (a hashed fifth of the numbers), letter-counting words, question templates and the JSON / think requests are
-partitioned between the splits. Tokenizer: byte-level BPE trained on the training split with every digit a
-separate token, the 9 chat special tokens and `<think>`, `</think>`.
+training: operands (a hashed fifth of the numbers), letter-counting words, question templates and the JSON / think
+requests are partitioned between the splits. Held-out phrasings are new as phrasings but made of words training
+phrasings use (training-only phrasings such as `Add {{a}} to {{b}}.` supply them): a model trained from scratch knows a
+word only from its corpus. Tokenizer: byte-level BPE trained on the training split with every digit a separate
+token{", every lowercase word in double quotes spelled one token per letter" if recipe.spell_quoted_words else ""},
+the 9 chat special tokens and `<think>`, `</think>`.
 
 ## Training
 
-{phases}, with `chatapp.stt.train` on {recipe.batch_size} windows of {recipe.seq_len} tokens per step, on the CPU
+{phases}, with `chatapp.stt.train` on {recipe.batch_size} windows of {recipe.seq_len} tokens per step (each window
+starts at a conversation's start), on the CPU
 (training took {train_seconds / 60:.1f} min, the whole build {total_seconds / 60:.1f} min).{calibration}
 
 | recipe field | value |
