@@ -74,10 +74,10 @@ def _heldout_number(n: int) -> bool:
     return zlib.crc32(str(n).encode()) % 5 == 0
 
 
-def _split_list(items: Sequence[str], split: Split, every: int = 4) -> list[str]:
-    """Every `every`-th item (offset 1) is held-out only; the rest are training only."""
+def _split_list(items: Sequence[str], split: Split, every: int = 4, train_only: Sequence[str] = ()) -> list[str]:
+    """Every `every`-th item (offset 1) is held-out only; the rest, and `train_only`, are training only."""
     held = [x for i, x in enumerate(items) if i % every == 1]
-    return held if split == "heldout" else [x for x in items if x not in held]
+    return held if split == "heldout" else [x for x in items if x not in held] + list(train_only)
 
 
 @dataclass(frozen=True)
@@ -671,14 +671,14 @@ def _pools(split: Split) -> _Pools:
         numbers_large=[n for n in range(100, 1000) if _heldout_number(n) == heldout],
         words=_split_list(_WORDS, split, every=5),
         operator_phrases={
-            op: _split_list(t, split) + ([] if heldout else _TRAIN_ONLY_OPERATOR_PHRASES[op])
+            op: _split_list(t, split, train_only=_TRAIN_ONLY_OPERATOR_PHRASES[op])
             for op, t in _OPERATOR_PHRASES.items()
         },
-        letter_templates=_split_list(_LETTER_TEMPLATES, split) + ([] if heldout else _TRAIN_ONLY_LETTER_TEMPLATES),
+        letter_templates=_split_list(_LETTER_TEMPLATES, split, train_only=_TRAIN_ONLY_LETTER_TEMPLATES),
         fact_questions={name: _split_list(c.questions, split) for name, c in _FACTS.items()},
         smalltalk=[(_split_list(users, split), replies, topic) for users, replies, topic in _SMALLTALK],
         json_requests=_split_list(_JSON_REQUESTS, split),
-        think_requests=_split_list(_THINK_REQUESTS, split) + ([] if heldout else _TRAIN_ONLY_THINK_REQUESTS),
+        think_requests=_split_list(_THINK_REQUESTS, split, train_only=_TRAIN_ONLY_THINK_REQUESTS),
     )
 
 

@@ -2,8 +2,8 @@
 
 Input is a `TokenStream` (concatenated token ids and loss mask; how text becomes ids is the caller's business,
 this package stays a leaf). The stream is cut into windows that start where sequences start (`TokenStream`);
-every epoch visits them in a seeded permutation, and the batch of step s on rank r is a pure function of (seed, s, r): resuming from a checkpoint
-replays exactly the batches an uninterrupted run would have seen, and ranks never share a window
+every epoch visits them in a seeded permutation, and the batch of step s on rank r is a pure function of
+(seed, s, r): resuming from a checkpoint replays exactly the batches an uninterrupted run would have seen, and ranks never share a window
 (DistributedSampler-style sharding).
 
 Multi-GPU runs use torchrun: `init_distributed()` reads RANK / WORLD_SIZE / LOCAL_RANK, the model is wrapped in
@@ -14,6 +14,7 @@ name and renamed into place, with a `latest` pointer replaced atomically afterwa
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import shutil
@@ -87,15 +88,12 @@ class TokenStream:
                 offsets = torch.arange(total // seq_len) * seq_len
             else:
                 starts = self.starts.tolist()
-                found, position, index = [], 0, 0
+                found, position = [], 0
                 while position + seq_len <= total:
                     found.append(position)
                     end = position + seq_len
-                    # the last sequence start at or before `end` (index walks forward: starts are sorted)
-                    while index + 1 < len(starts) and starts[index + 1] <= end:
-                        index += 1
-                    following = starts[index] if starts and starts[index] > position else end
-                    position = following
+                    last = bisect.bisect_right(starts, end) - 1  # the last sequence start at or before `end`
+                    position = starts[last] if last >= 0 and starts[last] > position else end
                 offsets = torch.tensor(found, dtype=torch.long)
             self._offsets[seq_len] = offsets
         return self._offsets[seq_len]
