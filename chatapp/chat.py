@@ -31,6 +31,7 @@ from typing import Any, Literal
 from tokenizers import Tokenizer
 
 from chatapp.errors import ConversationError, ModelDirError
+from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 
 # nanochat's chat special tokens, by the attribute that holds each id (same order as the tokenizer trainer's).
 CHAT_TOKENS: dict[str, str] = {
@@ -44,6 +45,10 @@ CHAT_TOKENS: dict[str, str] = {
     "output_start_id": "<|output_start|>",
     "output_end_id": "<|output_end|>",
 }
+
+
+# tokenizer_config.json key naming a checkpoint's tool markers (written by the default model's preparation).
+TOOL_MARKERS_KEY = "chatapp_tool_markers"
 
 Role = Literal["system", "user", "assistant"]
 PartType = Literal["text", "python", "python_output"]
@@ -181,6 +186,7 @@ class ChatFormat:
     """
 
     supports_tools = True
+    tool_markers: ToolMarkers | None = NANOCHAT_TOOL_MARKERS
 
     bos_id: int
     user_start_id: int
@@ -272,6 +278,17 @@ class _Segment:
 
     text: str
     role: Role | None
+    # An assistant content with tool parts: encoded part by part, markers as their ids (see `_tokenize`).
+    parts: tuple[Part, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """A rendered conversation's ids, the segment each id starts in, and which ids are tool output."""
+
+    ids: list[int]
+    owners: list[int]
+    tool_output: frozenset[int] = frozenset()
 
 
 class TemplateChatFormat:
@@ -285,9 +302,7 @@ class TemplateChatFormat:
     refused. Loss mask: assistant contents and the template's turn-closing token after each.
     """
 
-    supports_tools = False
     user_start_id = user_end_id = assistant_start_id = None
-    python_start_id = python_end_id = output_start_id = output_end_id = None
 
     def __init__(
         self,
@@ -297,8 +312,10 @@ class TemplateChatFormat:
         special_tokens: Mapping[str, str] | None = None,
         stop_token_ids: Iterable[int] = (),
         source: str = "chat template",
+        tool_markers: ToolMarkers | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self._bind_tool_markers(tool_markers, source)
         self.template = template
         self._source = source
         self._compiled = _compile_template(template, source)
@@ -316,6 +333,18 @@ class TemplateChatFormat:
         self.assistant_end_id: int | None = turn_end_id if turn_end_id is not None else eos_id
         candidates = [turn_end_id, eos_id, *stop_token_ids]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in candidates if i is not None))
+
+    def _bind_tool_markers(self, markers: ToolMarkers | None, source: str) -> None:
+        """Resolve the tool markers to ids; a checkpoint without them (or whose tokenizer lacks one) has no tools."""
+        names = (
+            () if markers is None else (markers.call_start, markers.call_end, markers.output_opener, markers.output_end)
+        )
+        ids = [self.tokenizer.token_to_id(name) for name in names]
+        if markers is not None and None in ids:
+            raise ModelDirError(f"{source}: the tool marker {names[ids.index(None)]!r} is not a token of the tokenizer")
+        self.tool_markers = markers
+        self.supports_tools = markers is not None
+        self.python_start_id, self.python_end_id, self.output_start_id, self.output_end_id = ids or (None,) * 4
 
     @classmethod
     def from_dir(cls, tokenizer: Tokenizer, model_dir: str | Path) -> TemplateChatFormat:
@@ -338,7 +367,16 @@ class TemplateChatFormat:
         if isinstance(eos_ids, int):
             eos_ids = [eos_ids]
         stop_ids = [i for i in eos_ids or [] if isinstance(i, int)]
-        return cls(tokenizer, template, special_tokens=special, stop_token_ids=stop_ids, source=source)
+        markers = config.get(TOOL_MARKERS_KEY)
+        tool_markers = None if markers is None else _tool_markers(markers, model_dir / "tokenizer_config.json")
+        return cls(
+            tokenizer,
+            template,
+            special_tokens=special,
+            stop_token_ids=stop_ids,
+            source=source,
+            tool_markers=tool_markers,
+        )
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` as content: the tokenizer's special-token names in it stay ordinary characters."""
@@ -359,8 +397,10 @@ class TemplateChatFormat:
                 f"the {self._source} rewrites message contents, so assistant tokens cannot be located for a loss mask",
                 hint="train with a template that writes each message's content verbatim",
             )
-        ids, owners = self._tokenize(segments)
-        mask = [int(segments[owner].role == "assistant") for owner in owners]
+        encoded = self._tokenize(segments)
+        ids, owners = encoded.ids, encoded.owners
+        # Tool output is written by the calculator at run time, never by the model: not supervised.
+        mask = [int(segments[o].role == "assistant" and p not in encoded.tool_output) for p, o in enumerate(owners)]
         # The template's text right after an assistant content starts with the turn-closing token: supervised
         # (through the first stop id), so the model learns to stop.
         closing = {o for o in owners if segments[o].role is None and o > 0 and segments[o - 1].role == "assistant"}
@@ -378,7 +418,7 @@ class TemplateChatFormat:
         turns = _drop_trailing_assistant(parse_messages(messages))
         segments = self._segments(turns, add_generation_prompt=True)
         if segments is not None:
-            return self._tokenize(segments)[0]
+            return self._tokenize(segments).ids
         for index, turn in enumerate(turns):
             if typed := [name for name in self._structural if name in turn.text]:
                 raise ConversationError(
@@ -386,16 +426,17 @@ class TemplateChatFormat:
                     "rewrites contents so it cannot be kept as ordinary text",
                     hint=f"remove {typed[0]!r} from the message",
                 )
-        rendered = self._render(_template_messages(turns), add_generation_prompt=True)
+        rendered = self._render(self._messages(turns), add_generation_prompt=True)
         return self.tokenizer.encode(rendered, add_special_tokens=False).ids
 
-    def _tokenize(self, segments: list[_Segment]) -> tuple[list[int], list[int]]:
+    def _tokenize(self, segments: list[_Segment]) -> _Encoded:
         """Ids of the rendered text and, per id, the index of the segment it starts in.
 
         Normally the whole string is encoded at once, exactly as `transformers` does, so ids match the ones the
         checkpoint was trained on (encoding pieces apart could split a pre-token such as "\n \n" at a boundary).
-        Only when a message's content itself produced a special token (typed "<|im_end|>") is each piece encoded
-        apart, with contents through the encoder that keeps special-token names as text.
+        When a message's content itself produced a special token (typed "<|im_end|>"), or an assistant content
+        holds a tool call, each piece is encoded apart: contents through the encoder that keeps special-token names
+        as text, tool markers as their ids.
         """
         starts = list(accumulate((len(s.text) for s in segments[:-1]), initial=0))
         whole = self.tokenizer.encode("".join(s.text for s in segments), add_special_tokens=False)
@@ -404,16 +445,56 @@ class TemplateChatFormat:
             token in self._structural_ids and segments[owner].role is not None
             for token, owner in zip(whole.ids, owners, strict=True)
         )
-        if not injected:
-            return whole.ids, owners
+        if not injected and not any(s.parts for s in segments):
+            return _Encoded(whole.ids, owners)
         ids: list[int] = []
         owners = []
+        tool_output: set[int] = set()
         for index, segment in enumerate(segments):
+            if segment.parts:
+                for part in segment.parts:
+                    piece, is_output = self._encode_part(part)
+                    if is_output:
+                        tool_output.update(range(len(ids), len(ids) + len(piece)))
+                    ids += piece
+                    owners += [index] * len(piece)
+                continue
             encode = self.encode_text if segment.role is not None else self._encode_template_text
             piece = encode(segment.text)
             ids += piece
             owners += [index] * len(piece)
-        return ids, owners
+        return _Encoded(ids, owners, frozenset(tool_output))
+
+    def _encode_part(self, part: Part) -> tuple[list[int], bool]:
+        """One assistant part's ids, and whether they are tool output. The call's closing marker is the model's
+        (supervised) even when it also opens the output block."""
+        text = self.encode_text(part.text)
+        if part.type == "text":
+            return text, False
+        if part.type == "python":
+            return [self.python_start_id, *text, self.python_end_id], False  # type: ignore[list-item]
+        opener = [self.output_start_id] if self.tool_markers and self.tool_markers.output_start else []
+        return [*opener, *text, self.output_end_id], True  # type: ignore[list-item]
+
+    def _flat_text(self, turn: Turn) -> str:
+        """A turn's content as one string, tool parts wrapped in their marker names (how the template sees it)."""
+        if all(part.type == "text" for part in turn.parts):
+            return turn.text
+        markers = self.tool_markers
+        if markers is None:
+            raise ConversationError(
+                "a message has a tool call, but this model's chat template has no tool markers",
+                hint="use a model with tool markers (the default model, or a chatapp checkpoint) for calculator calls",
+            )
+        wrap = {
+            "text": ("", ""),
+            "python": (markers.call_start, markers.call_end),
+            "python_output": (markers.output_start or "", markers.output_end),
+        }
+        return "".join(wrap[p.type][0] + p.text + wrap[p.type][1] for p in turn.parts)
+
+    def _messages(self, turns: list[Turn]) -> list[dict[str, str]]:
+        return [{"role": turn.role, "content": self._flat_text(turn)} for turn in turns]
 
     def _encode_template_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -435,9 +516,9 @@ class TemplateChatFormat:
     def _segments(self, turns: list[Turn], *, add_generation_prompt: bool) -> list[_Segment] | None:
         """Split the rendered conversation into template text and verbatim message contents, or None when the
         template does not write contents verbatim (then no split is trustworthy)."""
-        real = self._render(_template_messages(turns), add_generation_prompt=add_generation_prompt)
+        real = self._render(self._messages(turns), add_generation_prompt=add_generation_prompt)
         placeholders = [Turn(t.role, (Part("text", _sentinel(i)),)) for i, t in enumerate(turns)]
-        skeleton = self._render(_template_messages(placeholders), add_generation_prompt=add_generation_prompt)
+        skeleton = self._render(self._messages(placeholders), add_generation_prompt=add_generation_prompt)
         segments: list[_Segment] = []
         cursor = 0
         for index, turn in enumerate(turns):
@@ -448,7 +529,8 @@ class TemplateChatFormat:
             at = skeleton.find(marker, cursor)
             if count > 1 or at < 0:
                 return None
-            segments += [_Segment(skeleton[cursor:at], None), _Segment(turn.text, turn.role)]
+            tool_parts = turn.parts if any(part.type != "text" for part in turn.parts) else ()
+            segments += [_Segment(skeleton[cursor:at], None), _Segment(self._flat_text(turn), turn.role, tool_parts)]
             cursor = at + len(marker)
         segments.append(_Segment(skeleton[cursor:], None))
         if _SENTINEL_OPEN in skeleton[cursor:] or "".join(s.text for s in segments) != real:
@@ -459,7 +541,7 @@ class TemplateChatFormat:
         """The first structural special token the template writes after an assistant's content, if any."""
         probe = [Turn("user", (Part("text", _sentinel(0)),)), Turn("assistant", (Part("text", _sentinel(1)),))]
         try:
-            rendered = self._render(_template_messages(probe), add_generation_prompt=False)
+            rendered = self._render(self._messages(probe), add_generation_prompt=False)
         except ConversationError:
             return None
         at = rendered.find(_sentinel(1))
@@ -470,14 +552,14 @@ class TemplateChatFormat:
         return self.tokenizer.token_to_id(min(positions)[1]) if positions else None
 
 
-def _template_messages(turns: list[Turn]) -> list[dict[str, str]]:
-    for index, turn in enumerate(turns):
-        if any(part.type != "text" for part in turn.parts):
-            raise ConversationError(
-                f"message {index} has a tool call, but this model's chat template has no tool markers",
-                hint="use a chatapp checkpoint (its tokenizer has <|python_start|>) for calculator calls",
-            )
-    return [{"role": turn.role, "content": turn.text} for turn in turns]
+def _tool_markers(value: object, source: Path) -> ToolMarkers:
+    fields = ("call_start", "call_end", "output_end")
+    if not isinstance(value, Mapping) or any(not isinstance(value.get(k), str) for k in fields):
+        raise ModelDirError(f"{source}: {TOOL_MARKERS_KEY!r} must be an object with string fields {', '.join(fields)}")
+    opener = value.get("output_start")
+    return ToolMarkers(
+        value["call_start"], value["call_end"], opener if isinstance(opener, str) else None, value["output_end"]
+    )
 
 
 def _through_first(ids: list[int], stops: Collection[int]) -> int:

@@ -209,6 +209,7 @@ class Engine:
             encode_text=chat_format.encode_text,
             decode=chat_format.decode,
             max_expression_tokens=max_expression_tokens,
+            markers=getattr(chat_format, "tool_markers", None),
         )
         self.toolbox = box if chat_format.supports_tools and box else None
         self._constraint_vocab: Any = None

@@ -225,11 +225,12 @@ class ChatSession:
         chat = self.engine.chat_format
         if not chat.supports_tools or chat.python_start_id not in reply:
             return chat.decode(reply)
+        # The output opener last: with SmolLM2's markers it is the call's end marker too, and opens the output.
         markers = {
             chat.python_start_id: "python",
-            chat.output_start_id: "python_output",
             chat.python_end_id: "text",
             chat.output_end_id: "text",
+            chat.output_start_id: "python_output",
         }
         parts: list[dict[str, str]] = []
         kind, run = "text", []

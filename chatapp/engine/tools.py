@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from chatapp.engine.events import ToolEvent
 from chatapp.tools import Tool
+from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 
 DEFAULT_MAX_EXPRESSION_TOKENS = 64
 
@@ -35,7 +36,7 @@ class BoundTool:
     tool: Tool
     start_id: int
     end_id: int
-    output_start_id: int
+    output_start_id: int | None  # None: the call's end marker also opens the output (nothing forced for it)
     output_end_id: int
 
 
@@ -60,15 +61,24 @@ class ToolBox:
         encode_text: Callable[[str], list[int]],
         decode: Callable[[Sequence[int]], str],
         max_expression_tokens: int = DEFAULT_MAX_EXPRESSION_TOKENS,
+        markers: ToolMarkers | None = None,
     ) -> None:
+        """`markers`: the chat format's tool protocol. A tool written for nanochat's markers (the default of
+        `FunctionTool` and the calculator) speaks the format's markers instead; a tool with markers of its own keeps
+        them."""
         self.by_start: dict[int, BoundTool] = {}
         for tool in tools:
-            ids = [
-                token_id(name)
-                for name in (tool.start_marker, tool.end_marker, tool.output_start_marker, tool.output_end_marker)
-            ]
-            if all(i is not None for i in ids):
-                start, end, out_start, out_end = ids  # type: ignore[misc]
+            names = (tool.start_marker, tool.end_marker, tool.output_start_marker, tool.output_end_marker)
+            if markers is not None and tool.start_marker == NANOCHAT_TOOL_MARKERS.call_start:
+                names = (markers.call_start, markers.call_end, markers.output_start, markers.output_end)
+            ids = [None if name is None else token_id(name) for name in names]
+            start, end, out_start, out_end = ids
+            if (
+                start is not None
+                and end is not None
+                and out_end is not None
+                and (out_start is not None or names[2] is None)
+            ):
                 self.by_start[start] = BoundTool(tool, start, end, out_start, out_end)
         self.encode_text = encode_text
         self.decode = decode
@@ -135,7 +145,10 @@ class ToolMachine:
                 else ToolEvent("refusal", name, expression, result.reason)
             )
         shown = outcome.output if outcome.kind == "result" else f"error: {outcome.output}"
-        self.queue.append(ForcedToken(call.output_start_id, outcome))
-        self.queue.extend(ForcedToken(t) for t in self._box.encode_text(shown or ""))
-        self.queue.append(ForcedToken(call.output_end_id))
+        block = [*self._box.encode_text(shown or ""), call.output_end_id]
+        if call.output_start_id is not None:
+            block.insert(0, call.output_start_id)
+        # The outcome event travels with the first forced token of the output block.
+        self.queue.append(ForcedToken(block[0], outcome))
+        self.queue.extend(ForcedToken(t) for t in block[1:])
         return None if forced_end else call_event

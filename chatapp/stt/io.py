@@ -38,7 +38,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "chat_template.jinja",
 )
-_ROUTER_PARTS = (".transition_network.", ".predictive_router.", ".causal_router.")
+ROUTER_PARTS = (".transition_network.", ".predictive_router.", ".causal_router.")
 
 
 def _require_dir(model_dir: Path) -> None:
@@ -133,7 +133,7 @@ def load_model(
         expected.discard("lm_head.weight")
     missing = sorted(expected - set(state))
     if not is_stt:  # a plain Qwen2 checkpoint: fresh routers are expected to be missing
-        missing = [k for k in missing if not any(part in k for part in _ROUTER_PARTS)]
+        missing = [k for k in missing if not any(part in k for part in ROUTER_PARTS)]
     unexpected = sorted(set(state) - expected)
     if missing or unexpected:
         detail = f"missing {missing[:4]}" if missing else f"unexpected {unexpected[:4]}"

@@ -21,6 +21,40 @@ OUTPUT_END = "<|output_end|>"
 
 
 @dataclass(frozen=True, slots=True)
+class ToolMarkers:
+    """The special tokens a chat format writes a tool call and its result with: the one tool protocol.
+
+    The model writes `call_start` expression `call_end`; the engine runs the tool and forces the result and
+    `output_end`. With `output_start` None the model's `call_end` also opens the output (SmolLM2's `<jupyter_code>`
+    expr `<jupyter_output>` result `<jupyter_text>`: tokens the base model already knows); otherwise the engine
+    forces `output_start` first (nanochat's four markers). Names, not ids: whoever holds the tokenizer resolves them.
+    """
+
+    call_start: str
+    call_end: str
+    output_start: str | None
+    output_end: str
+
+    @property
+    def output_opener(self) -> str:
+        """The token that opens the tool's output block."""
+        return self.output_start or self.call_end
+
+    def to_json(self) -> dict[str, str | None]:
+        return {
+            "call_start": self.call_start,
+            "call_end": self.call_end,
+            "output_start": self.output_start,
+            "output_end": self.output_end,
+        }
+
+
+NANOCHAT_TOOL_MARKERS = ToolMarkers(PYTHON_START, PYTHON_END, OUTPUT_START, OUTPUT_END)
+# The markers the default SmolLM2 model is trained with: its tokenizer's Jupyter tokens.
+JUPYTER_TOOL_MARKERS = ToolMarkers("<jupyter_code>", "<jupyter_output>", None, "<jupyter_text>")
+
+
+@dataclass(frozen=True, slots=True)
 class ToolResult:
     """What a tool call produced: `text` when `ok`, otherwise the `reason` it refused."""
 

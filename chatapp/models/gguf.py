@@ -1,0 +1,262 @@
+"""Importing a llama.cpp GGUF file (Llama or Qwen2 architecture) as an STT model directory.
+
+The file is read and dequantized with the `gguf` package (llama.cpp's own reader), so every tensor type that
+package can dequantize in numpy loads; the common ones are checked by tests. Two things differ from a Hugging Face
+checkpoint and are undone here:
+
+- llama.cpp's Llama converter permutes the rows of `q_proj` and `k_proj` so its rotary kernel can rotate adjacent
+  pairs; transformers rotates halves. The inverse permutation restores the Hugging Face order. Qwen2 files are
+  written without the permutation.
+- A Llama block is a Qwen2 block without q/k/v biases, so Llama files get zero biases and load into the Qwen2
+  layout unchanged in what they compute.
+
+The tokenizer is rebuilt from the file's metadata by transformers' GGUF tokenizer converter (the same code its
+`from_pretrained(gguf_file=...)` uses) and written as `tokenizer.json`; the chat template and the special tokens go
+to `tokenizer_config.json`, the end-of-turn id to `generation_config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from chatapp.errors import ModelDirError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# Tensor types that appear in the GGUF files people actually have; all dequantize in numpy via `gguf`.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+# llama.cpp tensor names (per block, after `blk.N.`) -> Hugging Face Qwen2 names (after `model.layers.N.`).
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFError(ModelDirError):
+    """A GGUF file cannot be imported: unreadable, truncated, or of an architecture / tensor type not supported."""
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    """What a GGUF file describes, read and converted: Qwen2 config values, HF-named tensors, tokenizer files."""
+
+    architecture: str
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    tokenizer_json: str
+    tokenizer_config: dict[str, Any]
+    generation_config: dict[str, Any]
+
+
+Progress = Callable[[int, int], None]
+
+
+def _open(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise GGUFError(f"{path} is not a file", hint="pass the path of a .gguf model file")
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, struct.error, TypeError) as err:
+        raise GGUFError(
+            f"{path} is not a readable GGUF file ({type(err).__name__}: {str(err)[:200]})",
+            hint="the file is truncated or not GGUF; download or copy it again",
+        ) from None
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except (ValueError, IndexError, UnicodeDecodeError) as err:
+        raise GGUFError(f"the GGUF metadata field {key!r} is corrupt: {err}", hint="copy the file again") from None
+
+
+def _config(reader: Any, path: Path, arch: str, has_output: bool) -> dict[str, Any]:
+    def need(key: str) -> Any:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise GGUFError(f"{path} lacks the metadata field {arch}.{key}", hint="the file is incomplete")
+        return value
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    if heads <= 0 or kv_heads <= 0 or hidden % heads or heads % kv_heads:
+        raise GGUFError(f"{path}: inconsistent attention shape (hidden {hidden}, heads {heads}, kv heads {kv_heads})")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": not has_output,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Invert llama.cpp's rotary row permutation of a q/k projection (pairs interleaved -> halves)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
+    return None
+
+
+def _dequantize(tensor: Any, path: Path) -> np.ndarray:
+    from gguf import dequantize
+
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TENSOR_TYPES:
+        raise GGUFError(
+            f"{path}: tensor {tensor.name} has type {kind}, which chatapp does not import",
+            hint=f"use a file quantized as one of {', '.join(SUPPORTED_TENSOR_TYPES)} (e.g. Q8_0 or Q4_K_M)",
+        )
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except (ValueError, IndexError, NotImplementedError) as err:
+        raise GGUFError(
+            f"{path}: tensor {tensor.name} cannot be dequantized: {err}", hint="copy the file again"
+        ) from None
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions fastest-first
+    if values.size != int(np.prod(shape)):
+        raise GGUFError(f"{path}: tensor {tensor.name} is truncated", hint="the file is incomplete; copy it again")
+    return values.reshape(shape).astype(np.float32)  # a copy: F32 tensors are views of the read-only map
+
+
+def read_gguf(path: str | Path, progress: Progress | None = None) -> GGUFModel:
+    """Read, dequantize and rename every tensor of a Llama / Qwen2 GGUF file; build its tokenizer files."""
+    path = Path(path).expanduser()
+    reader = _open(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"{path} holds a {arch!r} model; chatapp imports {' and '.join(SUPPORTED_ARCHITECTURES)} GGUF files",
+            hint="use a Llama- or Qwen2-family model (SmolLM, Llama 3, Qwen2/2.5, ...)",
+        )
+    names = {t.name for t in reader.tensors}
+    config = _config(reader, path, arch, has_output="output.weight" in names)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors: dict[str, torch.Tensor] = {}
+    total = len(reader.tensors)
+    for done, tensor in enumerate(reader.tensors, start=1):
+        hf = _hf_name(tensor.name)
+        if hf is None:
+            if tensor.name == "rope_freqs.weight":  # llama 3.1 long-context scaling: not supported
+                raise GGUFError(f"{path} uses rope frequency scaling (rope_freqs), which chatapp does not support")
+            continue
+        values = _dequantize(tensor, path)
+        if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            values = _unpermute(values, heads if "q_proj" in hf else kv_heads)
+        tensors[hf] = torch.from_numpy(np.ascontiguousarray(values))
+        if progress is not None:
+            progress(done, total)
+    for layer in range(config["num_hidden_layers"]):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            weight = tensors.get(f"model.layers.{layer}.self_attn.{proj}.weight")
+            bias = f"model.layers.{layer}.self_attn.{proj}.bias"
+            if weight is not None and bias not in tensors:
+                tensors[bias] = torch.zeros(weight.shape[0])
+    tokenizer_json, tokenizer_config = _tokenizer(path, config)
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    return GGUFModel(arch, config, tensors, tokenizer_json, tokenizer_config, generation)
+
+
+def _tokenizer(path: Path, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    try:
+        architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
+        backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    except (KeyError, ValueError, TypeError, IndexError) as err:
+        raise GGUFError(
+            f"{path}: the tokenizer in the file's metadata cannot be rebuilt ({type(err).__name__}: {err})",
+            hint="use a GGUF file with a gpt2 (byte-level BPE) or llama (sentencepiece) tokenizer",
+        ) from None
+    if backend.get_vocab_size(with_added_tokens=True) > config["vocab_size"]:
+        raise GGUFError(f"{path}: the tokenizer has more tokens than the model's vocabulary")
+    keep = ("chat_template", "bos_token", "eos_token", "pad_token", "unk_token", "add_bos_token", "add_eos_token")
+    return backend.to_str(), {k: v for k, v in tokenizer_config.items() if k in keep and v is not None}
+
+
+def convert_gguf(source: str | Path, target: str | Path, progress: Progress | None = None) -> Any:
+    """Write `source` (a .gguf file) as an STT model directory at `target`; returns the loaded STT model."""
+    from chatapp.stt import STTForCausalLM
+    from chatapp.stt.config import STTConfig
+    from chatapp.stt.io import ROUTER_PARTS, save_model
+
+    read = read_gguf(source, progress)
+    target = Path(target)
+    config = STTConfig(**read.config)
+    model = STTForCausalLM(config)
+    state = dict(read.tensors)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not any(part in k for part in ROUTER_PARTS)]  # fresh routers are expected
+    if missing or unexpected:
+        raise GGUFError(
+            f"{source}: tensors do not match the architecture (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    target.mkdir(parents=True, exist_ok=True)
+    save_model(model, target)
+    write_tokenizer_files(target, read)
+    return model.eval()
+
+
+def write_tokenizer_files(target: Path, read: GGUFModel) -> None:
+    (target / "tokenizer.json").write_text(read.tokenizer_json, encoding="utf-8")
+    (target / "tokenizer_config.json").write_text(json.dumps(read.tokenizer_config, indent=2) + "\n", encoding="utf-8")
+    (target / "generation_config.json").write_text(
+        json.dumps(read.generation_config, indent=2) + "\n", encoding="utf-8"
+    )
+
+
+def is_gguf(path: str | Path) -> bool:
+    """True for a file that starts with GGUF's magic bytes."""
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
