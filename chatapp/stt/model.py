@@ -256,10 +256,15 @@ class STTForCausalLM(nn.Module):
         return forward_train(self, ids, loss_mask, step=step)
 
     def forward_train(
-        self, ids: torch.Tensor, loss_mask: torch.Tensor | None = None, *, step: int | None = None
+        self,
+        ids: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+        *,
+        step: int | None = None,
+        all_logits: bool = True,
     ) -> TrainOutput:
         """Teacher-mode training forward (§3.1, §5) at optimiser step `step` (for the β schedules)."""
-        return forward_train(self, ids, loss_mask, step=step)
+        return forward_train(self, ids, loss_mask, step=step, all_logits=all_logits)
 
     def forward_eval(
         self, ids: torch.Tensor, mode: EvalMode | None = None, *, threshold: float | None = None

@@ -1,0 +1,1 @@
+"""Recipes that build the shipped models. Not needed to run the app."""

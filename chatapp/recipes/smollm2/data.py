@@ -1,0 +1,447 @@
+"""The default model's training and evaluation data: tool use, general answers, multi-turn recall.
+
+Everything is generated from templates and word lists in this module with a seeded `random.Random`, so a recipe run
+is reproducible offline. Held-out material is kept apart by construction, not by sampling luck:
+
+- tool questions: held-out *phrasings* (templates never trained on) and held-out operand values / words;
+- general questions: the evaluation's factual questions are never training prompts (training answers are the base
+  model's own replies to other prompts, so nothing about the evaluation's answers is taught);
+- recall: held-out names, numbers, cities and phrasings.
+
+A tool turn is nanochat-shaped: `[{"type": "python", ...}, {"type": "python_output", ...}, {"type": "text", ...}]`;
+the chat format writes it with the model's tool markers, and the output is the calculator's own text.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from chatapp.tools.calculator import evaluate
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolQuestion:
+    """A question whose answer needs the calculator: the expression it should call and the expected result."""
+
+    question: str
+    expression: str
+    result: str
+    kind: str  # "arithmetic", "word problem", "percent", "letters"
+
+
+@dataclass(frozen=True)
+class FactQuestion:
+    """A general question scored by keywords: right when the answer contains any of `keywords` (case-insensitive)."""
+
+    question: str
+    keywords: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RecallConversation:
+    """Three user turns: a fact to remember, an unrelated question, and the question that recalls the fact."""
+
+    fact: str
+    middle: str
+    recall: str
+    answer: str  # what the recall answer must contain
+
+
+def calc(expression: str) -> str:
+    result = evaluate(expression)
+    if not result.ok or result.text is None:
+        raise ValueError(f"recipe bug: the calculator refused {expression!r}: {result.reason}")
+    return result.text
+
+
+# ----------------------------------------------------------------------------------------------- arithmetic
+# (template, operator). Operands are {a} and {b}; "{p}"/"{n}" for percentages.
+_ARITH_TRAIN = [
+    ("What is {a}*{b}?", "*"),
+    ("What is {a} + {b}?", "+"),
+    ("What is {a} - {b}?", "-"),
+    ("What is {a} / {b}?", "/"),
+    ("Calculate {a} times {b}.", "*"),
+    ("Calculate {a} plus {b}.", "+"),
+    ("Compute {a} minus {b}.", "-"),
+    ("Compute {a} divided by {b}.", "/"),
+    ("What's {a} multiplied by {b}?", "*"),
+    ("Can you add {a} and {b} for me?", "+"),
+    ("Please work out {a} x {b}.", "*"),
+    ("Subtract {b} from {a}.", "-"),
+    ("Add {a} and {b}.", "+"),
+    ("Multiply {a} by {b}.", "*"),
+    ("Divide {a} by {b}.", "/"),
+    ("{a}*{b}=?", "*"),
+    ("how much is {a}+{b}", "+"),
+    ("What do you get if you multiply {a} and {b}?", "*"),
+]
+_ARITH_HELD_OUT = [
+    ("What is {a} times {b}?", "*"),
+    ("Work out {a} + {b}.", "+"),
+    ("What is the product of {a} and {b}?", "*"),
+    ("What is the sum of {a} and {b}?", "+"),
+    ("How much is {a} minus {b}?", "-"),
+    ("What is {a} divided by {b}?", "/"),
+    ("Quick question: {a} * {b}?", "*"),
+]
+
+# Word problems: (template, expression builder, answer sentence).
+_WordProblem = tuple[str, Callable[[int, int], str], str]
+_WORD_TRAIN: list[_WordProblem] = [
+    ("A box holds {a} apples. How many apples are in {b} boxes?", lambda a, b: f"{a}*{b}", "There are {r} apples."),
+    ("Sam had {a} dollars and spent {b}. How much money does he have left?", lambda a, b: f"{a}-{b}", "He has {r} dollars left."),
+    ("I have {a} marbles and my friend gives me {b} more. How many marbles do I have now?", lambda a, b: f"{a}+{b}", "You have {r} marbles now."),
+    ("A car drives {a} km every day. How far does it go in {b} days?", lambda a, b: f"{a}*{b}", "It goes {r} km."),
+    ("{a} cookies are shared equally among {b} children. How many cookies does each child get?", lambda a, b: f"{a}/{b}", "Each child gets {r} cookies."),
+    ("A school has {a} boys and {b} girls. How many students are there in total?", lambda a, b: f"{a}+{b}", "There are {r} students in total."),
+    ("A book has {a} pages and I have read {b}. How many pages are left?", lambda a, b: f"{a}-{b}", "{r} pages are left."),
+    ("Tickets cost {a} dollars each. How much do {b} tickets cost?", lambda a, b: f"{a}*{b}", "{b} tickets cost {r} dollars."),
+    ("A farmer has {a} eggs and packs them in cartons of {b}. How many cartons does he fill?", lambda a, b: f"{a}/{b}", "He fills {r} cartons."),
+    ("There were {a} people at a concert and {b} left early. How many stayed?", lambda a, b: f"{a}-{b}", "{r} people stayed."),
+]
+_WORD_HELD_OUT: list[_WordProblem] = [
+    ("A baker makes {a} loaves a day. How many loaves does she make in {b} days?", lambda a, b: f"{a}*{b}", "She makes {r} loaves."),
+    ("Tom has {a} stickers and gives away {b}. How many stickers does Tom have now?", lambda a, b: f"{a}-{b}", "Tom has {r} stickers."),
+    ("{a} pencils are split evenly into {b} boxes. How many pencils go in each box?", lambda a, b: f"{a}/{b}", "Each box gets {r} pencils."),
+    ("A library has {a} novels and buys {b} more. How many novels does it have?", lambda a, b: f"{a}+{b}", "It has {r} novels."),
+    ("If one bus carries {a} passengers, how many passengers do {b} buses carry?", lambda a, b: f"{a}*{b}", "They carry {r} passengers."),
+]
+_PERCENT_TRAIN = [
+    ("What is {p}% of {n}?", "{p}% of {n} is {r}."),
+    ("What is {p} percent of {n}?", "{p} percent of {n} is {r}."),
+    ("A jacket costs ${n} and is {p}% off. How much is the discount?", "The discount is ${r}."),
+    ("Calculate {p}% of {n}.", "{p}% of {n} is {r}."),
+    ("A restaurant bill is ${n}. How much is a {p}% tip?", "A {p}% tip is ${r}."),
+]
+_PERCENT_HELD_OUT = [
+    ("How much is {p}% of {n}?", "{p}% of {n} is {r}."),
+    ("Find {p} percent of {n}.", "{p} percent of {n} is {r}."),
+    ("A {n} dollar phone is on sale for {p}% off. How many dollars do I save?", "You save ${r}."),
+]
+_ARITH_ANSWERS = ["{a} {op} {b} = {r}.", "The answer is {r}.", "{a} {op} {b} is {r}.", "It is {r}."]
+
+# --------------------------------------------------------------------------------------------- letter counts
+_LETTER_TRAIN = [
+    "How many {l}'s are in {w}?",
+    "How many times does the letter {l} appear in {w}?",
+    "Count the letter {l} in {w}.",
+    "How many {l}s are there in the word {w}?",
+    'How many times does "{l}" occur in "{w}"?',
+    "In the word {w}, how many {l}'s are there?",
+    "how many {l} in {w}",
+    "Can you count the {l}'s in {w}?",
+    "Find how many times {l} appears in {w}.",
+]
+_LETTER_HELD_OUT = [
+    "How many letter {l}'s does {w} have?",
+    "What is the number of {l}'s in the word {w}?",
+    "Tell me how many {l}'s are in {w}.",
+    "How many r's are in strawberry?",  # the classic, kept whole
+]
+_LETTER_ANSWERS = ['There are {r} {l}\'s in "{w}".', 'The letter {l} appears {r} times in "{w}".', "{w} has {r} {l}'s."]
+
+_WORDS_TRAIN = ["apple", "banana", "cherry", "orange", "lemon", "mango", "papaya", "grape", "melon", "peach", "pear", "plum", "kiwi", "coconut", "potato", "tomato", "carrot", "pepper", "onion", "garlic", "butter", "cheese", "bread", "coffee", "letter", "button", "mirror", "pillow", "window", "yellow", "purple", "silver", "rabbit", "monkey", "turtle", "parrot", "giraffe", "elephant", "hippopotamus", "kangaroo", "penguin", "dolphin", "squirrel", "gorilla", "mississippi", "tennessee", "massachusetts", "california", "pennsylvania", "committee", "balloon", "football", "baseball", "basketball", "volleyball", "umbrella", "calendar", "assessment", "possession", "necessary", "occasion", "accommodate", "embarrass", "millennium", "programming", "javascript", "keyboard", "computer", "telephone", "television", "newspaper", "chocolate", "strawberries", "raspberry", "blueberry", "cranberry", "pineapple", "avocado", "broccoli", "spaghetti", "vanilla", "cinnamon", "dinosaur", "butterfly", "caterpillar", "grasshopper"]
+_WORDS_HELD_OUT = ["strawberry", "bookkeeper", "parallel", "coffee", "mississippi", "banana", "peppermint", "assassin", "referee", "tomorrow", "engineering", "address", "success", "occurrence", "sleepless", "cheerleader", "difficult", "principal", "reservoir", "hummingbird"]
+# Held-out words may repeat training words: a count of a known word under an unseen phrasing is still held out by
+# phrasing; most are new words.
+
+
+def _letter_for(rng: random.Random, word: str) -> str:
+    """Mostly a letter of the word (favouring repeated ones), sometimes one it lacks (answer 0)."""
+    if rng.random() < 0.12:
+        absent = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in word]
+        return rng.choice(absent)
+    letters = sorted(set(word), key=lambda c: (-word.count(c), c))
+    return rng.choice(letters[:3])
+
+
+def _operands(rng: random.Random, op: str) -> tuple[int, int]:
+    if op == "/":
+        b = rng.randint(2, 40)
+        return b * rng.randint(2, 60), b
+    if op == "-":
+        a = rng.randint(10, 999)
+        return a, rng.randint(1, a)
+    return rng.randint(2, 999), rng.randint(2, 999)
+
+
+_OP_WORDS = {"*": "×", "+": "+", "-": "-", "/": "÷"}
+
+
+def tool_questions(rng: random.Random, count: int, held_out: bool) -> list[tuple[ToolQuestion, str]]:
+    """`count` tool questions with an answer sentence each, mixed over kinds; held-out phrasings when asked."""
+    arith = _ARITH_HELD_OUT if held_out else _ARITH_TRAIN
+    words = _WORD_HELD_OUT if held_out else _WORD_TRAIN
+    percents = _PERCENT_HELD_OUT if held_out else _PERCENT_TRAIN
+    letters = _LETTER_HELD_OUT if held_out else _LETTER_TRAIN
+    vocab = _WORDS_HELD_OUT if held_out else _WORDS_TRAIN
+    out: list[tuple[ToolQuestion, str]] = []
+    for index in range(count):
+        kind = ("arithmetic", "word problem", "percent", "letters", "letters")[index % 5]
+        if kind == "arithmetic":
+            template, op = rng.choice(arith)
+            a, b = _operands(rng, op)
+            expression = f"{a}{op}{b}"
+            result = calc(expression)
+            answer = rng.choice(_ARITH_ANSWERS).format(a=a, b=b, op=_OP_WORDS[op], r=result)
+            question = template.format(a=a, b=b)
+        elif kind == "word problem":
+            template, build, sentence = rng.choice(words)
+            op = build(7, 3)[1]
+            a, b = _operands(rng, op)
+            expression = build(a, b)
+            result = calc(expression)
+            question, answer = template.format(a=a, b=b), sentence.format(a=a, b=b, r=result)
+        elif kind == "percent":
+            template, sentence = rng.choice(percents)
+            p = rng.choice([5, 10, 12, 15, 18, 20, 25, 30, 40, 50, 75, 8, 3, 35, 60])
+            n = rng.choice([rng.randint(2, 99) * 10, rng.randint(10, 999), rng.randint(1, 40) * 25])
+            expression = f"{n}*{p}/100"
+            result = calc(expression)
+            question, answer = template.format(p=p, n=n), sentence.format(p=p, n=n, r=result)
+        else:
+            template = rng.choice(letters)
+            if "strawberry" in template:
+                word, letter = "strawberry", "r"
+            else:
+                word = rng.choice(vocab)
+                letter = _letter_for(rng, word)
+            expression = f'"{word}".count("{letter}")'
+            result = calc(expression)
+            question = template.format(l=letter, w=word)
+            answer = rng.choice(_LETTER_ANSWERS).format(l=letter, w=word, r=result)
+        out.append((ToolQuestion(question, expression, result, kind), answer))
+    return out
+
+
+def tool_conversation(item: ToolQuestion, answer: str) -> list[Message]:
+    return [
+        {"role": "user", "content": item.question},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "python", "text": item.expression},
+                {"type": "python_output", "text": item.result},
+                {"type": "text", "text": answer},
+            ],
+        },
+    ]
+
+
+# ------------------------------------------------------------------------------------------------- general
+_COUNTRIES_TRAIN = ["Germany", "Italy", "Spain", "Portugal", "Canada", "Mexico", "Brazil", "Argentina", "Egypt", "Kenya", "India", "China", "Russia", "Greece", "Sweden", "Norway", "Poland", "Turkey", "Ireland", "Austria", "Peru", "Chile", "Cuba", "Vietnam", "Thailand", "Nigeria", "Morocco", "Belgium", "Denmark", "Finland"]
+_TOPICS = [
+    "photosynthesis", "gravity", "electricity", "democracy", "inflation", "the internet", "vaccines", "volcanoes",
+    "rainbows", "earthquakes", "black holes", "the water cycle", "recycling", "machine learning", "the stock market",
+    "evolution", "tides", "the immune system", "climate change", "nuclear energy", "the moon", "friction",
+    "magnetism", "DNA", "solar panels", "clouds", "sleep", "exercise", "music", "coffee", "bees", "the ocean",
+    "the Roman Empire", "the printing press", "airplanes", "batteries", "bread", "chess", "soccer", "robots",
+]
+_THINGS = [
+    "the sea", "autumn", "a cat", "the city at night", "friendship", "a rainy day", "coffee", "the mountains",
+    "a lost key", "spring flowers", "the stars", "an old library", "winter", "a dog", "a summer garden", "the moon",
+    "a train journey", "a lighthouse", "snow", "a bicycle",
+]
+_ACTIVITIES = [
+    "studying for exams", "sleeping better", "learning to cook", "saving money", "running a marathon",
+    "staying focused", "learning a new language", "public speaking", "keeping a plant alive", "writing an essay",
+    "making friends in a new city", "travelling on a budget", "starting to exercise", "reading more books",
+    "a job interview", "taking better photos", "staying hydrated", "learning to code", "cleaning a kitchen",
+    "planning a party",
+]
+_GENERAL_TEMPLATES = [
+    "What is the capital of {country}?",
+    "Explain {topic} in simple terms.",
+    "What is {topic}?",
+    "Tell me an interesting fact about {topic}.",
+    "Write a short poem about {thing}.",
+    "Write a haiku about {thing}.",
+    "Give me three tips for {activity}.",
+    "How can I get better at {activity}?",
+    "Tell me a short story about {thing}.",
+    "Describe {thing} in two sentences.",
+    "Why is {topic} important?",
+    "Summarize what you know about {topic} in one sentence.",
+    "How does {topic} work?",
+    "Explain {topic} to a five-year-old.",
+    "What are three facts about {topic}?",
+    "Write a limerick about {thing}.",
+    "What are the benefits of {activity}?",
+]
+_SMALL_TALK = [
+    "Hi!", "Hello, how are you?", "Good morning!", "Thank you!", "What can you do?", "Who are you?",
+    "Tell me a joke.", "Can you help me?", "What's your name?", "Thanks, that was helpful.", "Goodbye!",
+    "I'm feeling a bit bored. Any ideas?", "What should I cook for dinner tonight?", "Recommend a good book.",
+    "What is a good name for a pet goldfish?", "How do I make a cup of tea?", "What is the meaning of life?",
+    "Can you write a limerick?", "How do I say thank you in Spanish?", "What day comes after Monday?",
+    "Is it better to study in the morning or at night?", "Give me a fun fact.", "What is your favorite color?",
+    "Tell me a story about a dragon.", "Write a sentence using the word 'serendipity'.",
+]
+
+
+def repetitive(text: str) -> bool:
+    """A greedy answer caught in a loop: some line said three times, or some 6-word run four times."""
+    lines = [line.strip() for line in text.splitlines() if len(line.strip()) > 10]
+    if any(lines.count(line) >= 3 for line in set(lines)):
+        return True
+    words = text.split()
+    runs = [" ".join(words[i : i + 6]) for i in range(len(words) - 5)]
+    return any(runs.count(run) >= 4 for run in set(runs))
+
+
+def general_prompts(rng: random.Random, count: int) -> list[str]:
+    """Varied prompts for the base model to answer (its answers become the general training data)."""
+    prompts = list(_SMALL_TALK)
+    seen = set(prompts)
+    for _ in range(50 * count):
+        if len(prompts) >= count:
+            break
+        template = rng.choice(_GENERAL_TEMPLATES)
+        prompt = template.format(
+            country=rng.choice(_COUNTRIES_TRAIN),
+            topic=rng.choice(_TOPICS),
+            thing=rng.choice(_THINGS),
+            activity=rng.choice(_ACTIVITIES),
+        )
+        if prompt not in seen:
+            seen.add(prompt)
+            prompts.append(prompt)
+    rng.shuffle(prompts)
+    return prompts[:count]
+
+
+# Held-out general questions with keyword answers. None of these is a training prompt (checked by a test), and the
+# capitals asked here are of countries the training prompts never name.
+FACT_QUESTIONS: tuple[FactQuestion, ...] = tuple(
+    FactQuestion(q, tuple(k.split("|")))
+    for q, k in [
+        ("What is the capital of France?", "Paris"),
+        ("What is the capital of Japan?", "Tokyo"),
+        ("What is the capital of England?", "London"),
+        ("What is the capital of Australia?", "Canberra"),
+        ("What is the capital of the United States?", "Washington"),
+        ("What is the capital of Netherlands?", "Amsterdam"),
+        ("What is the capital of Switzerland?", "Bern"),
+        ("What is the capital of South Korea?", "Seoul"),
+        ("What is the capital of Hungary?", "Budapest"),
+        ("What is the capital of Colombia?", "Bogot"),
+        ("What is the largest planet in our solar system?", "Jupiter"),
+        ("Which planet is known as the Red Planet?", "Mars"),
+        ("What planet do we live on?", "Earth"),
+        ("What is the closest star to Earth?", "Sun"),
+        ("What color is the sky on a clear day?", "blue"),
+        ("What color are bananas when they are ripe?", "yellow"),
+        ("What color is grass?", "green"),
+        ("How many days are there in a week?", "seven|7"),
+        ("How many legs does a spider have?", "eight|8"),
+        ("How many continents are there?", "seven|7"),
+        ("How many sides does a triangle have?", "three|3"),
+        ("How many hours are in a day?", "24|twenty-four"),
+        ("How many months are in a year?", "12|twelve"),
+        ("What is the freezing point of water in Celsius?", "0|zero"),
+        ("What is the boiling point of water in Celsius?", "100"),
+        ("What is the chemical symbol for water?", "H2O|H₂O"),
+        ("What gas do plants absorb from the air?", "carbon dioxide|CO2"),
+        ("What gas do humans need to breathe?", "oxygen"),
+        ("Who wrote Romeo and Juliet?", "Shakespeare"),
+        ("Who painted the Mona Lisa?", "Leonardo|Vinci"),
+        ("Who developed the theory of relativity?", "Einstein"),
+        ("Who was the first president of the United States?", "Washington"),
+        ("What is the largest ocean on Earth?", "Pacific"),
+        ("What is the longest river in Africa?", "Nile"),
+        ("What is the tallest mountain in the world?", "Everest"),
+        ("What is the largest desert in Africa?", "Sahara"),
+        ("What is the largest mammal?", "whale"),
+        ("What animal is known as the king of the jungle?", "lion"),
+        ("What do bees make?", "honey"),
+        ("What do caterpillars turn into?", "butterfl|moth"),
+        ("What is the opposite of hot?", "cold"),
+        ("What is the opposite of up?", "down"),
+        ("What is the plural of mouse?", "mice"),
+        ("What language is spoken in Brazil?", "Portuguese"),
+        ("What language is spoken in Mexico?", "Spanish"),
+        ("What is the main ingredient in guacamole?", "avocado"),
+        ("What do you call a baby dog?", "puppy|puppies"),
+        ("What do you call a baby cat?", "kitten"),
+        ("What is frozen water called?", "ice"),
+        ("Which organ pumps blood through the body?", "heart"),
+        ("What is the hardest natural substance?", "diamond"),
+        ("What is the currency of Japan?", "yen"),
+        ("What is the currency of the United Kingdom?", "pound"),
+        ("In which country are the pyramids of Giza?", "Egypt"),
+        ("What instrument has 88 keys?", "piano"),
+        ("What shape has four equal sides and four right angles?", "square"),
+        ("What is the first letter of the English alphabet?", "A"),
+        ("Translate 'hello' into French.", "bonjour"),
+        ("What season comes after winter?", "spring"),
+        ("What is the primary language of the United States?", "English"),
+    ]
+)
+
+
+# -------------------------------------------------------------------------------------------------- recall
+_NAMES_TRAIN = ["Alice", "Bob", "Carlos", "Diana", "Ethan", "Fatima", "George", "Hannah", "Ivan", "Julia", "Kenji", "Laura", "Miguel", "Nadia", "Oscar", "Priya", "Quentin", "Rosa", "Samuel", "Tara", "Umar", "Valeria", "William", "Xenia", "Yusuf", "Zoe", "Amara", "Bruno", "Chloe", "Dmitri", "Elena", "Felix", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Leon", "Maya", "Nico"]
+_NAMES_HELD_OUT = ["Beatrice", "Cedric", "Dolores", "Emil", "Freya", "Gustavo", "Helga", "Idris", "Jasmine", "Klaus", "Lucia", "Matteo", "Noor", "Olivia", "Pablo", "Renata", "Stefan", "Thea", "Viktor", "Wanda"]
+_CITIES_TRAIN = ["Paris", "Berlin", "Madrid", "Rome", "Lisbon", "Toronto", "Chicago", "Boston", "Seattle", "Sydney", "Mumbai", "Cairo", "Nairobi", "Lima", "Oslo", "Dublin", "Vienna", "Prague", "Warsaw", "Athens"]
+_CITIES_HELD_OUT = ["Helsinki", "Montreal", "Denver", "Osaka", "Santiago", "Budapest", "Zurich", "Auckland", "Manila", "Istanbul"]
+
+_FACTS_TRAIN = [
+    ("name", "My name is {x}.", "What is my name?", "Your name is {x}."),
+    ("name", "Hi, I'm {x}.", "Do you remember my name?", "Yes, your name is {x}."),
+    ("name", "Call me {x}, please.", "What did I ask you to call me?", "You asked me to call you {x}."),
+    ("number", "My favorite number is {x}.", "What is my favorite number?", "Your favorite number is {x}."),
+    ("number", "Please remember the number {x}.", "What number did I ask you to remember?", "The number was {x}."),
+    ("number", "My locker code is {x}.", "What is my locker code?", "Your locker code is {x}."),
+    ("city", "I live in {x}.", "Where do I live?", "You live in {x}."),
+    ("city", "I was born in {x}.", "Which city was I born in?", "You were born in {x}."),
+]
+_FACTS_HELD_OUT = [
+    ("name", "Hello! My name's {x}.", "Can you tell me my name?", ""),
+    ("number", "Remember this number for me: {x}.", "Which number did I give you earlier?", ""),
+    ("city", "I'm from {x}.", "Where am I from?", ""),
+    ("name", "I am {x}, nice to meet you.", "Who am I?", ""),
+]
+_ACKS = {
+    "name": ["Nice to meet you, {x}! How can I help you today?", "Hello {x}! What can I do for you?"],
+    "number": ["Got it, I'll remember {x}.", "Okay, {x} it is. How can I help?"],
+    "city": ["{x} is a wonderful place! How can I help you today?", "That's great! What would you like to talk about?"],
+}
+
+
+def _fact_value(rng: random.Random, kind: str, held_out: bool) -> str:
+    if kind == "name":
+        return rng.choice(_NAMES_HELD_OUT if held_out else _NAMES_TRAIN)
+    if kind == "city":
+        return rng.choice(_CITIES_HELD_OUT if held_out else _CITIES_TRAIN)
+    return str(rng.randint(10, 9999) if held_out else rng.choice([rng.randint(1, 99), rng.randint(100, 99999)]))
+
+
+def recall_conversations(
+    rng: random.Random, count: int, middles: list[tuple[str, Any]], held_out: bool
+) -> list[tuple[RecallConversation, list[Message]]]:
+    """`count` three-turn recall conversations. `middles` are (question, assistant content) pairs for the middle turn
+    (general answers and tool calls); in held-out conversations the last assistant turn is left for the model."""
+    facts = _FACTS_HELD_OUT if held_out else _FACTS_TRAIN
+    out = []
+    for _ in range(count):
+        kind, fact, recall, answer = rng.choice(facts)
+        value = _fact_value(rng, kind, held_out)
+        middle_question, middle_answer = rng.choice(middles)
+        item = RecallConversation(fact.format(x=value), middle_question, recall, value)
+        messages: list[Message] = [
+            {"role": "user", "content": item.fact},
+            {"role": "assistant", "content": rng.choice(_ACKS[kind]).format(x=value)},
+            {"role": "user", "content": middle_question},
+            {"role": "assistant", "content": middle_answer},
+            {"role": "user", "content": recall},
+        ]
+        if not held_out:
+            messages.append({"role": "assistant", "content": answer.format(x=value)})
+        out.append((item, messages))
+    return out

@@ -1,0 +1,182 @@
+"""Held-out evaluation of the default model, the numbers of its model card.
+
+    python -m chatapp.recipes.smollm2.evaluate [--model DIR] [--base DIR] [--seed 0] [--quick]
+
+Everything is greedy and goes through the Engine the CLI uses (student routing unless the row says otherwise):
+
+- tool: held-out phrasings and values (arithmetic, word problems, percentages, unquoted letter counts); right when
+  the model called the calculator with an expression whose result is the expected one and its answer text
+  contains that result;
+- general: `data.FACT_QUESTIONS` scored by keywords, for this model (student routing) and for the base conversion
+  (routing off) side by side;
+- recall: a name, number or city given two turns earlier, held-out phrasings and values;
+- STT: perplexity on held-out chat with routing off / student, the fraction of tokens each STT layer processed,
+  student-teacher F1, and decode compute saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chatapp.recipes.smollm2 import data
+
+HELD_OUT_SEED = 1234  # held-out items are drawn from their own stream, apart from the training seed's
+
+
+@dataclass
+class Score:
+    right: int = 0
+    total: int = 0
+    misses: list[str] = field(default_factory=list)
+
+    def add(self, ok: bool, what: str) -> None:
+        self.total += 1
+        self.right += int(ok)
+        if not ok and len(self.misses) < 8:
+            self.misses.append(what)
+
+    @property
+    def rate(self) -> float:
+        return self.right / self.total if self.total else 0.0
+
+
+def _engine(model_dir: Path) -> Any:
+    from chatapp.engine.engine import Engine
+    from chatapp.models.loader import load_model
+
+    loaded = load_model(model_dir)
+    return Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+
+
+def _generate(engine: Any, conversations: list[list[dict[str, Any]]], routing: str, max_tokens: int = 96) -> list[Any]:
+    from chatapp.settings import GenerationSettings
+
+    settings = GenerationSettings(max_tokens=max_tokens, routing=routing)  # type: ignore[arg-type]
+    prompts = [engine.chat_format.render_for_completion(c) for c in conversations]
+    results = []
+    for start in range(0, len(prompts), 16):
+        results += engine.generate_batch(prompts[start : start + 16], settings)
+    return results
+
+
+def _tool_correct(result: Any, item: data.ToolQuestion) -> bool:
+    outcomes = [e for e in result.tool_events if e.kind == "result"]
+    return any(e.output == item.result for e in outcomes) and item.result in result.text.split(item.expression)[-1]
+
+
+def tool_score(engine: Any, count: int) -> dict[str, Score]:
+    items = data.tool_questions(random.Random(HELD_OUT_SEED), count, held_out=True)
+    results = _generate(engine, [[{"role": "user", "content": q.question}] for q, _ in items], "student")
+    scores: dict[str, Score] = {}
+    for (item, _), result in zip(items, results, strict=True):
+        ok = _tool_correct(result, item)
+        for key in (item.kind, "all"):
+            scores.setdefault(key, Score()).add(ok, f"{item.question} -> {result.text!r:.160}")
+    return scores
+
+
+def general_score(engine: Any, routing: str) -> Score:
+    questions = list(data.FACT_QUESTIONS)
+    results = _generate(engine, [[{"role": "user", "content": q.question}] for q in questions], routing)
+    score = Score()
+    for question, result in zip(questions, results, strict=True):
+        ok = any(k.lower() in result.text.lower() for k in question.keywords)
+        score.add(ok, f"{question.question} -> {result.text!r:.120}")
+    return score
+
+
+def recall_score(engine: Any, count: int, general: list[tuple[str, str]]) -> Score:
+    rng = random.Random(HELD_OUT_SEED + 1)
+    tools = data.tool_questions(random.Random(HELD_OUT_SEED + 2), 20, held_out=True)
+    middles = general + [(q.question, data.tool_conversation(q, a)[1]["content"]) for q, a in tools]
+    items = data.recall_conversations(rng, count, middles, held_out=True)
+    results = _generate(engine, [messages for _, messages in items], "student")
+    score = Score()
+    for (item, _), result in zip(items, results, strict=True):
+        score.add(item.answer.lower() in result.text.lower(), f"{item.fact} / {item.recall} -> {result.text!r:.100}")
+    return score
+
+
+def stt_report(engine: Any, conversations: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    import torch
+
+    from chatapp.stt.evaluation import evaluate
+
+    batches = []
+    for messages in conversations:
+        ids, mask = engine.chat_format.render_conversation(messages)
+        batches.append((torch.tensor([ids]), torch.tensor([mask])))
+    report = evaluate(engine.model, batches)
+    fractions = report.selected_fraction.get("student", [])
+    return {
+        "tokens": report.tokens,
+        "perplexity": report.perplexity,
+        "ppl_student_over_off": report.perplexity["student"] / report.perplexity["off"],
+        "student_fraction_per_layer": [round(f, 3) for f in fractions],
+        "student_fraction_mean": sum(fractions) / len(fractions) if fractions else 1.0,
+        "teacher_fraction_per_layer": [round(f, 3) for f in report.selected_fraction.get("teacher", [])],
+        "f1_mean": sum(report.student_f1) / len(report.student_f1) if report.student_f1 else 0.0,
+        "f1_per_layer": [round(f, 3) for f in report.student_f1],
+        "compute_saved": report.compute_saved("student"),
+    }
+
+
+def held_out_chat(general: list[tuple[str, str]], count: int) -> list[list[dict[str, Any]]]:
+    """Held-out conversations with answers for perplexity: general answers not trained on, tool calls, recall."""
+    plain = [[{"role": "user", "content": p}, {"role": "assistant", "content": a}] for p, a in general]
+    tools = [data.tool_conversation(q, a) for q, a in data.tool_questions(random.Random(HELD_OUT_SEED + 3), count, True)]
+    return plain[:count] + tools
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description="Held-out evaluation of the default model.")
+    parser.add_argument("--work", default="runs/smollm2", help="the recipe's working directory")
+    parser.add_argument("--model", default=None, help="model directory (default: the prepared default model)")
+    parser.add_argument("--quick", action="store_true", help="small slices (a smoke run)")
+    parser.add_argument("--skip-base", action="store_true", help="do not score the base conversion")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(2)
+    work = Path(args.work)
+    from chatapp.recipes.smollm2.train import held_out_general
+
+    general = held_out_general(work)
+    if args.model is None:
+        from chatapp.models.smollm2 import ensure_prepared
+
+        model_dir = ensure_prepared()
+    else:
+        model_dir = Path(args.model)
+    began = time.perf_counter()
+    engine = _engine(model_dir)
+    n = 20 if args.quick else 100
+    results: dict[str, Any] = {"model": str(model_dir)}
+    tool = tool_score(engine, n)
+    results["tool"] = {k: asdict(v) | {"rate": v.rate} for k, v in tool.items()}
+    print(f"tool {tool['all'].rate:.1%} " + " ".join(f"{k} {v.right}/{v.total}" for k, v in tool.items()), flush=True)
+    general_ours = general_score(engine, "student")
+    results["general"] = asdict(general_ours) | {"rate": general_ours.rate}
+    print(f"general {general_ours.right}/{general_ours.total}", flush=True)
+    recall = recall_score(engine, 10 if args.quick else 40, general)
+    results["recall"] = asdict(recall) | {"rate": recall.rate}
+    print(f"recall {recall.right}/{recall.total}", flush=True)
+    results["stt"] = stt_report(engine, held_out_chat(general, 10 if args.quick else 40))
+    print(json.dumps(results["stt"]), flush=True)
+    if not args.skip_base and (work / "base").is_dir():
+        base = general_score(_engine(work / "base"), "off")
+        results["general_base_routing_off"] = asdict(base) | {"rate": base.rate}
+        print(f"general (base conversion, routing off) {base.right}/{base.total}", flush=True)
+    results["seconds"] = time.perf_counter() - began
+    (work / "eval.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    return results
+
+
+if __name__ == "__main__":
+    main()

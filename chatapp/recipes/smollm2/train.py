@@ -1,0 +1,300 @@
+"""Training the default model's parts: LoRA adapters, the tool markers' embedding rows, STT routers.
+
+Phase A (dense): LoRA on every linear layer of the blocks (peft, injected into the STT model) and the embedding rows
+of the three tool-marker tokens learn the tool protocol on tool, general (self-distilled) and recall conversations;
+the routers and transition networks already learn from the teacher alongside (their losses read detached
+activations, so they cost little and start phase B warm). Phase B turns on the gated second pass (seeds/stt.md
+§3.1 step 6): each STT layer's output for the LM loss is its routed recomputation, so the adapters learn to
+tolerate the skips while the routers settle. The β schedule spans both phases.
+
+The marker rows are trained through the tied embedding matrix with a gradient hook that zeroes every other row:
+Adam's update of a parameter whose gradient is always zero is exactly zero, so the other 49,149 rows stay bitwise
+the base model's. Only trainable tensors are checkpointed (atomically, every `CHECKPOINT_EVERY` steps), so a killed
+run resumes from its last checkpoint with the same data order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chatapp.recipes.smollm2 import data
+from chatapp.tools.base import JUPYTER_TOOL_MARKERS
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RANK = 16
+LORA_ALPHA = 32
+ROUTER_PARTS = ("transition_network", "predictive_router", "causal_router")
+# Router sizes chosen to keep the shipped parts small (fp16: ~5 MB of transition networks, ~4 MB of routers).
+TRANSITION_HIDDEN = 144
+CAUSAL_ROUTER_HIDDEN = 64
+
+
+@dataclass(frozen=True)
+class Recipe:
+    tool_conversations: int = 1100
+    recall_conversations: int = 420
+    general_repeats: int = 1
+    steps_a: int = 150
+    steps_b: int = 150
+    tokens_per_step: int = 1280  # padded tokens per batch (conversations of similar length share a batch)
+    lr_lora_a: float = 3e-4
+    lr_lora_b: float = 1.5e-4
+    lr_rows: float = 2e-3
+    warmup: int = 10
+    pad_id: int = 0
+
+
+CHECKPOINT_EVERY = 20
+HELD_OUT_GENERAL = 40  # distilled answers kept out of training: held-out chat for the perplexity metrics
+HELD_OUT_FILE = "held_out_general.json"
+
+
+def split_general(work: Path, general: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Drop repetitive answers, keep the last `HELD_OUT_GENERAL` apart (written for the evaluation); the rest trains."""
+    usable = [(p, a) for p, a in general if not data.repetitive(a)]
+    train, held = usable[:-HELD_OUT_GENERAL], usable[-HELD_OUT_GENERAL:]
+    (work / HELD_OUT_FILE).write_text(json.dumps(held, indent=1) + "\n", encoding="utf-8")
+    return train
+
+
+def held_out_general(work: Path) -> list[tuple[str, str]]:
+    path = work / HELD_OUT_FILE
+    return [tuple(pair) for pair in json.loads(path.read_text(encoding="utf-8"))] if path.is_file() else []
+
+
+def conversations(general: list[tuple[str, str]], seed: int, recipe: Recipe) -> list[list[dict[str, Any]]]:
+    """The training mix: tool calls, the base model's own general answers, three-turn recall."""
+    rng = random.Random(seed + 1)
+    tool = [data.tool_conversation(q, a) for q, a in data.tool_questions(rng, recipe.tool_conversations, held_out=False)]
+    plain = [[{"role": "user", "content": p}, {"role": "assistant", "content": a}] for p, a in general]
+    middles = [(c[0]["content"], c[1]["content"]) for c in plain + tool[: len(plain) // 2]]
+    recall = [m for _, m in data.recall_conversations(rng, recipe.recall_conversations, middles, held_out=False)]
+    mix = tool + plain * recipe.general_repeats + recall
+    rng.shuffle(mix)
+    return mix
+
+
+def encode(chat_format: Any, mix: list[list[dict[str, Any]]]) -> list[tuple[list[int], list[int]]]:
+    return [chat_format.render_conversation(messages) for messages in mix]
+
+
+def batches(encoded: list[tuple[list[int], list[int]]], recipe: Recipe, seed: int, epoch: int) -> list[list[int]]:
+    """Indices of conversations per batch: shuffled, then grouped by length so little of a batch is padding."""
+    rng = random.Random(seed * 1000 + epoch)
+    order = list(range(len(encoded)))
+    rng.shuffle(order)
+    out = []
+    for start in range(0, len(order), 256):  # sort within chunks: similar lengths, still a shuffled stream
+        chunk = sorted(order[start : start + 256], key=lambda i: len(encoded[i][0]))
+        current: list[int] = []
+        for i in chunk:
+            width = max([len(encoded[j][0]) for j in current] + [len(encoded[i][0])])
+            if current and width * (len(current) + 1) > recipe.tokens_per_step:
+                out.append(current)
+                current = []
+            current.append(i)
+        if current:
+            out.append(current)
+    rng.shuffle(out)
+    return out
+
+
+def collate(encoded: list[tuple[list[int], list[int]]], index: list[int], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(encoded[i][0]) for i in index)
+    ids = torch.full((len(index), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(index), width), dtype=torch.long)
+    for row, i in enumerate(index):
+        seq, supervised = encoded[i]
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = torch.tensor(supervised)
+    return ids, mask
+
+
+def build_model(base: Path, steps: int) -> tuple[Any, list[int]]:
+    """The base STT model with fresh small routers, LoRA injected, marker rows trainable; returns it and the rows."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from tokenizers import Tokenizer
+
+    from chatapp.stt import STTForCausalLM
+    from chatapp.stt.io import load_config, load_state_dict
+
+    config, _ = load_config(base)
+    config.transition_hidden_size = TRANSITION_HIDDEN
+    config.causal_router_hidden_size = CAUSAL_ROUTER_HIDDEN
+    config.beta_warmup_steps = steps
+    torch.manual_seed(0)
+    model = STTForCausalLM(config)
+    state = load_state_dict(base)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict({k: v for k, v in state.items() if not any(p in k for p in ROUTER_PARTS)}, strict=False)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    lora = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
+    model = inject_adapter_in_model(lora, model)
+    for name, param in model.named_parameters():
+        if "lora_" in name or any(p in name for p in ROUTER_PARTS):
+            param.requires_grad_(True)
+    tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
+    markers = JUPYTER_TOOL_MARKERS
+    rows = [tokenizer.token_to_id(n) for n in (markers.call_start, markers.call_end, markers.output_end)]
+    embedding = model.model.embed_tokens.weight
+    embedding.requires_grad_(True)
+    keep = torch.zeros(embedding.shape[0], 1)
+    keep[rows] = 1.0
+    embedding.register_hook(lambda grad: grad * keep.to(grad.dtype))
+    return model, rows
+
+
+def param_groups(model: Any, recipe: Recipe) -> list[dict[str, Any]]:
+    config = model.config
+    groups: dict[str, list[torch.nn.Parameter]] = {"lora": [], "rows": [], "tpn": [], "predictive": [], "causal": []}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if "lora_" in name:
+            groups["lora"].append(param)
+        elif "transition_network" in name:
+            groups["tpn"].append(param)
+        elif "predictive_router" in name:
+            groups["predictive"].append(param)
+        elif "causal_router" in name:
+            groups["causal"].append(param)
+        else:
+            groups["rows"].append(param)
+    lrs = {
+        "lora": recipe.lr_lora_a,
+        "rows": recipe.lr_rows,
+        "tpn": config.lr_transition_network,
+        "predictive": config.lr_predictive_router,
+        "causal": config.lr_causal_router,
+    }
+    return [{"name": k, "params": v, "lr": lrs[k], "base_lr": lrs[k], "weight_decay": 0.0} for k, v in groups.items()]
+
+
+def trainable_state(model: Any) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def run(work: Path, base: Path, general: list[tuple[str, str]], *, seed: int, log: Callable[[str], None]) -> None:
+    """Phases A and B, resumable from `work/train.pt`; the final trainable state goes to `work/trained.pt`."""
+    from tokenizers import Tokenizer
+
+    from chatapp.chat import chat_format_for
+
+    recipe = Recipe()
+    general = split_general(work, general)
+    final = work / "trained.pt"
+    if final.is_file():
+        log("training already done")
+        return
+    torch.set_num_threads(2)
+    torch.manual_seed(seed)
+    total = recipe.steps_a + recipe.steps_b
+    model, rows = build_model(base, total)
+    chat_format = chat_format_for(Tokenizer.from_file(str(base / "tokenizer.json")), base)
+    encoded = encode(chat_format, conversations(general, seed, recipe))
+    log(f"{len(encoded)} conversations, {sum(len(e[0]) for e in encoded)} tokens, "
+        f"{sum(sum(e[1]) for e in encoded)} supervised")
+    groups = param_groups(model, recipe)
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95))
+    step = 0
+    checkpoint = work / "train.pt"
+    if checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(saved["trainable"], strict=False)
+        optimizer.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+        log(f"resumed at step {step}")
+    plan: list[list[int]] = []
+    epoch = 0
+    while len(plan) < total:
+        plan += batches(encoded, recipe, seed, epoch)
+        epoch += 1
+    model.train()
+    began, seen = time.perf_counter(), 0
+    while step < total:
+        phase_b = step >= recipe.steps_a
+        model.config.gated_second_pass = phase_b
+        factor = lr_factor(step - recipe.steps_a if phase_b else step, recipe.steps_b if phase_b else recipe.steps_a, recipe.warmup)
+        for group in optimizer.param_groups:
+            base_lr = recipe.lr_lora_b if (phase_b and group["name"] == "lora") else group["base_lr"]
+            group["lr"] = base_lr * factor
+        ids, mask = collate(encoded, plan[step], recipe.pad_id)
+        out = model.forward_train(ids, mask, step=step, all_logits=False)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        # Per group: the transition networks' regression loss has the scale of SmolLM2's residual stream (hundreds),
+        # and one global norm would shrink the adapters' gradients to nothing.
+        for group in groups:
+            torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
+        optimizer.step()
+        step += 1
+        seen += ids.numel()
+        if step % 5 == 0 or step == total:
+            rate = seen / (time.perf_counter() - began)
+            losses = " ".join(f"{k} {v.item():.3f}" for k, v in out.losses.items())
+            fraction = out.stats["teacher_fraction"].mean().item()
+            f1 = out.stats["f1"].mean().item()
+            log(f"step {step}/{total} {'B' if phase_b else 'A'} {losses} teacher {fraction:.2f} f1 {f1:.2f} {rate:.0f} tok/s")
+        if step % CHECKPOINT_EVERY == 0 and step < total:
+            _atomic_save({"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": step}, checkpoint)
+    _atomic_save({"trainable": trainable_state(model), "rows": rows, "recipe": recipe.__dict__}, final)
+    log("training done")
+
+
+def export(work: Path, base: Path, *, log: Callable[[str], None]) -> Path:
+    """Write the shipped parts (fp16) and their manifest into the package; see `chatapp.models.smollm2`."""
+    from safetensors.torch import save_file
+
+    from chatapp.models.smollm2 import PARTS_DIR, write_manifest
+
+    trained = torch.load(work / "trained.pt", weights_only=False)
+    state = trained["trainable"]
+    rows: list[int] = trained["rows"]
+    parts: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name == "model.embed_tokens.weight":
+            parts["token_rows"] = tensor[rows].to(torch.float32).contiguous()
+        elif "lora_" in name:
+            parts[name.replace(".default", "")] = tensor.to(torch.float16).contiguous()
+        else:
+            parts[name] = tensor.to(torch.float16).contiguous()
+    PARTS_DIR.mkdir(parents=True, exist_ok=True)
+    save_file(parts, str(PARTS_DIR / "parts.safetensors"), metadata={"format": "pt"})
+    calibration = json.loads((work / "calibration.json").read_text()) if (work / "calibration.json").is_file() else {}
+    write_manifest(
+        token_rows=rows,
+        lora={"rank": LORA_RANK, "alpha": LORA_ALPHA, "targets": list(LORA_TARGETS)},
+        stt={
+            "transition_hidden_size": TRANSITION_HIDDEN,
+            "causal_router_hidden_size": CAUSAL_ROUTER_HIDDEN,
+            "router_threshold": calibration.get("router_threshold", 0.5),
+            "routing_trained": True,
+        },
+    )
+    size = (PARTS_DIR / "parts.safetensors").stat().st_size
+    log(f"exported {len(parts)} tensors, {size / 1e6:.1f} MB")
+    return PARTS_DIR
