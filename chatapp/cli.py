@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from chatapp import __version__
-from chatapp.errors import ChatappError
+from chatapp.errors import ChatappError, ModelDirError
 
 app = typer.Typer(
     name="chatapp",
@@ -315,17 +315,32 @@ def _generate_quick(
 
 @app.command()
 def convert(
-    qwen2_dir: Annotated[str, typer.Argument(help="A local Qwen2 / Qwen2.5 checkpoint directory.")],
+    source: Annotated[
+        str, typer.Argument(help="A llama.cpp GGUF file (Llama or Qwen2 architecture) or a local Qwen2 directory.")
+    ],
     out_dir: Annotated[str, typer.Argument(help="Where to write the STT model directory.")],
 ) -> None:
-    """Turn a Qwen2 checkpoint into an STT model directory (fresh routers; routing stays off until trained)."""
+    """Turn a GGUF file or a Qwen2 checkpoint into an STT model directory (fresh routers; routing off until trained)."""
+    from pathlib import Path
+
+    from chatapp.models.gguf import convert_gguf, is_gguf
     from chatapp.stt.io import convert_qwen2
 
+    target = Path(out_dir).expanduser()
+    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+        raise fail(ModelDirError(f"{target} already exists", hint="give a new (or empty) directory for the model"))
     try:
-        model = convert_qwen2(qwen2_dir, out_dir)
+        if is_gguf(source):
+            from rich.progress import Progress
+
+            with Progress(transient=True) as bar:
+                task = bar.add_task("reading and dequantizing", total=1)
+                model = convert_gguf(source, target, lambda done, total: bar.update(task, completed=done, total=total))
+        else:
+            model = convert_qwen2(source, target)
     except ChatappError as err:
         raise fail(err) from None
-    typer.echo(f"wrote {out_dir}: {model.config.num_hidden_layers} layers, STT layers {model.stt_layer_indices}")
+    typer.echo(f"wrote {target}: {model.config.num_hidden_layers} layers, STT layers {model.stt_layer_indices}")
 
 
 def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: str | None, device: str | None):

@@ -17,6 +17,7 @@ to `tokenizer_config.json`, the end-of-turn id to `generation_config.json`.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Callable
@@ -74,13 +75,40 @@ class GGUFModel:
 Progress = Callable[[int, int], None]
 
 
-def _open(path: Path) -> Any:
-    from gguf import GGUFReader
+@functools.cache
+def _bounded_reader() -> type:
+    from gguf import GGUFReader, GGUFValueType
 
+    class BoundedReader(GGUFReader):
+        """`GGUFReader` whose every read must lie inside the file. The stock reader slices past the end without a
+        word, so a corrupt array length made it loop, and grow lists, once per claimed element (up to 2**64)."""
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > len(self.data):
+                raise ValueError(f"the file ends at byte {len(self.data)}, before the data it declares (to byte {end})")
+            return super()._get(offset, dtype, count, override_order)
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            # An array is read element by element: refuse one longer than the rest of the file could hold.
+            if raw_type == GGUFValueType.ARRAY:
+                item_type, count = int(self._get(orig_offs, np.uint32)[0]), int(self._get(orig_offs + 4, np.uint64)[0])
+                scalar = self.gguf_scalar_to_np.get(item_type)  # a string takes 8 bytes at least, an array 12
+                smallest = (
+                    np.dtype(scalar).itemsize if scalar is not None else 12 if item_type == GGUFValueType.ARRAY else 8
+                )
+                if count * smallest > len(self.data) - orig_offs - 12:
+                    raise ValueError(f"an array at byte {orig_offs} claims {count} items, more than the file holds")
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    return BoundedReader
+
+
+def _open(path: Path) -> Any:
     if not path.is_file():
         raise GGUFError(f"{path} is not a file", hint="pass the path of a .gguf model file")
     try:
-        return GGUFReader(path)
+        return _bounded_reader()(path)
     except (ValueError, IndexError, KeyError, OSError, struct.error, TypeError) as err:
         raise GGUFError(
             f"{path} is not a readable GGUF file ({type(err).__name__}: {str(err)[:200]})",
@@ -126,6 +154,44 @@ def _config(reader: Any, path: Path, arch: str, has_output: bool) -> dict[str, A
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+
+
+def _check_shapes(reader: Any, path: Path, config: dict[str, Any]) -> None:
+    """The tensors are those the config implies, with the shapes it implies: checked before anything is dequantized
+    or sized from the metadata's counts, so a corrupt count fails here instead of looping or allocating."""
+    shapes = {}
+    for tensor in reader.tensors:
+        hf = _hf_name(tensor.name)
+        if hf is not None:
+            shapes[hf] = (tensor.name, tuple(int(d) for d in reversed(tensor.shape)))
+    layers = {int(name.split(".")[2]) for name in shapes if name.startswith("model.layers.")}
+    if layers != set(range(config["num_hidden_layers"])):
+        raise GGUFError(
+            f"{path}: the metadata says {config['num_hidden_layers']} layers but the file has tensors for {len(layers)}",
+            hint="the file is corrupt or incomplete; copy it again",
+        )
+    hidden, ff, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = hidden // config["num_attention_heads"] * config["num_key_value_heads"]
+    want = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        want["lm_head.weight"] = (vocab, hidden)
+    for layer in layers:
+        block = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)}
+        for proj, rows in (("q", hidden), ("k", kv), ("v", kv)):
+            block[f"self_attn.{proj}_proj.weight"] = (rows, hidden)
+            if f"model.layers.{layer}.self_attn.{proj}_proj.bias" in shapes:
+                block[f"self_attn.{proj}_proj.bias"] = (rows,)
+        block |= {"self_attn.o_proj.weight": (hidden, hidden), "mlp.gate_proj.weight": (ff, hidden)}
+        block |= {"mlp.up_proj.weight": (ff, hidden), "mlp.down_proj.weight": (hidden, ff)}
+        want |= {f"model.layers.{layer}.{name}": shape for name, shape in block.items()}
+    for hf, shape in want.items():
+        name, got = shapes.get(hf, (None, None))
+        if got != shape:
+            found = "missing" if name is None else f"{name} has shape {got}"
+            raise GGUFError(
+                f"{path}: the metadata implies a tensor {hf} of shape {shape}, but it is {found}",
+                hint="the file is corrupt or not a plain Llama / Qwen2 model",
+            )
 
 
 def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -175,7 +241,13 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> GGUFModel:
             hint="use a Llama- or Qwen2-family model (SmolLM, Llama 3, Qwen2/2.5, ...)",
         )
     names = {t.name for t in reader.tensors}
-    config = _config(reader, path, arch, has_output="output.weight" in names)
+    try:
+        config = _config(reader, path, arch, has_output="output.weight" in names)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise GGUFError(
+            f"{path}: a model metadata field has a value of the wrong type ({err})", hint="copy the file again"
+        ) from None
+    _check_shapes(reader, path, config)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
     total = len(reader.tensors)
@@ -208,7 +280,7 @@ def _tokenizer(path: Path, config: dict[str, Any]) -> tuple[str, dict[str, Any]]
     try:
         architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
         backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
-    except (KeyError, ValueError, TypeError, IndexError) as err:
+    except Exception as err:  # tokenizers raises a bare Exception for merges naming tokens not in the vocabulary
         raise GGUFError(
             f"{path}: the tokenizer in the file's metadata cannot be rebuilt ({type(err).__name__}: {err})",
             hint="use a GGUF file with a gpt2 (byte-level BPE) or llama (sentencepiece) tokenizer",

