@@ -300,7 +300,9 @@ def convert_gguf(source: str | Path, target: str | Path, progress: Progress | No
     read = read_gguf(source, progress)
     target = Path(target)
     config = STTConfig(**read.config)
-    model = STTForCausalLM(config)
+    with torch.random.fork_rng(devices=[]):  # the fresh routers: the same on every conversion of a file
+        torch.manual_seed(0)
+        model = STTForCausalLM(config)
     state = dict(read.tensors)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

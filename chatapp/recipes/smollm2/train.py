@@ -45,7 +45,7 @@ class Recipe:
     recall_conversations: int = 420
     general_repeats: int = 1
     steps_a: int = 140
-    steps_b: int = 70
+    steps_b: int = 45
     tokens_per_step: int = 1280  # padded tokens per batch (conversations of similar length share a batch)
     lr_lora_a: float = 3e-4
     lr_lora_b: float = 1e-4
@@ -59,7 +59,12 @@ CHECKPOINT_EVERY = 20
 # threshold rule on SmolLM2 the gate saturated (β → 100 with a transition network that cannot predict this model's
 # residuals, so the expected-event criterion passes ~90% of tokens at g == 1.0 exactly); a moderate final β keeps g
 # graded so its ranking means something.
-TEACHER = {"use_g_threshold_selection": False, "capacity": 0.8, "beta_ce_end": 4.0, "beta_cu_end": 4.0}
+TEACHER = {"use_g_threshold_selection": False, "capacity": 0.5, "beta_ce_end": 4.0, "beta_cu_end": 4.0}
+# STT layers: the six odd layers whose skipping costs SmolLM2 least. Measured on held-out chat with every other layer
+# dense and half the tokens of one layer skipped at random: layer 1 alone raised the loss from 0.72 to 3.14 and layer
+# 29 to 1.62; 17, 5, 3, 7, 9 and 25 cost 0.04-0.13 each. Skipping in all 15 odd layers (even 20% of tokens) left a
+# loss above 2 after the gated phase, far from the dense 0.2-0.5.
+STT_LAYERS = [3, 5, 7, 9, 17, 25]
 HELD_OUT_GENERAL = 40  # distilled answers kept out of training: held-out chat for the perplexity metrics
 HELD_OUT_FILE = "held_out_general.json"
 
@@ -138,6 +143,7 @@ def build_model(base: Path, steps: int) -> tuple[Any, list[int]]:
     from chatapp.stt.io import load_config, load_state_dict
 
     config, _ = load_config(base)
+    config.stt_layers = list(STT_LAYERS)
     config.transition_hidden_size = TRANSITION_HIDDEN
     config.causal_router_hidden_size = CAUSAL_ROUTER_HIDDEN
     config.beta_warmup_steps = steps
@@ -233,12 +239,17 @@ def run(work: Path, base: Path, general: list[tuple[str, str]], *, seed: int, lo
     optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95))
     step = 0
     checkpoint = work / "train.pt"
-    if checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=False)
-        model.load_state_dict(saved["trainable"], strict=False)
-        optimizer.load_state_dict(saved["optimizer"])
+    resume = checkpoint if checkpoint.is_file() else work / "phase_a.pt"
+    if resume.is_file():
+        saved = torch.load(resume, weights_only=False)
+        wanted = dict(model.named_parameters())
+        model.load_state_dict({k: v for k, v in saved["trainable"].items() if k in wanted}, strict=False)
+        try:
+            optimizer.load_state_dict(saved["optimizer"])
+        except ValueError:  # other STT layers than the checkpoint's: phase B starts with fresh optimizer state
+            log("optimizer state not reused (the trainable parameters changed)")
         step = saved["step"]
-        log(f"resumed at step {step}")
+        log(f"resumed from {resume.name} at step {step}")
     plan: list[list[int]] = []
     epoch = 0
     while len(plan) < total:
@@ -315,6 +326,7 @@ def export(work: Path, base: Path, *, log: Callable[[str], None]) -> Path:
             "causal_router_hidden_size": CAUSAL_ROUTER_HIDDEN,
             "router_threshold": calibration.get("router_threshold", 0.5),
             "routing_trained": True,
+            "stt_layers": list(STT_LAYERS),
             "beta_warmup_steps": Recipe().steps_a + Recipe().steps_b,
             **TEACHER,
         },
