@@ -53,9 +53,10 @@ def parse_format(name: str | None) -> str | None:
 
 
 def default_format(device: torch.device, num_parameters: int) -> str:
-    """bfloat16 on CUDA; on a CPU int8 for a model too large for its caches, float32 for a small one."""
-    if device.type == "cuda":
-        return "bfloat16"
+    """On a CPU int8 for a model too large for its caches, float32 for a small one; float32 elsewhere (CUDA has not
+    been measured yet)."""
+    if device.type != "cpu":
+        return "float32"
     return "int8" if num_parameters * 4 > CPU_INT8_MIN_BYTES else "float32"
 
 
