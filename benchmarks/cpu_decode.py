@@ -362,6 +362,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--ttft-tokens", type=int, default=1000)
+    parser.add_argument("--ttft-rounds", type=int, default=None, help="default: --rounds")
     parser.add_argument("--quality-steps", type=int, default=64)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
@@ -394,7 +395,7 @@ def main() -> None:
         llama = llama_cpp_side(gguf, args.threads) if gguf else None
         lines += [*speed_section(models, hf, llama, prompts_for, tokenizer, args), ""]
     if not args.skip_ttft:
-        lines += [*ttft_section(models, hf, tokenizer, prompts_for(1, args.ttft_tokens)[0], args.rounds), ""]
+        lines += [*ttft_section(models, hf, tokenizer, prompts_for(1, args.ttft_tokens)[0], args.ttft_rounds or args.rounds), ""]
     lines.append(f"machine: {machine()}; load average at end {os.getloadavg()}")
     print("\n".join(lines))
 
