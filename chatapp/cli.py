@@ -237,6 +237,10 @@ def generate(
     seed: Annotated[int, typer.Option("--seed", help="Random seed for sampling.")] = 0,
     device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timing: tokens/s, forced %, ...")] = False,
+    dtype: Annotated[
+        str | None,
+        typer.Option("--dtype", help="Weight format: auto (default; $CHATAPP_DTYPE), float32, bfloat16 or int8."),
+    ] = None,
     output: Annotated[
         str | None, typer.Option("--output", "-o", help="JSONL input: where records go (- = stdout, the default).")
     ] = None,
@@ -277,6 +281,7 @@ def generate(
                 output=output or "-",
                 model=model,
                 device=device,
+                dtype=dtype,
                 defaults=BatchDefaults(settings=settings, samples=samples or 1, program=program),
                 options=BatchOptions(batch_size=batch_size or 32, ordered=ordered),
                 resume=resume,
@@ -288,13 +293,19 @@ def generate(
             {"--output": output, "--batch-size": batch_size, "--samples": samples,
              "--ordered": ordered, "--resume": resume, "--fsync": fsync}
         )
-        _generate_quick(prompt, settings, model, device, verbose, program)
+        _generate_quick(prompt, settings, model, device, verbose, program, dtype)
     except ChatappError as err:
         raise fail(err) from None
 
 
 def _generate_quick(
-    prompt: str, settings, model: str | None, device: str | None, verbose: bool, program: str | None = None
+    prompt: str,
+    settings,
+    model: str | None,
+    device: str | None,
+    verbose: bool,
+    program: str | None = None,
+    dtype: str | None = None,
 ) -> None:
     """Quick mode of `generate`: load the model, stream one reply to the terminal."""
     from rich.console import Console
@@ -303,7 +314,7 @@ def _generate_quick(
     from chatapp.engine.quick import stream_reply
     from chatapp.models.loader import load_model
 
-    loaded = load_model(model, device)
+    loaded = load_model(model, device, dtype)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
     compiled = None
     if program is not None:
@@ -492,7 +503,7 @@ def eval_model(
 
     task_count = tasks if tasks is not None else (300 if corpus is None else 0)
     try:
-        loaded = load_model(model, device)
+        loaded = load_model(model, device, "float32")  # the model's own quality, not a lossy weight format's
         if corpus is None:  # the synthetic held-out split, one conversation per row (no packing, no padding)
             batches = routing_batches(generate_corpus(task_count or 300, "heldout"), loaded.chat_format, batch_size)
         else:

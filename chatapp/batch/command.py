@@ -157,6 +157,7 @@ def run_batch_command(
     model: str | None,
     device: str | None,
     defaults: BatchDefaults,
+    dtype: str | None = None,
     options: BatchOptions,
     resume: bool,
     fsync: bool,
@@ -179,7 +180,7 @@ def run_batch_command(
                 markup=False,
                 soft_wrap=True,
             )
-        loaded = load_model(model, device)
+        loaded = load_model(model, device, dtype)
         engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
         preparer = ModelPreparer(engine)
         summary = run_batch(

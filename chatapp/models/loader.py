@@ -9,6 +9,7 @@ any weights are touched where possible.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
 
     from chatapp.chat import AnyChatFormat
     from chatapp.stt import STTForCausalLM
+
+# The weight format when no `dtype` is passed (a `--dtype` option wins over it): auto, float32, bfloat16, int8.
+DTYPE_ENV = "CHATAPP_DTYPE"
+# torch's CPU thread count for generation (see `configure_threads`).
+THREADS_ENV = "CHATAPP_THREADS"
 
 _REBUILD_HINT = "run `make train-default` to rebuild the embedded default model"
 
@@ -52,15 +58,21 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def load_model(
-    path: str | Path | None = None, device: str | None = None, dtype: torch.dtype | None = None
+    path: str | Path | None = None, device: str | None = None, dtype: str | torch.dtype | None = None
 ) -> LoadedModel:
     """Load a model directory; `path=None` loads the embedded default model shipped in the package.
 
-    Weights stored in half precision are loaded as float32 unless `dtype` says otherwise: the default model is tiny,
-    and float32 keeps CPU generation exact and fast.
+    `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16" or "int8"; None or "auto" takes
+    `$CHATAPP_DTYPE` when set, else the per-device default (`weight_format_for`). The weights are read as float32
+    and converted once, here.
     """
     import torch
 
+    from chatapp.stt.weights import parse_format
+
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    fmt = parse_format(dtype) or parse_format(os.environ.get(DTYPE_ENV) or None)
     model_dir = Path(path).expanduser() if path is not None else default_model_dir()
     hint = _REBUILD_HINT if path is None else None
     check_model_dir(model_dir, hint=hint)
@@ -68,11 +80,12 @@ def load_model(
 
     from chatapp.chat import chat_format_for
     from chatapp.stt import STTForCausalLM
+    from chatapp.stt.weights import prepare_weights
 
     chat_format = chat_format_for(tokenizer, model_dir)
     resolved = resolve_device(device)
     try:
-        model = STTForCausalLM.from_pretrained(model_dir, device=resolved, dtype=dtype or torch.float32)
+        model = STTForCausalLM.from_pretrained(model_dir, device=resolved, dtype=torch.float32)
     except ModelDirError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as err:
@@ -80,8 +93,50 @@ def load_model(
             f"cannot load the weights in {model_dir}: {err}",
             hint=hint or "check that config.json and the safetensors files come from the same checkpoint",
         ) from None
+    prepare_weights(model, fmt or weight_format_for(model, resolved))
+    if resolved.type == "cpu":
+        configure_threads(model)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
+
+
+def weight_format_for(model: STTForCausalLM, device: torch.device) -> str:
+    """The default weight format of `model` on `device`, chosen by measurement (benchmarks/cpu_decode.py, README):
+    on a CPU int8 for a model whose float32 weights outgrow the caches (SmolLM2-135M decodes ~3x faster than in
+    float32, within the quality guard), float32 for a small one (the tiny model is dispatch-bound: int8 gains
+    nothing and float32 is exact); float32 on CUDA, where nothing has been measured yet."""
+    from chatapp.stt.weights import default_format
+
+    return default_format(device, sum(p.numel() for p in model.parameters()))
+
+
+def configure_threads(model: STTForCausalLM) -> int:
+    """Set torch's CPU thread count for generating with `model` and return it: `$CHATAPP_THREADS` when set, one
+    thread for a small model, torch's default otherwise.
+
+    A small model's decode step is hundreds of tiny ops, and every multi-threaded op waits for the whole thread
+    pool: on a CPU shared with another busy process that wait is a scheduler time slice. Measured on the 2-core
+    box at load ~8 (the tiny model, `chatapp generate IN.jsonl`, the same run): one thread 175 tokens/s at batch 1
+    and 1157 at batch 16; two threads 12.9 and 16.8. On a quiet box one thread is as fast for this model (README).
+    """
+    import torch
+
+    from chatapp.stt.weights import CPU_INT8_MIN_BYTES
+
+    wanted = os.environ.get(THREADS_ENV)
+    if wanted:
+        try:
+            threads = int(wanted)
+        except ValueError:
+            raise ModelDirError(f"{THREADS_ENV}={wanted!r} is not a number", hint="set it to e.g. 1 or 2") from None
+        if threads < 1:
+            raise ModelDirError(f"{THREADS_ENV}={wanted!r} must be at least 1", hint="set it to e.g. 1 or 2")
+    elif sum(p.numel() for p in model.parameters()) * 4 <= CPU_INT8_MIN_BYTES:
+        threads = 1
+    else:
+        return torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return threads
 
 
 def check_model_dir(model_dir: Path, hint: str | None = None) -> None:

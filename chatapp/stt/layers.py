@@ -46,10 +46,9 @@ def routed_causal_mask(key_selected: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(norm: Qwen2RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """`norm(x)` in one fused op where that is bit-identical (float32: transformers upcasts to float32 anyway and
-    multiplies the same factors), transformers' own module otherwise."""
-    if x.dtype != torch.float32:
-        return norm(x)
+    """`norm(x)` in one fused op. In float32 it is bit-identical to transformers' module (which upcasts to float32
+    anyway and multiplies the same factors); in bfloat16 the fused op also accumulates in float32 but rounds once,
+    after the weight, where the module rounds before it too (a difference of one bfloat16 rounding)."""
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 

@@ -84,11 +84,12 @@ class STTForCausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activation (and KV cache) dtype; an int8 LM head (see `chatapp.stt.weights`) has no float weight."""
+        return self.model.embed_tokens.weight.dtype
 
     @property
     def routing_active(self) -> bool:

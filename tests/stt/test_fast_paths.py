@@ -142,4 +142,7 @@ def test_rms_norm_equals_transformers(dtype):
     with torch.no_grad():
         norm.weight.normal_()
     x = (torch.randn(3, 5, 64) * 4).to(dtype)
-    assert torch.equal(rms_norm(norm, x), norm(x))
+    if dtype == torch.float32:
+        assert torch.equal(rms_norm(norm, x), norm(x))
+    else:  # the fused op rounds once where transformers rounds twice: within one bfloat16 rounding (2^-8)
+        torch.testing.assert_close(rms_norm(norm, x).float(), norm(x).float(), rtol=2**-7, atol=1e-3)

