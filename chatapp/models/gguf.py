@@ -165,7 +165,7 @@ def _check_shapes(reader: Any, path: Path, config: dict[str, Any]) -> None:
         if hf is not None:
             shapes[hf] = (tensor.name, tuple(int(d) for d in reversed(tensor.shape)))
     layers = {int(name.split(".")[2]) for name in shapes if name.startswith("model.layers.")}
-    if layers != set(range(config["num_hidden_layers"])):
+    if len(layers) != config["num_hidden_layers"] or layers != set(range(len(layers))):
         raise GGUFError(
             f"{path}: the metadata says {config['num_hidden_layers']} layers but the file has tensors for {len(layers)}",
             hint="the file is corrupt or incomplete; copy it again",

@@ -108,7 +108,6 @@ def prepare(model_dir: Path, progress: Progress | None = None) -> Path:
     import shutil
     import tempfile
 
-    import torch
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -146,10 +145,8 @@ def prepare(model_dir: Path, progress: Progress | None = None) -> Path:
     state["model.embed_tokens.weight"] = embedding
     state.update({k: v.float() for k, v in parts.items() if "lora_" not in k and k != "token_rows"})
     state["lm_head.weight"] = embedding
-    with torch.device("meta"):
-        model = STTForCausalLM(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.lm_head.weight = model.model.embed_tokens.weight
+    model = STTForCausalLM(config)
+    model.load_state_dict(state, strict=True)
     report(85, 100, "saving")
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=model_dir.parent, prefix=f".{model_dir.name}."))

@@ -177,6 +177,7 @@ def write_tiny_gguf(
     types = dict(types or {})
     writer = gguf.GGUFWriter(path, general_architecture or arch)
     override = {key.replace("{arch}", arch): value for key, value in (override or {}).items()}
+    omit = {key.replace("{arch}", arch) for key in omit}
 
     def kv(key: str, value: Any, vtype: gguf.GGUFValueType, sub: gguf.GGUFValueType | None = None) -> None:
         key = key.replace("{arch}", arch)

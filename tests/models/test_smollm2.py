@@ -114,8 +114,17 @@ def test_routing_fractions_on_held_out_chat(model_dir: Path) -> None:
     tools = data.tool_questions(random.Random(7), 6, held_out=True)
     chats = [data.tool_conversation(q, a) for q, a in tools]
     chats += [
-        [{"role": "user", "content": "Tell me about the ocean."}, {"role": "assistant", "content": "The ocean covers most of the Earth's surface and holds most of its water. It is home to whales, fish and coral reefs."}],
-        [{"role": "user", "content": "Hi, I'm Noor."}, {"role": "assistant", "content": "Hello Noor! How can I help you today?"}],
+        [
+            {"role": "user", "content": "Tell me about the ocean."},
+            {
+                "role": "assistant",
+                "content": "The ocean covers most of the Earth's surface and holds most of its water. It is home to whales, fish and coral reefs.",
+            },
+        ],
+        [
+            {"role": "user", "content": "Hi, I'm Noor."},
+            {"role": "assistant", "content": "Hello Noor! How can I help you today?"},
+        ],
     ]
     report = stt_report(engine, chats)
     fractions = report["student_fraction_per_layer"]

@@ -113,7 +113,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.stage in ("all", "train"):
         train.run(work, base, general, seed=args.seed, log=log)
     if args.stage in ("all", "export"):
+        from chatapp.models.smollm2 import ensure_prepared
+
+        # Export with the default threshold, prepare, calibrate the student's threshold on the prepared model,
+        # export again with it: what ships is what the calibration measured.
         train.export(work, base, log=log)
+        train.calibrate(work, ensure_prepared(), general, seed=args.seed, log=log)
+        train.export(work, base, log=log)
+        ensure_prepared()
     if args.stage in ("all", "eval"):
         from chatapp.recipes.smollm2 import evaluate
 

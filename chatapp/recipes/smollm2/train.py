@@ -341,7 +341,7 @@ def calibrate(work: Path, model_dir: Path, general: list[tuple[str, str]], *, se
     on training conversations, written to `work/calibration.json` for `export`."""
     from chatapp.models.loader import load_model
 
-    loaded = load_model(model_dir)
+    loaded = load_model(model_dir, dtype="float32")  # the precision the routers were trained in
     model, chat_format = loaded.model, loaded.chat_format
     mix = conversations(split_general(work, general), seed, Recipe())[:48]
     thresholds = [round(0.2 + 0.02 * i, 2) for i in range(31)]
