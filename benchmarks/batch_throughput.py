@@ -26,8 +26,9 @@ from chatapp.batch.command import ModelPreparer
 from chatapp.batch.requests import BatchDefaults
 from chatapp.batch.runner import BatchOptions, run_batch
 from chatapp.engine.engine import Engine
+from chatapp.models import default_model_dir
 from chatapp.models.loader import load_model
-from chatapp.settings import GenerationSettings, default_model_dir
+from chatapp.settings import GenerationSettings
 
 TOPICS = ["the sea", "prime numbers", "Paris", "a red fox", "rain", "the moon", "chess", "bread"]
 
@@ -47,8 +48,8 @@ class CountingSink:
 
 def _random_model_dir(directory: Path) -> Path:
     """A random model with the default model's exact shape (its build recipe) and a locally trained tokenizer."""
-    from chatapp.models.build_default import Recipe, build_config
-    from chatapp.models.tokenizer import train_bpe_tokenizer
+    from chatapp.recipes.tiny.build import Recipe, build_config
+    from chatapp.recipes.tiny.tokenizer import train_bpe_tokenizer
     from chatapp.stt import STTForCausalLM
 
     text = " ".join(

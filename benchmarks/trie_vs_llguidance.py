@@ -38,12 +38,12 @@ from tokenizers import Tokenizer
 from chatapp.trie.bitmask import bitmask_to_bools
 from chatapp.trie.constraint import Constraint
 from chatapp.trie.json_schema import json_literal, schema_to_regex
-from chatapp.trie.local_tokenizers import cached_source_tokenizer
 from chatapp.trie.regex import compile_regex
 from chatapp.trie.token_bytes import vocab_bytes
 from chatapp.trie.toktrie import TokTrie
 from chatapp.trie.vocab import ConstraintVocab
 from chatapp.trie.walk import TokenColumns
+from tests.trie.local_tokenizers import cached_source_tokenizer
 
 CACHE = Path(os.environ.get("CHATAPP_BENCH_CACHE", Path(tempfile.gettempdir()) / "chatapp-bench-cache"))
 TOKENIZERS = (

@@ -44,8 +44,9 @@ from pathlib import Path
 import torch
 
 from chatapp.engine.engine import Engine
+from chatapp.models import default_model_dir
 from chatapp.models.loader import load_model
-from chatapp.settings import GenerationSettings, default_model_dir
+from chatapp.settings import GenerationSettings
 from chatapp.ui.app import ChatApp
 from chatapp.ui.backend import ChatBackend, EngineBackend
 from chatapp.ui.history import HistoryStore
@@ -69,7 +70,7 @@ TEXT = (
 
 def random_model_dir(directory: Path, hidden: int = 256, layers: int = 6) -> Path:
     """A random STT checkpoint with routers spread so that some tokens skip some layers."""
-    from chatapp.models.tokenizer import train_bpe_tokenizer
+    from chatapp.recipes.tiny.tokenizer import train_bpe_tokenizer
     from chatapp.stt import STTConfig, STTForCausalLM
 
     tokenizer = train_bpe_tokenizer([TEXT] * 50, vocab_size=1024)

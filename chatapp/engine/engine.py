@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
@@ -51,11 +51,13 @@ from chatapp.engine.constraints import apply_masks, fresh_constraint
 from chatapp.engine.detok import Detokenizer, TokenBytes
 from chatapp.engine.events import FinishReason, PromptInfo, Step, TokenEvent, ToolEvent
 from chatapp.engine.programs import ProgramRunner
+from chatapp.engine.reply import Reply, fold_replies
 from chatapp.engine.sampling import SamplingParams, sample
 from chatapp.engine.tools import DEFAULT_MAX_EXPRESSION_TOKENS, ForcedToken, ToolBox, ToolMachine
 from chatapp.errors import ChatappError, ContextOverflowError, ConversationError, SettingsError
 from chatapp.settings import GenerationSettings
 from chatapp.tools import TOOLS, Tool
+from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 
 PREFILL_CHUNK = 512  # prompt tokens per row per prefill forward: bounds the attention scores' memory
 CACHE_SLACK = 64  # extra cache slots allocated up front for forced tool output
@@ -75,25 +77,6 @@ class ChatFormatLike(Protocol):
         self, messages: Sequence[Any], max_tokens: int | None = None
     ) -> tuple[list[int], list[int]]: ...
     def render_for_completion(self, messages: Sequence[Any]) -> list[int]: ...
-
-
-@dataclass
-class GenerationResult:
-    """One row of `generate_batch`: what it emitted, without the final stop token (kept in `stop_token`)."""
-
-    row: int
-    prompt_tokens: int
-    tokens: list[int] = field(default_factory=list)
-    forced: list[bool] = field(default_factory=list)
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    stop_token: int | None = None
-    tool_events: list[ToolEvent] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def sampled_tokens(self) -> int:
-        return self.forced.count(False)
 
 
 @dataclass
@@ -220,6 +203,20 @@ class Engine:
         return list(self.model.stt_layer_indices)
 
     @property
+    def num_layers(self) -> int:
+        """All decoder layers of the model: the denominator of a reply's `compute_saved`."""
+        return int(self.model.config.num_hidden_layers)
+
+    def new_reply(self, row: int = 0) -> Reply:
+        """An empty reply fold for one row of this engine's output."""
+        return Reply(row, self.num_layers, self.stt_layers, self.tool_markers)
+
+    @property
+    def tool_markers(self) -> ToolMarkers:
+        """The chat format's tool protocol (nanochat's markers for a format that names none)."""
+        return getattr(self.chat_format, "tool_markers", None) or NANOCHAT_TOOL_MARKERS
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
 
@@ -267,15 +264,12 @@ class Engine:
         num_samples: int = 1,
         programs: Sequence[Any] | None = None,
         constraints: Sequence[Any] | None = None,
-    ) -> list[GenerationResult]:
-        """Run `generate` to the end and collect each row's tokens, forced mask, text, finish reason, tool events."""
-        results: list[GenerationResult] = []
-        for step in self.generate(prompts, settings, num_samples, programs, constraints):
-            if step.prompt is not None:
-                results = [GenerationResult(i, n) for i, n in enumerate(step.prompt.prompt_tokens)]
-            for event in step.tokens:
-                collect_event(results[event.row], event)
-        return results
+    ) -> list[Reply]:
+        """Run `generate` to the end and fold each row's reply (tokens, forced mask, text, finish reason, tools)."""
+        steps = self.generate(prompts, settings, num_samples, programs, constraints)
+        return fold_replies(
+            steps, num_layers=self.num_layers, stt_layers=self.stt_layers, markers=self.tool_markers
+        )
 
     def session(self, system: str | None = None) -> Any:
         """A multi-turn chat that keeps its KV cache between turns (`chatapp.engine.session.ChatSession`)."""
@@ -336,15 +330,29 @@ class Engine:
         grammar = None if constraint is None else fresh_constraint(constraint, self._regex_constraint)
         return _Row(index, settings, stops, Detokenizer(self.token_bytes), tools, seen, grammar)
 
-    def _regex_constraint(self, pattern: str) -> Any:
-        """A `Constraint` for a regex over this model's vocabulary, ending at the chat format's end of turn.
-        The vocabulary index (token bytes, trie) is built once per engine, on first use."""
-        from chatapp.trie.constraint import Constraint
+    @property
+    def constraint_vocab(self) -> Any:
+        """The vocabulary index grammar constraints walk (token bytes, trie): built once per engine, on first use."""
         from chatapp.trie.vocab import ConstraintVocab
 
         if self._constraint_vocab is None:
             self._constraint_vocab = ConstraintVocab.from_tokenizer(self.tokenizer, self.model.config.vocab_size)
-        return Constraint.regex(pattern, self._constraint_vocab, self.chat_format.assistant_end_id)
+        return self._constraint_vocab
+
+    def constraint(self, *, regex: str | None = None, json_schema: Any = None) -> Any:
+        """A `chatapp.trie` Constraint over this model's vocabulary for a regex or a JSON schema, ending at the chat
+        format's end of turn. Raises `ConstraintError` naming what is wrong with the pattern or schema."""
+        from chatapp.trie.constraint import Constraint
+
+        if (regex is None) == (json_schema is None):
+            raise SettingsError("a constraint needs exactly one of a regex or a JSON schema")
+        end = self.chat_format.assistant_end_id
+        if regex is not None:
+            return Constraint.regex(regex, self.constraint_vocab, end)
+        return Constraint.json_schema(json_schema, self.constraint_vocab, end)
+
+    def _regex_constraint(self, pattern: str) -> Any:
+        return self.constraint(regex=pattern)
 
     # --------------------------------------------------------------------------------------------- generation
     def _stream(
@@ -716,21 +724,6 @@ class Engine:
         if batch.pending is not None:
             batch.pending = [batch.pending[i] for i in keep]
         batch.finished = 0
-
-
-def collect_event(result: GenerationResult, event: TokenEvent) -> None:
-    """Fold one streamed token into a `GenerationResult` (the final stop token is kept apart)."""
-    if event.tool is not None:
-        result.tool_events.append(event.tool)
-    if event.finish_reason is not None:
-        result.finish_reason = event.finish_reason
-        result.error = event.error
-    if event.finish_reason == "stop":  # the terminator is not part of the reply (as in nanochat)
-        result.stop_token = event.token
-        return
-    result.tokens.append(event.token)
-    result.forced.append(event.forced)
-    result.text += event.text
 
 
 def _synchronize(device: torch.device) -> None:

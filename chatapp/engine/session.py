@@ -174,18 +174,15 @@ class ChatSession:
         self._ids.extend(segment)
         programs = None if program is None else [program]
         steps = engine._stream([segment], [row], self._cache, may_compact=False, programs=programs)
-        reply: list[int] = []
-        stopped = False
+        reply = engine.new_reply()
         try:
             for step in steps:
-                for event in step.tokens:
-                    reply.append(event.token)
-                    stopped = event.finish_reason == "stop"
+                reply.add_step(step)
                 yield step
         finally:
             steps.close()
-            self._ids.extend(reply)
-            self.messages.append({"role": "assistant", "content": self._content(reply[:-1] if stopped else reply)})
+            self._ids.extend(event.token for event in reply.events)  # the stop token too: the model saw it
+            self.messages.append({"role": "assistant", "content": reply.content})
 
     # ------------------------------------------------------------------------------------------------ render
     def _segment(
@@ -219,26 +216,3 @@ class ChatSession:
         while len(body) > 1 and len(chat.render_for_completion([*head, *body])) + max_tokens >= self.context_size:
             body = body[2:]
         return [*head, *body]
-
-    def _content(self, reply: list[int]) -> str | list[dict[str, str]]:
-        """The assistant message for `reply`: plain text, or nanochat's parts when it used a tool."""
-        chat = self.engine.chat_format
-        if not chat.supports_tools or chat.python_start_id not in reply:
-            return chat.decode(reply)
-        # The output opener last: with SmolLM2's markers it is the call's end marker too, and opens the output.
-        markers = {
-            chat.python_start_id: "python",
-            chat.python_end_id: "text",
-            chat.output_end_id: "text",
-            chat.output_start_id: "python_output",
-        }
-        parts: list[dict[str, str]] = []
-        kind, run = "text", []
-        for token in [*reply, None]:
-            if token is None or token in markers:
-                if run or kind != "text":
-                    parts.append({"type": kind, "text": chat.decode(run)})
-                kind, run = markers.get(token, "text"), []
-            else:
-                run.append(token)
-        return parts

@@ -1,4 +1,5 @@
-"""Loading a model directory (the embedded default, a chatapp checkpoint, or a local Qwen2 checkpoint).
+"""Loading a model directory (a registered model such as `tiny`, a chatapp checkpoint, or a local Qwen2 checkpoint),
+and `load_engine`, the one way the CLI, the UI and the recipes get an `Engine` for a model.
 
 A model directory is Hugging Face-shaped: `config.json`, `model.safetensors` (or sharded safetensors with an index)
 and `tokenizer.json`. Everything is read from disk; nothing is ever downloaded. Problems a user can cause (a wrong
@@ -14,16 +15,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatapp.errors import ModelDirError
-from chatapp.settings import default_model_dir
+from chatapp.models.registry import is_registered, resolve_model
 
 if TYPE_CHECKING:
     import torch
     from tokenizers import Tokenizer
 
     from chatapp.chat import AnyChatFormat
+    from chatapp.engine.engine import Engine
     from chatapp.stt import STTForCausalLM
 
-_REBUILD_HINT = "run `make train-default` to rebuild the embedded default model"
+_REBUILD_HINT = "run `make train-tiny` to rebuild the shipped tiny model"
 
 
 @dataclass
@@ -51,18 +53,33 @@ def resolve_device(device: str | None) -> torch.device:
     return resolved
 
 
-def load_model(
-    path: str | Path | None = None, device: str | None = None, dtype: torch.dtype | None = None
-) -> LoadedModel:
-    """Load a model directory; `path=None` loads the embedded default model shipped in the package.
+def load_engine(
+    model: str | Path | None = None,
+    device: str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    **engine_options: Any,
+) -> Engine:
+    """An `Engine` over a model: a registered name (`tiny`), a model directory, or `None` for the default model.
+    `engine_options` go to `Engine` (e.g. `context_size`, `fast_forward`)."""
+    from chatapp.engine.engine import Engine
 
-    Weights stored in half precision are loaded as float32 unless `dtype` says otherwise: the default model is tiny,
-    and float32 keeps CPU generation exact and fast.
+    loaded = load_model(model, device, dtype)
+    return Engine(loaded.model, loaded.tokenizer, loaded.chat_format, **engine_options)
+
+
+def load_model(
+    model: str | Path | None = None, device: str | None = None, dtype: torch.dtype | None = None
+) -> LoadedModel:
+    """Load a model: a registered name (`tiny`), a model directory, or `None` for the default model.
+
+    Weights stored in half precision are loaded as float32 unless `dtype` says otherwise: float32 keeps CPU
+    generation exact and fast for the small models this runs on a CPU.
     """
     import torch
 
-    model_dir = Path(path).expanduser() if path is not None else default_model_dir()
-    hint = _REBUILD_HINT if path is None else None
+    model_dir = resolve_model(model)
+    hint = _REBUILD_HINT if is_registered(model) else None
     check_model_dir(model_dir, hint=hint)
     tokenizer = _load_tokenizer(model_dir, hint)
 

@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from chatapp import __version__
 from chatapp.cli import app
-from chatapp.settings import config_dir, data_dir, default_model_dir, history_db_path
+from chatapp.models import default_model_dir
+from chatapp.settings import config_dir, data_dir, history_db_path
 
 runner = CliRunner()
 

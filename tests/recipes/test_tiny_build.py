@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from chatapp.models.build_default import SPECIAL_TOKENS, Metrics, Recipe, main, targets
 from chatapp.models.loader import load_model
+from chatapp.recipes.tiny.build import SPECIAL_TOKENS, Metrics, Recipe, main, targets
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_calibrated_threshold_is_the_cheapest_within_tolerance_of_the_best_f1(ro
     decisions."""
     import torch
 
-    from chatapp.models.build_default import F1_TOLERANCE, MAX_PROCESSED, calibrate_router_threshold
+    from chatapp.recipes.tiny.build import F1_TOLERANCE, MAX_PROCESSED, calibrate_router_threshold
 
     model = load_model(routed_model_dir, device="cpu").model
     model.config.use_g_threshold_selection = False  # the teacher picks the top 60% of each sequence

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from chatapp.engine.engine import Engine
-from chatapp.models import load_model
-from chatapp.models.corpus import Conversation, generate_corpus
-from chatapp.models.evaluate import answer_from_tokens
-from chatapp.settings import GenerationSettings, default_model_dir
+from chatapp.models import default_model_dir, load_model
+from chatapp.recipes.tiny.corpus import Conversation, generate_corpus
+from chatapp.recipes.tiny.evaluate import answer_from_tokens
+from chatapp.settings import GenerationSettings
 from chatapp.tools.calculator import evaluate
 
 GREEDY = GenerationSettings(max_tokens=80)

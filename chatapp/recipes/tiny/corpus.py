@@ -1,6 +1,6 @@
-"""The synthetic conversation corpus the embedded default model is trained and evaluated on.
+"""The synthetic conversation corpus the shipped tiny model is trained and evaluated on.
 
-The default model is tiny, so what it can do is exactly what this corpus teaches: calling the calculator for
+The tiny model is small, so what it can do is exactly what this corpus teaches: calling the calculator for
 arithmetic and letter counting (nanochat's python / python_output parts), greetings and small talk, answering from a
 small fact table owned here, answering in one exact JSON shape when asked for JSON, and thinking inside
 ``<think>`` … ``</think>`` before answering when asked to think (the shipped TTFA programs drive these formats).
