@@ -31,7 +31,7 @@ from chatapp.errors import ContextOverflowError, ConversationError
 from chatapp.settings import GenerationSettings
 
 if TYPE_CHECKING:
-    from chatapp.engine.engine import Engine
+    from chatapp.engine.engine import Engine, TurnRequest
 
 INITIAL_CACHE = 512  # slots allocated at the start of a conversation; the cache grows on demand
 
@@ -138,10 +138,8 @@ class ChatSession:
                 f"this turn needs {used + len(segment)} tokens of context but the model holds {self.context_size}",
                 hint="start a new conversation (reset), or use context_policy='drop_oldest'",
             )
-        if program is not None:
-            self.engine._check_programs([program], 1)
-        row = self.engine._new_row(0, settings, seen=0, constraint=constraint)  # compiles the constraint now
-        self._active = self._run_turn(base, messages, segment, fresh, row, program)
+        request = self.engine.turn_request(settings, program=program, constraint=constraint)
+        self._active = self._run_turn(base, messages, segment, fresh, request)
         return self._active
 
     def _run_turn(
@@ -150,8 +148,7 @@ class ChatSession:
         messages: list[dict[str, Any]],
         segment: list[int],
         fresh: bool,
-        row: Any,
-        program: Any,
+        request: TurnRequest,
     ) -> Generator[Step, None, None]:
         """Roll back to `base`, feed the segment, stream the answer, and record it (also when the consumer stops
         early). Nothing changes until the consumer asks for the first step, so a turn that is never started
@@ -164,16 +161,14 @@ class ChatSession:
             else:
                 del self._ids[base.token_count :]
                 self._cache.restore(base.mark)
-            needed = min(self.context_size, len(self._ids) + len(segment) + row.settings.max_tokens)
+            needed = min(self.context_size, len(self._ids) + len(segment) + request.settings.max_tokens)
             if needed > self._cache.max_len:
                 self._cache.grow(needed)
             mark = self._cache.mark() if self._ids else None
         self._last = _TurnStart(mark, len(self._ids), len(messages) - 1)
         self.messages = messages
-        row.seen = len(self._ids)
+        steps = engine.continue_turn(self._cache, len(self._ids), segment, request)
         self._ids.extend(segment)
-        programs = None if program is None else [program]
-        steps = engine._stream([segment], [row], self._cache, may_compact=False, programs=programs)
         reply = engine.new_reply()
         try:
             for step in steps:
