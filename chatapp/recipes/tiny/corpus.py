@@ -80,13 +80,6 @@ def _split_list(items: Sequence[str], split: Split, every: int = 4, train_only: 
     return held if split == "heldout" else [x for x in items if x not in held] + list(train_only)
 
 
-@dataclass(frozen=True)
-class _Template:
-    """A user-question template; `{...}` fields are filled by the generator of its kind."""
-
-    text: str
-
-
 # Arithmetic: {a} and {b} are operands, phrases per operator. The python expression is always canonical (`a*b`).
 _OPERATOR_PHRASES: dict[str, list[str]] = {
     "+": [
