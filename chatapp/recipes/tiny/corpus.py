@@ -157,8 +157,8 @@ _OPERATOR_PHRASES: dict[str, list[str]] = {
 }
 # Training-only phrasings that teach the words the held-out phrasings are made of. A model trained from scratch on
 # this corpus knows a word only from the corpus, and the BPE tokens of `Add` (sentence-initial) and ` add` are
-# unrelated ids: with no training phrasing starting `Add`, `Multiply` or `Divide`, held-out `Add {a} and {b}.`
-# scored 0% on run J while `{a} plus {b} is what?` scored 100%. These keep the held-out phrasings
+# unrelated ids: with no training phrasing starting `Add`, `Multiply` or `Divide`, a held-out `Add {a} and {b}.`
+# is not understood at all, while held-out phrasings made of trained words are. These keep the held-out phrasings
 # unseen as phrasings; `test_corpus` checks that every word of a held-out phrasing occurs in training ones.
 _TRAIN_ONLY_OPERATOR_PHRASES: dict[str, list[str]] = {
     "+": [

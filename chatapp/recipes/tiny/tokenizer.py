@@ -39,7 +39,7 @@ def train_bpe_tokenizer(
     `spell_quoted_words` cuts a lowercase word in double quotes (`"banana"`) into one token per letter, quotes
     separate, as digits are: the tiny model's letter-counting questions quote the word and its calculator call
     quotes it again, so copying an unseen word is copying 26 well-trained letter ids instead of BPE pieces it met in
-    other words (run J wrote `"lavender"` as `"lav5`). Words outside quotes merge as usual. Two regex splits do it
+    other words (which it copies wrongly: `"lavender"` as `"lav5`). Words outside quotes merge as usual. Two regex splits do it
     (the second only finds letters whose piece ends in a quote, i.e. the quoted words the first cut out), so the
     rule is plain data in tokenizer.json; a text that itself ends in `word"` also gets that word spelled.
     """
