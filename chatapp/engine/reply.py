@@ -85,6 +85,7 @@ class Reply:
 
     def add(self, event: TokenEvent) -> str:
         """Fold one token; returns the text it adds to the reply ("" for a final stop token)."""
+        self.stop_token = None  # a stop token followed by more tokens was not final
         self.events.append(event)
         self.forced_count += event.forced
         if event.computed is not None:
@@ -107,12 +108,12 @@ class Reply:
         return event.text
 
     def add_step(self, step: Step) -> str:
-        """Fold one Step for this row (its seconds, the prompt on the first one, this row's tokens); returns the
-        text the reply gained."""
+        """Fold one Step of a stream this row runs in (its seconds, the prompt on the first one, this row's tokens);
+        returns the text the reply gained. For a batch stream, where a row's time ends with its finish, fold with
+        `fold_replies` (or `start` / `add` and add the seconds of the steps the row was active in)."""
         if step.prompt is not None:
             self.start(step.prompt)
-        if self.finish_reason is None:
-            self.decode_seconds += step.seconds
+        self.decode_seconds += step.seconds
         return "".join(self.add(event) for event in step.tokens if event.row == self.row)
 
     @property

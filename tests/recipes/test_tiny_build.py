@@ -1,4 +1,4 @@
-"""The default-model build pipeline end to end on its quick recipe (same code path as `make train-default`)."""
+"""The default-model build pipeline end to end on its quick recipe (same code path as `make train-tiny`)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_build_writes_a_loadable_model_dir(built: Path) -> None:
     loaded = load_model(built, device="cpu")
     assert [loaded.tokenizer.id_to_token(i) for i in range(len(SPECIAL_TOKENS))] == list(SPECIAL_TOKENS)
     card = (built / "MODEL_CARD.md").read_text()
-    for section in ("## Data", "## Training", "## Held-out results", "## Reproduce", "make train-default"):
+    for section in ("## Data", "## Training", "## Held-out results", "## Reproduce", "make train-tiny"):
         assert section in card
 
 
