@@ -44,8 +44,7 @@ from pathlib import Path
 import torch
 
 from chatapp.engine.engine import Engine
-from chatapp.models import default_model_dir
-from chatapp.models.loader import load_model
+from chatapp.models import default_model_dir, load_engine
 from chatapp.settings import GenerationSettings
 from chatapp.ui.app import ChatApp
 from chatapp.ui.backend import ChatBackend, EngineBackend
@@ -183,8 +182,7 @@ async def tui_run(backend: ChatBackend, settings: GenerationSettings, turns: Seq
 
 def compare(label: str, model_dir: Path, turns: Sequence[str], args: argparse.Namespace, tmp: Path) -> None:
     """Warm up, run the sides interleaved, print the table."""
-    loaded = load_model(model_dir, device="cpu")
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    engine = load_engine(model_dir, device="cpu")
     settings = GenerationSettings(max_tokens=args.max_tokens)
     in_process = EngineBackend(engine, model_dir=model_dir)
     with ProcessBackend(model_dir, device="cpu") as remote:  # started (model loaded) before any clock runs
