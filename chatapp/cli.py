@@ -89,6 +89,7 @@ def info() -> None:
     import torch
 
     from chatapp.models import default_model_dir
+    from chatapp.models.loader import is_complete_model_dir
     from chatapp.settings import config_dir, data_dir, history_db_path
 
     def installed(package: str) -> str:
@@ -102,9 +103,7 @@ def info() -> None:
     else:
         device = f"cpu ({torch.get_num_threads()} threads)"
     model_dir = default_model_dir()
-    # A usable checkpoint has its config, tokenizer and weights; anything less is reported as missing.
-    present = (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
-    present = present and any(model_dir.glob("*.safetensors"))
+    present = is_complete_model_dir(model_dir)
     rows = {
         "chatapp": __version__,
         "python": sys.version.split()[0],
@@ -119,6 +118,18 @@ def info() -> None:
     }
     for key, value in rows.items():
         typer.echo(f"{key + ':':<15}{value}")
+
+
+@app.command()
+def models() -> None:
+    """List the registered model names (what --model NAME means), where each one's directory is, and the default."""
+    from chatapp.models.loader import is_complete_model_dir
+    from chatapp.models.registry import MODELS, default_model_name
+
+    for name, directory in MODELS.items():
+        path = directory()
+        default = "  (default)" if name == default_model_name() else ""
+        typer.echo(f"{name:<10}{path} ({'present' if is_complete_model_dir(path) else 'missing'}){default}")
 
 
 @app.command()

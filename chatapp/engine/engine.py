@@ -27,8 +27,11 @@ from chatapp.tools import TOOLS, Tool
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from chatapp.engine.session import ChatSession
     from chatapp.trie.constraint import Constraint
+    from chatapp.ttfa import Program
 
 __all__ = ["ChatFormatLike", "Engine", "ModelLike", "TurnRequest"]
 
@@ -40,8 +43,8 @@ class TurnRequest:
     """One row's validated request (settings, compiled program, compiled constraint), from `Engine.turn_request`."""
 
     settings: GenerationSettings
-    program: Any = None  # a compiled chatapp.ttfa Program
-    constraint: Any = None  # a chatapp.trie Constraint in its start state
+    program: Program | None = None
+    constraint: Constraint | None = None  # in its start state
 
 
 class Engine:
@@ -50,7 +53,7 @@ class Engine:
     def __init__(
         self,
         model: ModelLike,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         chat_format: ChatFormatLike,
         *,
         tools: Iterable[Tool] | None = None,
@@ -109,8 +112,8 @@ class Engine:
         prompts: Sequence[Sequence[int]] | Sequence[str],
         settings: GenerationSettings | Sequence[GenerationSettings] = GenerationSettings(),
         num_samples: int = 1,
-        programs: Sequence[Any] | None = None,
-        constraints: Sequence[Any] | None = None,
+        programs: Sequence[Program | None] | None = None,
+        constraints: Sequence[str | Constraint | None] | None = None,
     ) -> Iterator[Step]:
         """Stream `Step`s for `prompts` (token ids, or strings rendered as one user turn). `settings` is one for
         all prompts or one per prompt; `programs` (compiled TTFA programs, `chatapp.ttfa.load_program`) is one
@@ -146,8 +149,8 @@ class Engine:
         prompts: Sequence[Sequence[int]] | Sequence[str],
         settings: GenerationSettings | Sequence[GenerationSettings] = GenerationSettings(),
         num_samples: int = 1,
-        programs: Sequence[Any] | None = None,
-        constraints: Sequence[Any] | None = None,
+        programs: Sequence[Program | None] | None = None,
+        constraints: Sequence[str | Constraint | None] | None = None,
     ) -> list[Reply]:
         """Run `generate` to the end and fold each row's reply (tokens, forced mask, text, finish reason, tools)."""
         steps = self.generate(prompts, settings, num_samples, programs, constraints)
@@ -162,7 +165,7 @@ class Engine:
         return ChatSession(self, system=system)
 
     def turn_request(
-        self, settings: GenerationSettings, *, program: Any = None, constraint: Any = None
+        self, settings: GenerationSettings, *, program: Program | None = None, constraint: str | Constraint | None = None
     ) -> TurnRequest:
         """Validate one row's settings, program and constraint now (the constraint is compiled), for
         `continue_turn`; raises the same errors `generate` would."""
@@ -251,7 +254,9 @@ class Engine:
                 hint="shorten the prompt, or start a new conversation",
             )
 
-    def _new_row(self, index: int, settings: GenerationSettings, constraint: Any, seen: int = 0) -> RowState:
+    def _new_row(
+        self, index: int, settings: GenerationSettings, constraint: str | Constraint | None, seen: int = 0
+    ) -> RowState:
         """Host state for one request row; `constraint` is a regex string or a `Constraint` (copied fresh)."""
         stops = frozenset(settings.stop_tokens) | frozenset(self.chat_format.stop_token_ids)
         tools = ToolMachine(self.toolbox) if self.toolbox is not None else None

@@ -44,7 +44,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -57,6 +57,9 @@ from chatapp.engine.sampling import SamplingParams, sample
 from chatapp.engine.tools import ForcedToken, ToolMachine
 from chatapp.errors import ChatappError
 from chatapp.settings import GenerationSettings
+
+if TYPE_CHECKING:
+    from chatapp.ttfa import Program
 
 PREFILL_CHUNK = 512  # prompt tokens per row per prefill forward: bounds the attention scores' memory
 
@@ -206,7 +209,7 @@ class DecodeLoop:
         *,
         num_samples: int = 1,
         may_compact: bool = True,
-        programs: Sequence[Any] | None = None,
+        programs: Sequence[Program | None] | None = None,
     ) -> Iterator[Step]:
         """Prefill `prompt_ids` (one list per prompt) into `cache`, then decode until every row finished."""
         started = time.perf_counter()

@@ -32,6 +32,9 @@ from chatapp.settings import GenerationSettings
 
 if TYPE_CHECKING:
     from chatapp.engine.engine import Engine, TurnRequest
+    from chatapp.engine.protocols import KVCacheLike
+    from chatapp.trie.constraint import Constraint
+    from chatapp.ttfa import Program
 
 INITIAL_CACHE = 512  # slots allocated at the start of a conversation; the cache grows on demand
 
@@ -53,7 +56,7 @@ class ChatSession:
         self.system = system
         self.messages: list[dict[str, Any]] = []
         self._ids: list[int] = []
-        self._cache: Any = None
+        self._cache: KVCacheLike | None = None
         self._last: _TurnStart | None = None
         self._active: Generator[Step, None, None] | None = None
         self.reset()
@@ -82,7 +85,7 @@ class ChatSession:
 
     # ------------------------------------------------------------------------------------------------- turns
     def send(
-        self, text: str, settings: GenerationSettings, program: Any = None, constraint: Any = None
+        self, text: str, settings: GenerationSettings, program: Program | None = None, constraint: str | Constraint | None = None
     ) -> Iterator[Step]:
         """Add a user message and stream the answer. Errors (context, bad settings) raise here, not mid-stream."""
         self._close_active()
@@ -91,14 +94,14 @@ class ChatSession:
         base = _TurnStart(mark, len(self._ids), len(self.messages))
         return self._start_turn({"role": "user", "content": text}, settings, base, program, constraint)
 
-    def regenerate(self, settings: GenerationSettings, program: Any = None, constraint: Any = None) -> Iterator[Step]:
+    def regenerate(self, settings: GenerationSettings, program: Program | None = None, constraint: str | Constraint | None = None) -> Iterator[Step]:
         """Drop the last answer and answer the last user message again."""
         self._close_active()
         base = self._last_turn()
         return self._start_turn(self.messages[base.message_count], settings, base, program, constraint)
 
     def edit_last(
-        self, text: str, settings: GenerationSettings, program: Any = None, constraint: Any = None
+        self, text: str, settings: GenerationSettings, program: Program | None = None, constraint: str | Constraint | None = None
     ) -> Iterator[Step]:
         """Replace the last user message with `text` and answer it."""
         self._close_active()
@@ -122,7 +125,7 @@ class ChatSession:
         return _TurnStart(mark=None, token_count=0, message_count=users[-1])
 
     def _start_turn(
-        self, user: dict[str, Any], settings: GenerationSettings, base: _TurnStart, program: Any, constraint: Any
+        self, user: dict[str, Any], settings: GenerationSettings, base: _TurnStart, program: Program | None, constraint: str | Constraint | None
     ) -> Iterator[Step]:
         """Plan the turn on top of `base` (the conversation up to before a user message) and validate it now, so
         errors raise at the call; the returned generator runs it."""

@@ -101,6 +101,12 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
 
 
+def is_complete_model_dir(model_dir: Path) -> bool:
+    """Whether `model_dir` has its config, tokenizer and weights (a quick look, no file is read)."""
+    files = ("config.json", "tokenizer.json")
+    return all((model_dir / name).is_file() for name in files) and bool(_weight_files(model_dir))
+
+
 def check_model_dir(model_dir: Path, hint: str | None = None) -> None:
     """Raise `ModelDirError` unless `model_dir` has a readable config.json, weights and tokenizer.json."""
     if not model_dir.exists():

@@ -78,3 +78,12 @@ def test_calc_refusal_names_the_expression_and_why(expression: str, reason: str)
     assert f"the calculator refused {expression!r}" in message
     assert reason in message
     assert "Traceback" not in result.output
+
+
+def test_models_lists_the_registered_names_and_the_default() -> None:
+    from chatapp.models import resolve_model
+
+    result = CliRunner().invoke(app, ["models"])
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("tiny ")]
+    assert str(resolve_model("tiny")) in line and "(default)" in line
