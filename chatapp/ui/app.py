@@ -490,7 +490,7 @@ class ChatApp(App[None]):
 
 def make_app(
     *,
-    model_dir: Path | None = None,
+    model_dir: str | Path | None = None,
     program: str | None = None,
     db_path: Path | None = None,
     device: str | None = None,
