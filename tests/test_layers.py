@@ -17,12 +17,13 @@ import chatapp
 
 ROOT = Path(chatapp.__file__).resolve().parent
 
-# Lowest first. `chat` imports only the base modules, so it sits with the leaves.
+# Lowest first. `chat` imports the tool protocol (`tools.base`) and nothing above it; the engine takes a chat format
+# through `ChatFormatLike` without importing `chat`, so the two share a level.
 LEVELS: list[set[str]] = [
     {"errors", "special_tokens"},
     {"settings"},
-    {"tools", "trie", "ttfa", "stt", "chat"},
-    {"engine"},
+    {"tools", "trie", "ttfa", "stt"},
+    {"engine", "chat"},
     {"models"},
     {"recipes"},
     {"batch", "ui"},
