@@ -6,6 +6,7 @@ User-caused errors are `ChatappError`s: printed as one clear message on stderr, 
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated, Any
 
@@ -565,6 +566,11 @@ def main() -> None:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+    except BrokenPipeError:
+        # The reader went away (`chatapp generate ... | head -c 5`): stop quietly, and keep Python's exit-time flush
+        # of stdout from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 if __name__ == "__main__":
