@@ -81,3 +81,16 @@ def test_fold_replies_times_each_row_until_it_finished() -> None:
     assert (first.text, first.decode_seconds, first.prompt_tokens) == ("ac", pytest.approx(0.3), 3)
     assert (second.text, second.decode_seconds, second.prompt_tokens) == ("b", pytest.approx(0.1), 4)
     assert (first.context_used, second.context_used) == (3 + 1, 4)  # a last token without routing: not counted
+
+
+def test_the_fold_imports_no_torch() -> None:
+    """The UI folds replies too, and the UI never touches tensors."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import chatapp
+
+    root = str(Path(chatapp.__file__).resolve().parent.parent)
+    code = "import sys, chatapp.engine.reply; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
