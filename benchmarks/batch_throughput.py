@@ -1,4 +1,4 @@
-"""Batch generation throughput: the same JSONL prompts through `chatapp generate` batched and one at a time.
+"""Batch generation throughput: the same JSONL prompts through `chatapp batch` batched and one at a time.
 
 Both sides call the batch runner in-process with the same model, prompts and settings; only `--batch-size`
 differs (32 versus 1). It also checks that both sides wrote the same records (timings aside): batching must change
@@ -26,8 +26,8 @@ from chatapp.batch.command import ModelPreparer
 from chatapp.batch.requests import BatchDefaults
 from chatapp.batch.runner import BatchOptions, run_batch
 from chatapp.engine.engine import Engine
-from chatapp.models.loader import load_model
-from chatapp.settings import GenerationSettings, default_model_dir
+from chatapp.models import default_model_dir, load_engine
+from chatapp.settings import GenerationSettings
 
 TOPICS = ["the sea", "prime numbers", "Paris", "a red fox", "rain", "the moon", "chess", "bread"]
 
@@ -47,8 +47,8 @@ class CountingSink:
 
 def _random_model_dir(directory: Path) -> Path:
     """A random model with the default model's exact shape (its build recipe) and a locally trained tokenizer."""
-    from chatapp.models.build_default import Recipe, build_config
-    from chatapp.models.tokenizer import train_bpe_tokenizer
+    from chatapp.recipes.tiny.build import Recipe, build_config
+    from chatapp.recipes.tiny.tokenizer import train_bpe_tokenizer
     from chatapp.stt import STTForCausalLM
 
     text = " ".join(
@@ -124,8 +124,7 @@ def main() -> None:
             model_dir, model_name = None, "embedded default model"
         else:
             model_dir, model_name = _random_model_dir(Path(scratch)), "random model of the default's shape"
-        loaded = load_model(model_dir)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+        engine = load_engine(model_dir)
     defaults = BatchDefaults(settings=GenerationSettings(temperature=args.temperature, max_tokens=args.max_tokens))
     lines = _prompt_lines(args.prompts)
     single_lines = lines[: args.single_prompts or len(lines)]
@@ -142,7 +141,7 @@ def main() -> None:
     single_ids = {r["id"] for r in single}
     same = _comparable([r for r in batched if r["id"] in single_ids]) == _comparable(single)
 
-    params = sum(p.numel() for p in loaded.model.parameters())
+    params = sum(p.numel() for p in engine.model.parameters())
     print(f"model: {model_name}, {params / 1e6:.2f}M parameters, device {engine.device}")
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
     print(f"max_tokens {args.max_tokens}, temperature {args.temperature}")

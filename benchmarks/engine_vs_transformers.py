@@ -24,7 +24,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from chatapp.engine.engine import Engine
-from chatapp.models.tokenizer import train_bpe_tokenizer
+from chatapp.recipes.tiny.tokenizer import train_bpe_tokenizer
 from chatapp.settings import GenerationSettings
 from chatapp.stt import STTForCausalLM
 

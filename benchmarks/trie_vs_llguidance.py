@@ -37,13 +37,14 @@ from tokenizers import Tokenizer
 
 from chatapp.trie.bitmask import bitmask_to_bools
 from chatapp.trie.constraint import Constraint
+from chatapp.trie.dfa import DEAD
 from chatapp.trie.json_schema import json_literal, schema_to_regex
-from chatapp.trie.local_tokenizers import cached_source_tokenizer
 from chatapp.trie.regex import compile_regex
 from chatapp.trie.token_bytes import vocab_bytes
 from chatapp.trie.toktrie import TokTrie
 from chatapp.trie.vocab import ConstraintVocab
 from chatapp.trie.walk import TokenColumns
+from tests.trie.local_tokenizers import cached_source_tokenizer
 
 CACHE = Path(os.environ.get("CHATAPP_BENCH_CACHE", Path(tempfile.gettempdir()) / "chatapp-bench-cache"))
 TOKENIZERS = (
@@ -129,7 +130,7 @@ def bench_regex(
         walk.append(best_of(lambda s=state: vocab.walker.mask(dfa, s)))
         llg_cold.append(min(_llg_fresh_mask(ll_tok, grammar, path[:step], buffer) for _ in range(2)))
         if step < BRUTE_STATES:
-            brute_times.append(best_of(lambda s=state: brute.brute_force_mask(dfa, s), 1))
+            brute_times.append(best_of(lambda s=state: (brute.final_states(dfa, s) != DEAD) & brute.nonempty, 1))
         if step < len(path):
             state = dfa.step(state, vocab.token_bytes(path[step]))
 

@@ -27,7 +27,7 @@ ROUNDS = 3
 def model_config():
     """The default model's shape (its build recipe), or a comparable STT shape if that recipe is not there."""
     try:
-        from chatapp.models.build_default import Recipe, build_config
+        from chatapp.recipes.tiny.build import Recipe, build_config
 
         recipe = Recipe()
         return build_config(recipe, vocab_size=recipe.vocab_size), "default recipe"

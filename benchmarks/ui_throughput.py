@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 from chatapp.engine.engine import Engine
-from chatapp.models.loader import load_model
-from chatapp.settings import GenerationSettings, default_model_dir
+from chatapp.models import default_model_dir, load_engine
+from chatapp.settings import GenerationSettings
 from chatapp.ui.app import ChatApp
 from chatapp.ui.backend import ChatBackend, EngineBackend
 from chatapp.ui.history import HistoryStore
@@ -69,7 +69,7 @@ TEXT = (
 
 def random_model_dir(directory: Path, hidden: int = 256, layers: int = 6) -> Path:
     """A random STT checkpoint with routers spread so that some tokens skip some layers."""
-    from chatapp.models.tokenizer import train_bpe_tokenizer
+    from chatapp.recipes.tiny.tokenizer import train_bpe_tokenizer
     from chatapp.stt import STTConfig, STTForCausalLM
 
     tokenizer = train_bpe_tokenizer([TEXT] * 50, vocab_size=1024)
@@ -182,8 +182,7 @@ async def tui_run(backend: ChatBackend, settings: GenerationSettings, turns: Seq
 
 def compare(label: str, model_dir: Path, turns: Sequence[str], args: argparse.Namespace, tmp: Path) -> None:
     """Warm up, run the sides interleaved, print the table."""
-    loaded = load_model(model_dir, device="cpu")
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    engine = load_engine(model_dir, device="cpu")
     settings = GenerationSettings(max_tokens=args.max_tokens)
     in_process = EngineBackend(engine, model_dir=model_dir)
     with ProcessBackend(model_dir, device="cpu") as remote:  # started (model loaded) before any clock runs

@@ -31,21 +31,8 @@ from typing import Any, Literal
 from tokenizers import Tokenizer
 
 from chatapp.errors import ConversationError, ModelDirError
+from chatapp.special_tokens import CHAT_TOKENS
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
-
-# nanochat's chat special tokens, by the attribute that holds each id (same order as the tokenizer trainer's).
-CHAT_TOKENS: dict[str, str] = {
-    "bos_id": "<|bos|>",
-    "user_start_id": "<|user_start|>",
-    "user_end_id": "<|user_end|>",
-    "assistant_start_id": "<|assistant_start|>",
-    "assistant_end_id": "<|assistant_end|>",
-    "python_start_id": "<|python_start|>",
-    "python_end_id": "<|python_end|>",
-    "output_start_id": "<|output_start|>",
-    "output_end_id": "<|output_end|>",
-}
-
 
 # tokenizer_config.json key naming a checkpoint's tool markers (written by the default model's preparation).
 TOOL_MARKERS_KEY = "chatapp_tool_markers"

@@ -6,15 +6,30 @@ User-caused errors are `ChatappError`s: printed as one clear message on stderr, 
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from chatapp import __version__
-from chatapp.errors import ChatappError, ModelDirError
+from chatapp.errors import ChatappError, ModelDirError, SettingsError
+
+
+class ChatappGroup(TyperGroup):
+    """The command group: a `ChatappError` from any command is printed as one message (no traceback) and exits with
+    its code, so commands just raise."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ChatappError as err:
+            raise fail(err) from None
+
 
 app = typer.Typer(
     name="chatapp",
@@ -22,6 +37,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=ChatappGroup,
 )
 err_console = Console(stderr=True, highlight=False)
 
@@ -33,6 +49,26 @@ def fail(err: ChatappError) -> typer.Exit:
     if err.hint:
         err_console.print(f"[bold]fix:[/] {escape(err.hint)}", markup=True, soft_wrap=True)
     return typer.Exit(code=err.exit_code)
+
+
+# Options several commands share, typed once.
+ModelOption = Annotated[
+    str | None,
+    typer.Option("--model", help="A model name (tiny) or a model directory (default: the default model)."),
+]
+DeviceOption = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")]
+DtypeOption = Annotated[
+    str | None,
+    typer.Option("--dtype", help="Weight format: auto (default; $CHATAPP_DTYPE), float32, bfloat16 or int8."),
+]
+ProgramOption = Annotated[
+    str | None, typer.Option("--program", help="TTFA program: a built-in name (chat, think, calc, json) or a .toml file.")
+]
+TemperatureOption = Annotated[float, typer.Option("--temperature", help="0 = greedy.")]
+TopKOption = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
+TopPOption = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")]
+MaxTokensOption = Annotated[int, typer.Option("--max-tokens", help="Most sampled tokens (forced ones are free).")]
+SeedOption = Annotated[int, typer.Option("--seed", help="Random seed for sampling.")]
 
 
 def _version_callback(value: bool) -> None:
@@ -57,7 +93,9 @@ def info() -> None:
 
     import torch
 
-    from chatapp.settings import config_dir, data_dir, default_model_dir, history_db_path
+    from chatapp.models import default_model_dir
+    from chatapp.models.loader import is_complete_model_dir
+    from chatapp.settings import config_dir, data_dir, history_db_path
 
     def installed(package: str) -> str:
         try:
@@ -70,9 +108,7 @@ def info() -> None:
     else:
         device = f"cpu ({torch.get_num_threads()} threads)"
     model_dir = default_model_dir()
-    # A usable checkpoint has its config, tokenizer and weights; anything less is reported as missing.
-    present = (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
-    present = present and any(model_dir.glob("*.safetensors"))
+    present = is_complete_model_dir(model_dir)
     rows = {
         "chatapp": __version__,
         "python": sys.version.split()[0],
@@ -87,6 +123,18 @@ def info() -> None:
     }
     for key, value in rows.items():
         typer.echo(f"{key + ':':<15}{value}")
+
+
+@app.command()
+def models() -> None:
+    """List the registered model names (what --model NAME means), where each one's directory is, and the default."""
+    from chatapp.models.loader import is_complete_model_dir
+    from chatapp.models.registry import MODELS, default_model_name
+
+    for name, directory in MODELS.items():
+        path = directory()
+        default = "  (default)" if name == default_model_name() else ""
+        typer.echo(f"{name:<10}{path} ({'present' if is_complete_model_dir(path) else 'missing'}){default}")
 
 
 @app.command()
@@ -107,7 +155,7 @@ def calc(
             f"the calculator refused {shown!r}: {result.reason}",
             hint='use numbers, + - * / // %, parentheses and "text".count("x")',
         )
-        raise fail(err) from None
+        raise err
     typer.echo(result.text)
 
 
@@ -118,21 +166,22 @@ TokenizerOption = Annotated[
     str | None,
     typer.Option(
         "--tokenizer",
-        help="A tokenizer.json, or a model directory holding one, to compile for (default: the default model's).",
+        help="A tokenizer.json, a model directory or a model name (tiny) to compile for (default: the default "
+        "model's).",
     ),
 ]
 
 
 def _program_tokenizer(tokenizer: str | None):
-    """The tokenizer a program is compiled for: a tokenizer.json, a model directory, or the default model's."""
+    """The tokenizer a program is compiled for: a tokenizer.json, a model directory or name, or the default model's."""
     from pathlib import Path
 
     from tokenizers import Tokenizer
 
     from chatapp.errors import ModelDirError
-    from chatapp.settings import default_model_dir
+    from chatapp.models.registry import is_registered, resolve_model
 
-    path = Path(tokenizer).expanduser() if tokenizer else default_model_dir()
+    path = resolve_model(tokenizer) if is_registered(tokenizer) else Path(str(tokenizer)).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
     try:
@@ -151,11 +200,8 @@ def program_show(
     """Print a compiled program, one zone per line: feed tokens, triggers, jumps, budgets, tags."""
     from chatapp.ttfa import disassemble, load_program
 
-    try:
-        vocab = _program_tokenizer(tokenizer)
-        compiled = load_program(program, vocab)
-    except ChatappError as err:
-        raise fail(err) from None
+    vocab = _program_tokenizer(tokenizer)
+    compiled = load_program(program, vocab)
     typer.echo(disassemble(compiled, vocab))
     for warning in compiled.warnings:
         err_console.print(f"warning: {warning}", markup=False, soft_wrap=True)
@@ -169,10 +215,7 @@ def program_check(
     """Compile a program and report `ok` (plus any warnings), or its first error as FILE:LINE (exit code 1)."""
     from chatapp.ttfa import load_program
 
-    try:
-        compiled = load_program(file, _program_tokenizer(tokenizer))
-    except ChatappError as err:
-        raise fail(err) from None
+    compiled = load_program(file, _program_tokenizer(tokenizer))
     for warning in compiled.warnings:
         err_console.print(f"warning: {warning}", markup=False, soft_wrap=True)
     typer.echo(f"ok: {compiled.name} ({len(compiled.zones)} zones, {len(compiled.warnings)} warnings)")
@@ -180,17 +223,12 @@ def program_check(
 
 @app.command()
 def run(
-    model: Annotated[
-        str | None, typer.Option("--model", help="Model directory (default: the embedded default model).")
-    ] = None,
-    program: Annotated[
-        str | None,
-        typer.Option("--program", help="TTFA program: a built-in name (chat, think, calc, json) or a .toml file."),
-    ] = None,
+    model: ModelOption = None,
+    program: ProgramOption = None,
     db: Annotated[
         str | None, typer.Option("--db", help="Chat history database (default: history.sqlite3 in the data dir).")
     ] = None,
-    device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")] = None,
+    device: DeviceOption = None,
     in_process: Annotated[
         bool,
         typer.Option(
@@ -205,16 +243,13 @@ def run(
     from chatapp.ui import make_app
     from chatapp.ui.app import close_backend
 
-    try:
-        chat = make_app(
-            model_dir=Path(model).expanduser() if model else None,
-            program=program,
-            db_path=Path(db).expanduser() if db else None,
-            device=device,
-            in_process=in_process,
-        )
-    except ChatappError as err:
-        raise fail(err) from None
+    chat = make_app(
+        model_dir=model,
+        program=program,
+        db_path=Path(db).expanduser() if db else None,
+        device=device,
+        in_process=in_process,
+    )
     try:
         chat.run()
     finally:
@@ -223,105 +258,112 @@ def run(
 
 @app.command()
 def generate(
-    prompt: Annotated[
-        str,
-        typer.Argument(help="The prompt to answer (sent as one user turn), or a .jsonl file (- for stdin) to batch."),
-    ],
-    model: Annotated[
-        str | None, typer.Option("--model", help="Model directory (default: the embedded default model).")
+    prompt: Annotated[str, typer.Argument(help="The prompt to answer, sent as one user turn.")],
+    model: ModelOption = None,
+    temperature: TemperatureOption = 0.0,
+    top_k: TopKOption = 0,
+    top_p: TopPOption = 1.0,
+    max_tokens: MaxTokensOption = 256,
+    seed: SeedOption = 0,
+    device: DeviceOption = None,
+    dtype: DtypeOption = None,
+    program: ProgramOption = None,
+    regex: Annotated[
+        str | None, typer.Option("--regex", help="Constrain the reply to match this regular expression.")
     ] = None,
-    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")] = 1.0,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most sampled tokens (forced ones are free).")] = 256,
-    seed: Annotated[int, typer.Option("--seed", help="Random seed for sampling.")] = 0,
-    device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")] = None,
+    json_schema: Annotated[
+        str | None,
+        typer.Option("--json-schema", help="Constrain the reply to JSON matching this schema (inline JSON or a .json file)."),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timing: tokens/s, forced %, ...")] = False,
-    dtype: Annotated[
-        str | None,
-        typer.Option("--dtype", help="Weight format: auto (default; $CHATAPP_DTYPE), float32, bfloat16 or int8."),
-    ] = None,
-    output: Annotated[
-        str | None, typer.Option("--output", "-o", help="JSONL input: where records go (- = stdout, the default).")
-    ] = None,
-    batch_size: Annotated[
-        int | None, typer.Option("--batch-size", min=1, help="JSONL input: rows per device batch (default 32).")
-    ] = None,
-    samples: Annotated[
-        int | None, typer.Option("--samples", min=1, help="JSONL input: samples per line that sets none (default 1).")
-    ] = None,
-    program: Annotated[
-        str | None,
-        typer.Option("--program", help="TTFA program (chat, think, calc, json or a .toml); JSONL: lines without one."),
-    ] = None,
-    ordered: Annotated[bool, typer.Option("--ordered", help="JSONL input: write records in input order.")] = False,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="JSONL input: keep the (id, sample) records already in --output, add the rest.")
-    ] = False,
-    fsync: Annotated[bool, typer.Option("--fsync", help="JSONL input: fsync every record (survives power loss).")] = False,
 ) -> None:
-    """Stream a reply to PROMPT: sampled tokens plain, forced tokens (tool output) in italic cyan.
-
-    Given a .jsonl file (or - for stdin) instead, generate every line in device batches: one JSON record per
-    (id, sample), an error record per bad line (exit code 1 if any), a summary on stderr.
-    """
-    from chatapp.batch.command import is_batch_input, reject_batch_options, run_batch_command
+    """Stream a reply to PROMPT: sampled tokens plain, forced tokens (tool output) in italic cyan. Into a pipe or
+    a file it writes exactly the reply's text (timing and errors go to stderr)."""
+    from chatapp.engine.quick import stream_reply
+    from chatapp.models import load_engine
     from chatapp.settings import GenerationSettings
 
-    try:
-        settings = GenerationSettings(
-            temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed
-        )
-        if is_batch_input(prompt):
-            from chatapp.batch.requests import BatchDefaults
-            from chatapp.batch.runner import BatchOptions
-
-            summary = run_batch_command(
-                prompt,
-                output=output or "-",
-                model=model,
-                device=device,
-                dtype=dtype,
-                defaults=BatchDefaults(settings=settings, samples=samples or 1, program=program),
-                options=BatchOptions(batch_size=batch_size or 32, ordered=ordered),
-                resume=resume,
-                fsync=fsync,
-                console=err_console,
-            )
-            raise typer.Exit(summary.exit_code)
-        reject_batch_options(
-            {"--output": output, "--batch-size": batch_size, "--samples": samples,
-             "--ordered": ordered, "--resume": resume, "--fsync": fsync}
-        )
-        _generate_quick(prompt, settings, model, device, verbose, program, dtype)
-    except ChatappError as err:
-        raise fail(err) from None
-
-
-def _generate_quick(
-    prompt: str,
-    settings,
-    model: str | None,
-    device: str | None,
-    verbose: bool,
-    program: str | None = None,
-    dtype: str | None = None,
-) -> None:
-    """Quick mode of `generate`: load the model, stream one reply to the terminal."""
-    from rich.console import Console
-
-    from chatapp.engine.engine import Engine
-    from chatapp.engine.quick import stream_reply
-    from chatapp.models.loader import load_model
-
-    loaded = load_model(model, device, dtype)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    settings = GenerationSettings(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    if regex is not None and json_schema is not None:
+        raise SettingsError("--regex and --json-schema both constrain the reply", hint="pass one of them")
+    schema = _json_schema(json_schema) if json_schema is not None else None
+    engine = load_engine(model, device, dtype=dtype)
     compiled = None
     if program is not None:
         from chatapp.ttfa import load_program
 
-        compiled = load_program(program, loaded.tokenizer)
-    stream_reply(engine, prompt, settings, Console(highlight=False), verbose=verbose, program=compiled)
+        compiled = load_program(program, engine.tokenizer)
+    constraint = engine.constraint(regex=regex, json_schema=schema) if regex or schema is not None else None
+    exact = None if sys.stdout.isatty() else sys.stdout
+    console = Console(highlight=False) if exact is None else err_console
+    stream_reply(
+        engine, prompt, settings, console, exact=exact, verbose=verbose, program=compiled, constraint=constraint
+    )
+
+
+def _json_schema(value: str) -> Any:
+    """A `--json-schema` value: inline JSON, or the path of a file holding it."""
+    import json
+    from pathlib import Path
+
+    from chatapp.errors import ConstraintError
+
+    text = value
+    if not value.lstrip().startswith(("{", "[")) and Path(value).expanduser().is_file():
+        text = Path(value).expanduser().read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConstraintError(
+            f"--json-schema is not valid JSON: {err}", hint="pass the schema inline ('{\"type\": ...}') or a .json file"
+        ) from None
+
+
+@app.command()
+def batch(
+    input: Annotated[str, typer.Argument(help="A .jsonl file of requests, or - for stdin.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Where records go (- = stdout, the default).")] = "-",
+    model: ModelOption = None,
+    device: DeviceOption = None,
+    dtype: DtypeOption = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Rows per device batch.")] = 32,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="Samples per line that sets none.")] = 1,
+    temperature: TemperatureOption = 0.0,
+    top_k: TopKOption = 0,
+    top_p: TopPOption = 1.0,
+    max_tokens: MaxTokensOption = 256,
+    seed: SeedOption = 0,
+    program: Annotated[
+        str | None,
+        typer.Option("--program", help="TTFA program (chat, think, calc, json or a .toml) for lines that name none."),
+    ] = None,
+    ordered: Annotated[bool, typer.Option("--ordered", help="Write records in input order.")] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Keep the (id, sample) records already in --output, add the rest.")
+    ] = False,
+    fsync: Annotated[bool, typer.Option("--fsync", help="fsync every record (survives power loss).")] = False,
+) -> None:
+    """Generate every line of a JSONL file in device batches: one JSON record per (id, sample), an error record per
+    bad line (exit code 1 if any), a summary on stderr. The sampling options are the defaults a line may override."""
+    from chatapp.batch.command import run_batch_command
+    from chatapp.batch.requests import BatchDefaults
+    from chatapp.batch.runner import BatchOptions
+    from chatapp.settings import GenerationSettings
+
+    settings = GenerationSettings(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    summary = run_batch_command(
+        input,
+        output=output,
+        model=model,
+        device=device,
+        dtype=dtype,
+        defaults=BatchDefaults(settings=settings, samples=samples, program=program),
+        options=BatchOptions(batch_size=batch_size, ordered=ordered),
+        resume=resume,
+        fsync=fsync,
+        console=err_console,
+    )
+    raise typer.Exit(summary.exit_code)
 
 
 @app.command()
@@ -339,18 +381,15 @@ def convert(
 
     target = Path(out_dir).expanduser()
     if target.exists() and not (target.is_dir() and not any(target.iterdir())):
-        raise fail(ModelDirError(f"{target} already exists", hint="give a new (or empty) directory for the model"))
-    try:
-        if is_gguf(source):
-            from rich.progress import Progress
+        raise ModelDirError(f"{target} already exists", hint="give a new (or empty) directory for the model")
+    if is_gguf(source):
+        from rich.progress import Progress
 
-            with Progress(transient=True) as bar:
-                task = bar.add_task("reading and dequantizing", total=1)
-                model = convert_gguf(source, target, lambda done, total: bar.update(task, completed=done, total=total))
-        else:
-            model = convert_qwen2(source, target)
-    except ChatappError as err:
-        raise fail(err) from None
+        with Progress(transient=True) as bar:
+            task = bar.add_task("reading and dequantizing", total=1)
+            model = convert_gguf(source, target, lambda done, total: bar.update(task, completed=done, total=total))
+    else:
+        model = convert_qwen2(source, target)
     typer.echo(f"wrote {target}: {model.config.num_hidden_layers} layers, STT layers {model.stt_layer_indices}")
 
 
@@ -363,12 +402,13 @@ def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: st
 
     from chatapp.chat import chat_format_for
     from chatapp.errors import ModelDirError, TrainingError
+    from chatapp.models import resolve_model
     from chatapp.models.loader import resolve_device
     from chatapp.stt import STTConfig, STTForCausalLM
 
     if (model_dir is None) == (init is None):
         raise TrainingError("pass exactly one of --model DIR or --init CONFIG.json", hint="see `chatapp train --help`")
-    source = Path(model_dir or tokenizer_path or "").expanduser()
+    source = resolve_model(model_dir) if model_dir else Path(tokenizer_path or "").expanduser()
     tokenizer_file = source / "tokenizer.json" if source.is_dir() else source
     if not tokenizer_file.is_file():
         raise ModelDirError(f"no tokenizer at {tokenizer_file}", hint="--init needs --tokenizer DIR|tokenizer.json")
@@ -396,7 +436,9 @@ def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: st
 def train(
     corpus: Annotated[str, typer.Argument(help="Training data: JSONL conversations ({'messages': [...]}) or text.")],
     out: Annotated[str, typer.Option("--out", help="Output directory: checkpoints and the final model.")],
-    model: Annotated[str | None, typer.Option("--model", help="Model directory to fine-tune.")] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="The model to fine-tune: a name (tiny) or a model directory.")
+    ] = None,
     init: Annotated[str | None, typer.Option("--init", help="STTConfig JSON to train from scratch.")] = None,
     tokenizer: Annotated[
         str | None, typer.Option("--tokenizer", help="With --init: a tokenizer.json or a directory holding one.")
@@ -412,7 +454,7 @@ def train(
     seed: Annotated[int, typer.Option("--seed", help="Seed for batch order and held-out split.")] = 0,
     eval_interval: Annotated[int, typer.Option("--eval-interval", min=0, help="Evaluate every N steps (0: end).")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint in --out.")] = False,
-    device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")] = None,
+    device: DeviceOption = None,
 ) -> None:
     """Train an STT model (teacher targets, causal router, TPN, LM loss); multi-GPU with torchrun."""
     from pathlib import Path
@@ -420,51 +462,48 @@ def train(
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from chatapp.models.training_data import load_sequences, split_heldout, token_stream
+    from chatapp.recipes.training_data import load_sequences, split_heldout, token_stream
     from chatapp.stt.io import copy_tokenizer_files
     from chatapp.stt.train import TrainConfig, init_distributed
     from chatapp.stt.train import train as run_training
 
-    try:
-        dist_info = init_distributed()
-        if dist_info.world_size > 1 and device is None:
-            device = f"cuda:{dist_info.local_rank}" if torch.cuda.is_available() else "cpu"
-        net, tok, chat_format, tokenizer_dir = _training_inputs(model, init, tokenizer, device)
-        sequences = load_sequences(corpus, tok, chat_format)
-        if eval_corpus is not None:
-            heldout = load_sequences(eval_corpus, tok, chat_format)
-        else:
-            sequences, heldout = split_heldout(sequences, 0.05, seed)
-        config = TrainConfig(
-            steps=steps, batch_size=batch_size, seq_len=seq_len, lr_scale=lr_scale, warmup_steps=warmup,
-            seed=seed, eval_interval=eval_interval,
-        )
-        console = Console(stderr=True)
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-        with Progress(*columns, console=console, disable=not dist_info.is_main) as progress:
-            task = progress.add_task("training", total=steps)
+    dist_info = init_distributed()
+    if dist_info.world_size > 1 and device is None:
+        device = f"cuda:{dist_info.local_rank}" if torch.cuda.is_available() else "cpu"
+    net, tok, chat_format, tokenizer_dir = _training_inputs(model, init, tokenizer, device)
+    sequences = load_sequences(corpus, tok, chat_format)
+    if eval_corpus is not None:
+        heldout = load_sequences(eval_corpus, tok, chat_format)
+    else:
+        sequences, heldout = split_heldout(sequences, 0.05, seed)
+    config = TrainConfig(
+        steps=steps, batch_size=batch_size, seq_len=seq_len, lr_scale=lr_scale, warmup_steps=warmup,
+        seed=seed, eval_interval=eval_interval,
+    )
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, disable=not dist_info.is_main) as progress:
+        task = progress.add_task("training", total=steps)
 
-            def on_step(report) -> None:
-                selected = " ".join(f"{f:.2f}" for f in report.teacher_fraction)
-                progress.update(
-                    task,
-                    completed=report.step,
-                    description=f"loss {report.losses['lm']:.3f}  {report.tokens_per_s:,.0f} tok/s  selected [{selected}]",
-                )
-                if report.eval is not None:
-                    ppl = "  ".join(f"{mode} {value:.2f}" for mode, value in report.eval.perplexity.items())
-                    progress.console.print(f"step {report.step}: held-out perplexity {ppl}; student F1 "
-                                           + " ".join(f"{f:.2f}" for f in report.eval.student_f1))
-
-            run_training(
-                net, token_stream(sequences), config, eval_data=token_stream(heldout), out_dir=out, resume=resume,
-                on_step=on_step, dist_info=dist_info,
+        def on_step(report) -> None:
+            selected = " ".join(f"{f:.2f}" for f in report.teacher_fraction)
+            progress.update(
+                task,
+                completed=report.step,
+                description=f"loss {report.losses['lm']:.3f}  {report.tokens_per_s:,.0f} tok/s  selected [{selected}]",
             )
-        if dist_info.is_main:
-            copy_tokenizer_files(tokenizer_dir, Path(out))
-            typer.echo(f"saved the trained model to {out}")
-    except ChatappError as err:
-        raise fail(err) from None
+            if report.eval is not None:
+                ppl = "  ".join(f"{mode} {value:.2f}" for mode, value in report.eval.perplexity.items())
+                progress.console.print(f"step {report.step}: held-out perplexity {ppl}; student F1 "
+                                       + " ".join(f"{f:.2f}" for f in report.eval.student_f1))
+
+        run_training(
+            net, token_stream(sequences), config, eval_data=token_stream(heldout), out_dir=out, resume=resume,
+            on_step=on_step, dist_info=dist_info,
+        )
+    if dist_info.is_main:
+        copy_tokenizer_files(tokenizer_dir, Path(out))
+        typer.echo(f"saved the trained model to {out}")
 
 
 @app.command(name="eval")
@@ -473,11 +512,11 @@ def eval_model(
         str | None,
         typer.Argument(help="Held-out data: JSONL conversations or text (default: the default model's held-out split)."),
     ] = None,
-    model: Annotated[str | None, typer.Option("--model", help="Model directory (default: the embedded model).")] = None,
+    model: ModelOption = None,
     seq_len: Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per window.")] = 256,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward.")] = 8,
     max_batches: Annotated[int, typer.Option("--max-batches", min=1, help="Evaluate at most this many.")] = 50,
-    device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")] = None,
+    device: DeviceOption = None,
     tasks: Annotated[
         int | None,
         typer.Option(
@@ -495,28 +534,25 @@ def eval_model(
     from rich.table import Table
 
     from chatapp.errors import TrainingError
-    from chatapp.models.corpus import generate_corpus
-    from chatapp.models.evaluate import heldout_task_report, routing_batches, task_table
-    from chatapp.models.loader import load_model
-    from chatapp.models.training_data import load_sequences, token_stream
+    from chatapp.models import load_engine, resolve_model
+    from chatapp.recipes.tiny.corpus import generate_corpus
+    from chatapp.recipes.tiny.evaluate import heldout_task_report, routing_batches, task_table
+    from chatapp.recipes.training_data import load_sequences, token_stream
     from chatapp.stt.evaluation import evaluate
 
     task_count = tasks if tasks is not None else (300 if corpus is None else 0)
-    try:
-        loaded = load_model(model, device, "float32")  # the model's own quality, not a lossy weight format's
-        if corpus is None:  # the synthetic held-out split, one conversation per row (no packing, no padding)
-            batches = routing_batches(generate_corpus(task_count or 300, "heldout"), loaded.chat_format, batch_size)
-        else:
-            stream = token_stream(load_sequences(corpus, loaded.tokenizer, loaded.chat_format))
-            if stream.num_windows(seq_len) < 1:
-                raise TrainingError(f"{corpus} has {len(stream)} tokens, fewer than one window", hint="lower --seq-len")
-            batches = stream.batches(batch_size, seq_len)
-        report = evaluate(loaded.model, islice(batches, max_batches))
-        task_report = heldout_task_report(loaded, task_count) if task_count else None
-    except ChatappError as err:
-        raise fail(err) from None
+    engine = load_engine(model, device, dtype="float32")  # the model's own quality, not a lossy format's
+    if corpus is None:  # the synthetic held-out split, one conversation per row (no packing, no padding)
+        batches = routing_batches(generate_corpus(task_count or 300, "heldout"), engine.chat_format, batch_size)
+    else:
+        stream = token_stream(load_sequences(corpus, engine.tokenizer, engine.chat_format))
+        if stream.num_windows(seq_len) < 1:
+            raise TrainingError(f"{corpus} has {len(stream)} tokens, fewer than one window", hint="lower --seq-len")
+        batches = stream.batches(batch_size, seq_len)
+    report = evaluate(engine.model, islice(batches, max_batches))
+    task_report = heldout_task_report(engine, task_count) if task_count else None
     console = Console(highlight=False)
-    table = Table(title=f"{loaded.path}: {report.tokens} tokens")
+    table = Table(title=f"{resolve_model(model)}: {report.tokens} tokens")
     table.add_column("routing")
     table.add_column("perplexity", justify="right")
     table.add_column("selected per STT layer")
@@ -534,11 +570,14 @@ def main() -> None:
     """Console-script entry point."""
     try:
         app()
-    except ChatappError as err:  # raised outside a command's own handling
-        raise SystemExit(fail(err).exit_code) from None
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+    except BrokenPipeError:
+        # The reader went away (`chatapp generate ... | head -c 5`): stop quietly, and keep Python's exit-time flush
+        # of stdout from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 if __name__ == "__main__":

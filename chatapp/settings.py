@@ -90,8 +90,3 @@ def engine_log_path() -> Path:
 def history_db_path() -> Path:
     """The SQLite history database."""
     return data_dir() / "history.sqlite3"
-
-
-def default_model_dir() -> Path:
-    """The embedded default model shipped inside the package."""
-    return Path(__file__).resolve().parent / "models" / "default"

@@ -34,7 +34,7 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
 @pytest.fixture(scope="session")
 def chat_tokenizer():
     """A small byte-level BPE tokenizer with the chat special tokens, trained locally in milliseconds."""
-    from chatapp.models.tokenizer import train_bpe_tokenizer
+    from chatapp.recipes.tiny.tokenizer import train_bpe_tokenizer
 
     return train_bpe_tokenizer([SAMPLE_TEXT] * 20, vocab_size=512)
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from chatapp.chat import CHAT_TOKENS, ChatFormat, TemplateChatFormat, chat_format_for, parse_messages
 from chatapp.errors import ConversationError, ModelDirError
-from chatapp.models.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
+from chatapp.recipes.tiny.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
 from tests.conftest import SAMPLE_TEXT
 
 TOOL_CONVERSATION = [

@@ -1,4 +1,4 @@
-"""Batch generation over JSONL: `chatapp generate INPUT.jsonl [-o OUTPUT.jsonl]`.
+"""Batch generation over JSONL: `chatapp batch INPUT.jsonl [-o OUTPUT.jsonl]`.
 
 `requests` parses and validates input lines, `runner` batches their rows through the Engine, `records` turns a row's
 token stream into its output record, `output` writes records so that a kill never loses or tears one and `--resume`

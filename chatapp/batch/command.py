@@ -1,4 +1,4 @@
-"""The batch mode of `chatapp generate`: files and streams in, a loaded model, a summary out.
+"""`chatapp batch`: files and streams in, a loaded model, a summary out.
 
 Everything a user can get wrong before generation starts (input missing, output in the way, --resume on stdout, a
 bad model directory) is raised as a `ChatappError` before the model is loaded, so mistakes cost no waiting.
@@ -23,15 +23,9 @@ from chatapp.errors import (
     ConstraintError,
     ContextOverflowError,
     ProgramError,
-    SettingsError,
 )
 
 STDIO = "-"
-
-
-def is_batch_input(argument: str) -> bool:
-    """Whether `chatapp generate ARGUMENT` means a JSONL file (or stdin) rather than a prompt."""
-    return argument == STDIO or argument.lower().endswith(".jsonl")
 
 
 def read_input(source: str) -> list[bytes]:
@@ -78,6 +72,7 @@ class ModelPreparer:
     """Resolves a line's prompt, program and constraint with the engine's tokenizer and chat format."""
 
     def __init__(self, engine: Any) -> None:
+        self.engine = engine
         self.tokenizer = engine.tokenizer
         self.chat_format = engine.chat_format
         self.context_size = int(engine.context_size)
@@ -115,14 +110,13 @@ class ModelPreparer:
         field = "regex" if request.regex is not None else "json_schema"
         try:
             from chatapp.trie.constraint import Constraint
-            from chatapp.trie.vocab import ConstraintVocab
         except ImportError:
             raise ConstraintError(
                 f'"{field}" constraints are not available in this build of chatapp',
                 hint=f'remove the "{field}" field from the line',
             ) from None
         if self._constraint_vocab is None:
-            self._constraint_vocab = ConstraintVocab.from_tokenizer(self.tokenizer, self.vocab_size)
+            self._constraint_vocab = self.engine.constraint_vocab
         end_token = getattr(self.chat_format, "assistant_end_id", None)
         key = json.dumps({field: request.regex if request.regex is not None else request.json_schema}, sort_keys=True)
         if key not in self._dfas:
@@ -140,16 +134,6 @@ class ModelPreparer:
         return Constraint(self._constraint_vocab, dfa, end_token)
 
 
-def reject_batch_options(given: dict[str, object]) -> None:
-    """Quick mode answers one prompt: a batch-only option there is a mistake worth naming, not ignoring."""
-    named = [name for name, value in given.items() if value is not None and value is not False]
-    if named:
-        raise SettingsError(
-            f"{', '.join(named)} only apply to JSONL input",
-            hint="pass a .jsonl file (or - for stdin) instead of a prompt, or drop those options",
-        )
-
-
 def run_batch_command(
     input_source: str,
     *,
@@ -163,9 +147,8 @@ def run_batch_command(
     fsync: bool,
     console: Console,
 ) -> BatchSummary:
-    """Everything `chatapp generate INPUT.jsonl` does after parsing its options; prints the summary on `console`."""
-    from chatapp.engine.engine import Engine
-    from chatapp.models.loader import load_model
+    """Everything `chatapp batch INPUT.jsonl` does after parsing its options; prints the summary on `console`."""
+    from chatapp.models import load_engine
 
     if input_source == STDIO and sys.stdin.isatty():
         # Without a pipe, `-` waits for typed lines; say so rather than look hung.
@@ -180,8 +163,7 @@ def run_batch_command(
                 markup=False,
                 soft_wrap=True,
             )
-        loaded = load_model(model, device, dtype)
-        engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+        engine = load_engine(model, device, dtype=dtype)
         preparer = ModelPreparer(engine)
         summary = run_batch(
             engine,
@@ -195,5 +177,5 @@ def run_batch_command(
         )
     finally:
         sink.close()
-    console.print(f"generate: {summary.describe()}", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"batch: {summary.describe()}", highlight=False, markup=False, soft_wrap=True)
     return summary

@@ -67,7 +67,7 @@ def _parse_existing(path: Path, data: bytes) -> ExistingOutput:
         if not (valid_result or valid_error):
             raise BatchFileError(
                 f"{path}:{number} is not a chatapp batch record, so the file cannot be resumed",
-                hint="resume only files written by `chatapp generate`, or write to a new output file",
+                hint="resume only files written by `chatapp batch`, or write to a new output file",
             )
         existing.records += 1
         if valid_result:

@@ -21,9 +21,10 @@ from itertools import islice
 from typing import Any, Protocol
 
 from chatapp.batch.output import ExistingOutput, OrderedEmitter, RecordEmitter, RecordSink
-from chatapp.batch.records import RowAccumulator
+from chatapp.batch.records import row_record
 from chatapp.batch.requests import BatchDefaults, LineError, LineRequest, RequestId, parse_lines
 from chatapp.engine.events import Step
+from chatapp.engine.reply import Reply
 from chatapp.errors import ChatappError
 from chatapp.settings import GenerationSettings
 
@@ -169,12 +170,12 @@ class _Run:
                 self.summary.lines_ok += 1
             self.progress.line_done()
 
-    def result(self, job: RowJob, accumulator: RowAccumulator) -> None:
-        record = accumulator.record(job.request.id, job.sample)
+    def result(self, job: RowJob, reply: Reply) -> None:
+        record = row_record(reply, job.request.id, job.sample)
         self.emitter.emit(job.request.line, job.sample, record)
         self.summary.records += 1
-        self.summary.tokens += len(accumulator.tokens)
-        if accumulator.finish_reason == "error":
+        self.summary.tokens += reply.emitted
+        if reply.finish_reason == "error":
             self.lines[job.request.line].failed = True
         self._settle(job.request.line, closes_line=False)
 
@@ -198,19 +199,19 @@ def _error_message(err: ChatappError) -> str:
 
 
 class RowGenerator:
-    """Streams chunks of rows through the engine and hands back each row's accumulator as soon as it finishes."""
+    """Streams chunks of rows through the engine and hands back each row's reply as soon as it finishes."""
 
     def __init__(self, engine: BatchEngine, progress: BatchProgress) -> None:
         self.engine = engine
         self.progress = progress
 
-    def run(self, jobs: Sequence[RowJob]) -> Iterator[tuple[RowJob, RowAccumulator | ChatappError]]:
+    def run(self, jobs: Sequence[RowJob]) -> Iterator[tuple[RowJob, Reply | ChatappError]]:
         """Rows in the order they finish; a row the engine failed on comes with its `ChatappError`."""
         finished: set[int] = set()
         try:
-            for index, accumulator in self._stream(jobs):
+            for index, reply in self._stream(jobs):
                 finished.add(index)
-                yield jobs[index], accumulator
+                yield jobs[index], reply
         except ChatappError as err:
             if len(jobs) == 1:
                 yield jobs[0], err
@@ -224,8 +225,8 @@ class RowGenerator:
                 if part:
                     yield from self.run(part)
 
-    def _stream(self, jobs: Sequence[RowJob]) -> Iterator[tuple[int, RowAccumulator]]:
-        accumulators = [RowAccumulator(self.engine.stt_layers) for _ in jobs]
+    def _stream(self, jobs: Sequence[RowJob]) -> Iterator[tuple[int, Reply]]:
+        replies = [Reply(index, stt_layers=self.engine.stt_layers) for index in range(len(jobs))]
         programs = [job.program for job in jobs]
         constraints = [job.constraint for job in jobs]
         steps = self.engine.generate(
@@ -239,26 +240,26 @@ class RowGenerator:
         with closing(steps):
             for step in steps:
                 if step.prompt is not None:
-                    for accumulator in accumulators:
-                        accumulator.timings.prefill_s = step.prompt.prefill_seconds
+                    for reply in replies:
+                        reply.start(step.prompt)
                 for index in active:
-                    accumulators[index].timings.decode_s += step.seconds
+                    replies[index].decode_seconds += step.seconds
                 finished_now: list[int] = []
                 for event in step.tokens:
-                    accumulator = accumulators[event.row]
-                    accumulator.add(event)
-                    if accumulator.finished and event.row in active:
+                    reply = replies[event.row]
+                    reply.add(event)
+                    if reply.finished and event.row in active:
                         active.discard(event.row)
                         finished_now.append(event.row)
                 self.progress.add_tokens(len(step.tokens))
                 for index in finished_now:
-                    yield index, accumulators[index]
+                    yield index, replies[index]
         # The engine ends every row with a finish reason; a row left without one is reported, never dropped.
         for index in sorted(active):
-            accumulator = accumulators[index]
-            accumulator.finish_reason = "error"
-            accumulator.error = "generation ended before this row finished"
-            yield index, accumulator
+            reply = replies[index]
+            reply.finish_reason = "error"
+            reply.error = "generation ended before this row finished"
+            yield index, reply
 
 
 def _prepare_jobs(preparer: LinePreparer, request: LineRequest, samples: Sequence[int]) -> list[RowJob]:

@@ -31,7 +31,10 @@ from chatapp.errors import ContextOverflowError, ConversationError
 from chatapp.settings import GenerationSettings
 
 if TYPE_CHECKING:
-    from chatapp.engine.engine import Engine
+    from chatapp.engine.engine import Engine, TurnRequest
+    from chatapp.engine.protocols import KVCacheLike
+    from chatapp.trie.constraint import Constraint
+    from chatapp.ttfa import Program
 
 INITIAL_CACHE = 512  # slots allocated at the start of a conversation; the cache grows on demand
 
@@ -53,7 +56,7 @@ class ChatSession:
         self.system = system
         self.messages: list[dict[str, Any]] = []
         self._ids: list[int] = []
-        self._cache: Any = None
+        self._cache: KVCacheLike | None = None
         self._last: _TurnStart | None = None
         self._active: Generator[Step, None, None] | None = None
         self.reset()
@@ -82,7 +85,7 @@ class ChatSession:
 
     # ------------------------------------------------------------------------------------------------- turns
     def send(
-        self, text: str, settings: GenerationSettings, program: Any = None, constraint: Any = None
+        self, text: str, settings: GenerationSettings, program: Program | None = None, constraint: str | Constraint | None = None
     ) -> Iterator[Step]:
         """Add a user message and stream the answer. Errors (context, bad settings) raise here, not mid-stream."""
         self._close_active()
@@ -91,14 +94,14 @@ class ChatSession:
         base = _TurnStart(mark, len(self._ids), len(self.messages))
         return self._start_turn({"role": "user", "content": text}, settings, base, program, constraint)
 
-    def regenerate(self, settings: GenerationSettings, program: Any = None, constraint: Any = None) -> Iterator[Step]:
+    def regenerate(self, settings: GenerationSettings, program: Program | None = None, constraint: str | Constraint | None = None) -> Iterator[Step]:
         """Drop the last answer and answer the last user message again."""
         self._close_active()
         base = self._last_turn()
         return self._start_turn(self.messages[base.message_count], settings, base, program, constraint)
 
     def edit_last(
-        self, text: str, settings: GenerationSettings, program: Any = None, constraint: Any = None
+        self, text: str, settings: GenerationSettings, program: Program | None = None, constraint: str | Constraint | None = None
     ) -> Iterator[Step]:
         """Replace the last user message with `text` and answer it."""
         self._close_active()
@@ -122,7 +125,7 @@ class ChatSession:
         return _TurnStart(mark=None, token_count=0, message_count=users[-1])
 
     def _start_turn(
-        self, user: dict[str, Any], settings: GenerationSettings, base: _TurnStart, program: Any, constraint: Any
+        self, user: dict[str, Any], settings: GenerationSettings, base: _TurnStart, program: Program | None, constraint: str | Constraint | None
     ) -> Iterator[Step]:
         """Plan the turn on top of `base` (the conversation up to before a user message) and validate it now, so
         errors raise at the call; the returned generator runs it."""
@@ -138,10 +141,8 @@ class ChatSession:
                 f"this turn needs {used + len(segment)} tokens of context but the model holds {self.context_size}",
                 hint="start a new conversation (reset), or use context_policy='drop_oldest'",
             )
-        if program is not None:
-            self.engine._check_programs([program], 1)
-        row = self.engine._new_row(0, settings, seen=0, constraint=constraint)  # compiles the constraint now
-        self._active = self._run_turn(base, messages, segment, fresh, row, program)
+        request = self.engine.turn_request(settings, program=program, constraint=constraint)
+        self._active = self._run_turn(base, messages, segment, fresh, request)
         return self._active
 
     def _run_turn(
@@ -150,8 +151,7 @@ class ChatSession:
         messages: list[dict[str, Any]],
         segment: list[int],
         fresh: bool,
-        row: Any,
-        program: Any,
+        request: TurnRequest,
     ) -> Generator[Step, None, None]:
         """Roll back to `base`, feed the segment, stream the answer, and record it (also when the consumer stops
         early). Nothing changes until the consumer asks for the first step, so a turn that is never started
@@ -164,28 +164,23 @@ class ChatSession:
             else:
                 del self._ids[base.token_count :]
                 self._cache.restore(base.mark)
-            needed = min(self.context_size, len(self._ids) + len(segment) + row.settings.max_tokens)
+            needed = min(self.context_size, len(self._ids) + len(segment) + request.settings.max_tokens)
             if needed > self._cache.max_len:
                 self._cache.grow(needed)
             mark = self._cache.mark() if self._ids else None
         self._last = _TurnStart(mark, len(self._ids), len(messages) - 1)
         self.messages = messages
-        row.seen = len(self._ids)
+        steps = engine.continue_turn(self._cache, len(self._ids), segment, request)
         self._ids.extend(segment)
-        programs = None if program is None else [program]
-        steps = engine._stream([segment], [row], self._cache, may_compact=False, programs=programs)
-        reply: list[int] = []
-        stopped = False
+        reply = engine.new_reply()
         try:
             for step in steps:
-                for event in step.tokens:
-                    reply.append(event.token)
-                    stopped = event.finish_reason == "stop"
+                reply.add_step(step)
                 yield step
         finally:
             steps.close()
-            self._ids.extend(reply)
-            self.messages.append({"role": "assistant", "content": self._content(reply[:-1] if stopped else reply)})
+            self._ids.extend(event.token for event in reply.events)  # the stop token too: the model saw it
+            self.messages.append({"role": "assistant", "content": reply.content})
 
     # ------------------------------------------------------------------------------------------------ render
     def _segment(
@@ -219,26 +214,3 @@ class ChatSession:
         while len(body) > 1 and len(chat.render_for_completion([*head, *body])) + max_tokens >= self.context_size:
             body = body[2:]
         return [*head, *body]
-
-    def _content(self, reply: list[int]) -> str | list[dict[str, str]]:
-        """The assistant message for `reply`: plain text, or nanochat's parts when it used a tool."""
-        chat = self.engine.chat_format
-        if not chat.supports_tools or chat.python_start_id not in reply:
-            return chat.decode(reply)
-        # The output opener last: with SmolLM2's markers it is the call's end marker too, and opens the output.
-        markers = {
-            chat.python_start_id: "python",
-            chat.python_end_id: "text",
-            chat.output_end_id: "text",
-            chat.output_start_id: "python_output",
-        }
-        parts: list[dict[str, str]] = []
-        kind, run = "text", []
-        for token in [*reply, None]:
-            if token is None or token in markers:
-                if run or kind != "text":
-                    parts.append({"type": kind, "text": chat.decode(run)})
-                kind, run = markers.get(token, "text"), []
-            else:
-                run.append(token)
-        return parts

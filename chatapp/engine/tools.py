@@ -97,10 +97,6 @@ class ToolMachine:
         self._expression: list[int] = []
         self.queue: deque[ForcedToken] = deque()
 
-    @property
-    def in_call(self) -> bool:
-        return self._call is not None
-
     def observe(self, token: int) -> ToolEvent | None:
         """Advance on a token the model sampled; returns the ToolEvent this token carries (the `call` event on
         the model's own `<|python_end|>`). Forced tokens are not observed: they come from `queue`."""

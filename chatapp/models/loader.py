@@ -1,4 +1,5 @@
-"""Loading a model directory (the embedded default, a chatapp checkpoint, or a local Qwen2 checkpoint).
+"""Loading a model directory (a registered model such as `tiny`, a chatapp checkpoint, or a local Qwen2 checkpoint),
+and `load_engine`, the one way the CLI, the UI and the recipes get an `Engine` for a model.
 
 A model directory is Hugging Face-shaped: `config.json`, `model.safetensors` (or sharded safetensors with an index)
 and `tokenizer.json`. Everything is read from disk; nothing is ever downloaded. Problems a user can cause (a wrong
@@ -15,13 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatapp.errors import ModelDirError
-from chatapp.settings import default_model_dir
+from chatapp.models.registry import is_registered, resolve_model
 
 if TYPE_CHECKING:
     import torch
     from tokenizers import Tokenizer
 
     from chatapp.chat import AnyChatFormat
+    from chatapp.engine.engine import Engine
     from chatapp.stt import STTForCausalLM
 
 # The weight format when no `dtype` is passed (a `--dtype` option wins over it): auto, float32, bfloat16, int8.
@@ -29,7 +31,7 @@ DTYPE_ENV = "CHATAPP_DTYPE"
 # torch's CPU thread count for generation (see `configure_threads`).
 THREADS_ENV = "CHATAPP_THREADS"
 
-_REBUILD_HINT = "run `make train-default` to rebuild the embedded default model"
+_REBUILD_HINT = "run `make train-tiny` to rebuild the shipped tiny model"
 
 
 @dataclass
@@ -57,10 +59,25 @@ def resolve_device(device: str | None) -> torch.device:
     return resolved
 
 
+def load_engine(
+    model: str | Path | None = None,
+    device: str | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    **engine_options: Any,
+) -> Engine:
+    """An `Engine` over a model: a registered name (`tiny`, `default`), a model directory, or `None` for the default
+    model. `engine_options` go to `Engine` (e.g. `context_size`, `fast_forward`)."""
+    from chatapp.engine.engine import Engine
+
+    loaded = load_model(model, device, dtype)
+    return Engine(loaded.model, loaded.tokenizer, loaded.chat_format, **engine_options)
+
+
 def load_model(
-    path: str | Path | None = None, device: str | None = None, dtype: str | torch.dtype | None = None
+    model: str | Path | None = None, device: str | None = None, dtype: str | torch.dtype | None = None
 ) -> LoadedModel:
-    """Load a model directory; `path=None` loads the embedded default model shipped in the package.
+    """Load a model: a registered name (`tiny`, `default`), a model directory, or `None` for the default model.
 
     `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16" or "int8"; None or "auto" takes
     `$CHATAPP_DTYPE` when set, else the per-device default (`weight_format_for`). The weights are read as float32
@@ -73,8 +90,8 @@ def load_model(
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     fmt = parse_format(dtype) or parse_format(os.environ.get(DTYPE_ENV) or None)
-    model_dir = Path(path).expanduser() if path is not None else default_model_dir()
-    hint = _REBUILD_HINT if path is None else None
+    model_dir = resolve_model(model)
+    hint = _REBUILD_HINT if is_registered(model) else None
     check_model_dir(model_dir, hint=hint)
     tokenizer = _load_tokenizer(model_dir, hint)
 
@@ -137,6 +154,12 @@ def configure_threads(model: STTForCausalLM) -> int:
         return torch.get_num_threads()
     torch.set_num_threads(threads)
     return threads
+
+
+def is_complete_model_dir(model_dir: Path) -> bool:
+    """Whether `model_dir` has its config, tokenizer and weights (a quick look, no file is read)."""
+    files = ("config.json", "tokenizer.json")
+    return all((model_dir / name).is_file() for name in files) and bool(_weight_files(model_dir))
 
 
 def check_model_dir(model_dir: Path, hint: str | None = None) -> None:

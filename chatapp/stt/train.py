@@ -156,7 +156,6 @@ class StepReport:
 @dataclass
 class TrainResult:
     steps: int
-    final_losses: dict[str, float] = field(default_factory=dict)
     eval: EvalReport | None = None
 
 
@@ -343,4 +342,4 @@ def train(
     model.config.routing_trained = True
     if out_dir is not None and dist_info.is_main:
         save_model(model, out_dir)
-    return TrainResult(steps=config.steps, final_losses=losses, eval=report)
+    return TrainResult(steps=config.steps, eval=report)

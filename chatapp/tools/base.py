@@ -13,11 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from chatapp.errors import ToolError
-
-PYTHON_START = "<|python_start|>"
-PYTHON_END = "<|python_end|>"
-OUTPUT_START = "<|output_start|>"
-OUTPUT_END = "<|output_end|>"
+from chatapp.special_tokens import OUTPUT_END, OUTPUT_START, PYTHON_END, PYTHON_START
 
 
 @dataclass(frozen=True, slots=True)

@@ -188,7 +188,3 @@ class TokenColumns:
         result = np.empty_like(states)
         result[self.order] = states
         return result
-
-    def brute_force_mask(self, dfa: ByteDFA, state: int) -> np.ndarray:
-        """Boolean mask of the tokens `dfa` allows from `state`: the oracle for tests, O(V x max_len), no trie."""
-        return (self.final_states(dfa, state) != DEAD) & self.nonempty

@@ -184,11 +184,6 @@ class Automaton:
         index = index.to(device=self.device, dtype=torch.int64)
         self.state = TTFAState(*(t.index_select(0, index) for t in self.state))
 
-    def add_rows(self, row_program: Sequence[int]) -> None:
-        """Append fresh rows, each at the entry of `programs[row_program[i]]`."""
-        new = self._entry_state(row_program)
-        self.state = TTFAState(*(torch.cat([old, fresh]) for old, fresh in zip(self.state, new, strict=True)))
-
     def _entry_state(self, row_program: Sequence[int]) -> TTFAState:
         if bad := [p for p in row_program if not 0 <= p < len(self.programs)]:
             raise IndexError(f"row_program refers to programs {bad}; only {len(self.programs)} are linked")

@@ -96,15 +96,6 @@ class Program:
             return own
         return self.max_genned_per_zone if self.max_genned_per_zone is not None else UNLIMITED
 
-    def zone_index(self, label: str) -> int:
-        """Index of the zone called `label` (`"halt"` names the HALT row)."""
-        if label == "halt":
-            return self.halt
-        for index, zone in enumerate(self.zones):
-            if zone.label == label:
-                return index
-        raise KeyError(label)
-
     def _check_tables(self) -> None:
         """Structural invariants of the tables (violations are bugs in the caller, not user errors)."""
         tokens = [self.pad]

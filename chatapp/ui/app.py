@@ -23,6 +23,7 @@ from textual.widgets import Footer, Header, Static
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, get_current_worker
 
 from chatapp.engine.events import Step, TokenEvent
+from chatapp.engine.reply import Reply
 from chatapp.errors import ChatappError
 from chatapp.settings import config_dir, data_dir, engine_log_path, history_db_path
 from chatapp.ui.backend import ChatBackend, StepStream
@@ -33,7 +34,6 @@ from chatapp.ui.screens.help import WIDGET_KEYS, HelpFacts, HelpScreen, binding_
 from chatapp.ui.screens.history import HistoryScreen, ResumeChoice
 from chatapp.ui.screens.program import ProgramChoice, ProgramScreen
 from chatapp.ui.screens.settings import SettingsChoice, SettingsScreen
-from chatapp.ui.stats import AnswerStats
 from chatapp.ui.streaming import BATCH_INTERVAL, FirstTokens, Generation, GenerationEnded, Outcome
 from chatapp.ui.tokens import message_content, plain_text
 from chatapp.ui.widgets.heatmap import RoutingHeatmap
@@ -204,6 +204,11 @@ class ChatApp(App[None]):
         for welcome in self.query("#welcome"):
             welcome.remove()
 
+    def _new_reply(self) -> Reply:
+        """The fold of the next answer (row 0 of the backend's stream)."""
+        info = self.backend.info
+        return Reply(0, info.num_layers, info.stt_layers)
+
     def _start(self, stream: StepStream, user: UserMessage | None = None) -> None:
         """Create the answer (on screen, after the user's message if given, and in the database) and generate it in
         a thread worker."""
@@ -211,10 +216,10 @@ class ChatApp(App[None]):
         message_id = self.store.add_message(self.conversation_id, "assistant", "", status="streaming")
         answer = AssistantMessage(message_id=message_id)
         self.transcript.add(*([user] if user else []), answer)
-        self.generation = Generation(answer, message_id, AnswerStats(num_layers=self.backend.info.num_layers))
+        self.generation = Generation(answer, message_id, self._new_reply())
         self.query_one(RoutingHeatmap).start(self.backend.settings.max_tokens)
         self.query_one(TokenInspector).show(None)
-        self.query_one(StatsPanel).show(self.generation.stats)
+        self.query_one(StatsPanel).show(self.generation.reply)
         generation = self.generation
         generation.ticker = self.set_interval(BATCH_INTERVAL, lambda: self._take_batch(generation))
         self._worker = self._generate(generation, stream)
@@ -288,14 +293,13 @@ class ChatApp(App[None]):
         assert isinstance(answer, AssistantMessage)
         events: list[TokenEvent] = []
         for step in steps:
-            row_events = [event for event in step.tokens if event.row == 0]
-            generation.stats.add_step(step, row_events)
-            events.extend(row_events)
+            generation.reply.add_step(step)
+            events.extend(event for event in step.tokens if event.row == generation.reply.row)
         generation.steps += len(steps)
         current = self.generation is generation
         if events:
             self.store.append_tokens(
-                generation.message_id, generation.written, events, message_content([*answer.events, *events])
+                generation.message_id, generation.written, events, generation.reply.content
             )
             generation.written += len(events)
             if answer.is_attached:
@@ -308,9 +312,9 @@ class ChatApp(App[None]):
                 self._panels.zones.set_active(events[-1].tags, events[-1].zone)
         if current and final:
             self._panels.heatmap.settle()
-            self._panels.stats.show(generation.stats)
+            self._panels.stats.show(generation.reply)
         elif current and events:
-            self._panels.stats.show_live(generation.stats)
+            self._panels.stats.show_live(generation.reply)
         return events
 
     # --- token inspection -----------------------------------------------------------------------------------------
@@ -357,7 +361,7 @@ class ChatApp(App[None]):
     def _reset_panels(self) -> None:
         self.query_one(RoutingHeatmap).set_tokens([])
         self.query_one(TokenInspector).show(None)
-        self.query_one(StatsPanel).show(AnswerStats())
+        self.query_one(StatsPanel).show(Reply())
         self.query_one(ZonePills).set_program(self.backend.program)
 
     def _last_widget(self, kind: type) -> object | None:
@@ -486,7 +490,7 @@ class ChatApp(App[None]):
 
 def make_app(
     *,
-    model_dir: Path | None = None,
+    model_dir: str | Path | None = None,
     program: str | None = None,
     db_path: Path | None = None,
     device: str | None = None,
@@ -504,9 +508,9 @@ def make_app(
     Raises `ModelDirError` / `ProgramError` before any UI starts, so the CLI can report them plainly.
     """
     if backend is None:
-        from chatapp.settings import default_model_dir
+        from chatapp.models import resolve_model
 
-        directory = Path(model_dir) if model_dir else default_model_dir()
+        directory = resolve_model(model_dir)
         if in_process:
             from chatapp.ui.backend import EngineBackend
 

@@ -152,14 +152,11 @@ class EngineBackend(BackendState):
         self.new_session()
 
     @classmethod
-    def load(cls, model_dir: Path, *, device: str | None = None) -> EngineBackend:
-        """Load a model directory (raises `ModelDirError` naming what is missing)."""
-        from chatapp.engine.engine import Engine
-        from chatapp.models.loader import load_model
+    def load(cls, model: str | Path | None, *, device: str | None = None) -> EngineBackend:
+        """Load a model by name or directory (raises `ModelDirError` naming what is missing)."""
+        from chatapp.models import load_engine, resolve_model
 
-        loaded = load_model(model_dir, device=device)
-        engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
-        return cls(engine, model_dir=loaded.path)
+        return cls(load_engine(model, device=device), model_dir=resolve_model(model))
 
     # --- session ----------------------------------------------------------------------------------------------
     def builtin_programs(self) -> Sequence[str]:

@@ -17,7 +17,7 @@ from textual.message import Message
 from textual.timer import Timer
 
 from chatapp.engine.events import Step
-from chatapp.ui.stats import AnswerStats
+from chatapp.engine.reply import Reply
 
 Outcome = Literal["complete", "interrupted", "error"]
 
@@ -55,7 +55,7 @@ class Generation:
 
     answer: object  # the AssistantMessage widget (typed loosely to keep this module free of widget imports)
     message_id: int
-    stats: AnswerStats
+    reply: Reply  # the answer folded as it streams: its content and stats
     channel: StepChannel = field(default_factory=StepChannel)
     ticker: Timer | None = None  # the UI timer taking batches from the channel
     written: int = 0  # tokens already saved to the database

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from chatapp.engine.events import TokenEvent, ToolEvent
+from chatapp.engine.reply import Reply
+from chatapp.special_tokens import OUTPUT_END, PYTHON_START
 
 # Chat-format special tokens get short readable names; any other special token keeps its own name.
 _MARKER_NAMES = {
@@ -24,11 +26,6 @@ _MARKER_NAMES = {
     "user_end": "/user",
     "bos": "bos",
 }
-
-PYTHON_START = "<|python_start|>"
-PYTHON_END = "<|python_end|>"
-OUTPUT_START = "<|output_start|>"
-OUTPUT_END = "<|output_end|>"
 
 
 def marker(special_text: str) -> str:
@@ -44,11 +41,6 @@ def marker(special_text: str) -> str:
 def display_text(event: TokenEvent) -> str:
     """What the transcript shows for one token: its text, or a marker for a special token."""
     return marker(event.text) if event.special else event.text
-
-
-def is_structural(event: TokenEvent) -> bool:
-    """Chat-format control tokens (`<|...|>`) frame a message; other special tokens (`<think>`) are content."""
-    return event.special and event.text.startswith("<|") and event.text.endswith("|>")
 
 
 @dataclass
@@ -108,32 +100,12 @@ def segment_events(events: Sequence[TokenEvent]) -> list[Segment]:
 
 
 def message_content(events: Sequence[TokenEvent]) -> str | list[dict[str, str]]:
-    """The chat-format content of an assistant answer rebuilt from its tokens.
-
-    Plain text when there was no tool call, else nanochat's parts list (text / python / python_output). Used to
-    store partial answers and to resume a conversation, so it must not depend on the backend's own bookkeeping.
-    """
-    parts: list[dict[str, str]] = []
-    mode = "text"
+    """The chat-format content of an assistant answer rebuilt from its tokens by the engine's reply fold. Used to
+    store partial answers and to resume a conversation, so it must not depend on the backend's own bookkeeping."""
+    reply = Reply()
     for event in events:
-        if event.special and event.text == PYTHON_START:
-            mode = "python"
-            continue
-        if event.special and event.text == OUTPUT_START:
-            mode = "python_output"
-            continue
-        if event.special and event.text in (PYTHON_END, OUTPUT_END):
-            mode = "text"
-            continue
-        if is_structural(event):
-            continue
-        if parts and parts[-1]["type"] == mode:
-            parts[-1]["text"] += event.text
-        else:
-            parts.append({"type": mode, "text": event.text})
-    if all(part["type"] == "text" for part in parts):
-        return "".join(part["text"] for part in parts)
-    return parts
+        reply.add(event)
+    return reply.content
 
 
 def plain_text(content: str | list[dict[str, str]]) -> str:

@@ -1,4 +1,4 @@
-"""`chatapp generate INPUT.jsonl` end to end on a tiny random STT model: streams, bad lines, exit codes, batch
+"""`chatapp batch INPUT.jsonl` end to end on a tiny random STT model: streams, bad lines, exit codes, batch
 equivalence, and resuming after `kill -9`."""
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def _comparable(records: list[dict]) -> list[str]:
     return sorted(json.dumps({k: v for k, v in r.items() if k != "timings"}, sort_keys=True) for r in records)
 
 
-def _generate(model_dir: Path, *args: str, input: str | None = None):
-    return CliRunner().invoke(app, ["generate", *args, "--model", str(model_dir)], input=input)
+def _batch(model_dir: Path, *args: str, input: str | None = None):
+    return CliRunner().invoke(app, ["batch", *args, "--model", str(model_dir)], input=input)
 
 
 def test_stdin_to_stdout_with_a_dash(model_dir: Path) -> None:
@@ -52,7 +52,7 @@ def test_stdin_to_stdout_with_a_dash(model_dir: Path) -> None:
         {"role": "user", "content": "And 2*3?"},
     ]
     stdin = _lines(3) + json.dumps({"id": 9, "messages": conversation}) + "\n"
-    result = _generate(model_dir, "-", "--max-tokens", "6", input=stdin)
+    result = _batch(model_dir, "-", "--max-tokens", "6", input=stdin)
     assert result.exit_code == 0, result.output
     records = _records(result.stdout)
     assert sorted(map(str, (r["id"] for r in records))) == ["9", "q0", "q1", "q2"]
@@ -91,7 +91,7 @@ def test_bad_lines_each_get_an_error_record_and_a_nonzero_exit(model_dir: Path, 
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join([good, *bad]) + "\n")
-    result = _generate(model_dir, str(source), "--max-tokens", "4", "--ordered")
+    result = _batch(model_dir, str(source), "--max-tokens", "4", "--ordered")
     assert result.exit_code == 1, result.output
     records = _records(result.stdout)
     assert records[0]["id"] == "ok" and "finish_reason" in records[0]
@@ -111,19 +111,19 @@ def test_bad_lines_each_get_an_error_record_and_a_nonzero_exit(model_dir: Path, 
 
 
 def test_fatal_problems_exit_one_before_loading_anything(model_dir: Path, tmp_path: Path) -> None:
-    missing = _generate(model_dir, str(tmp_path / "missing.jsonl"))
+    missing = _batch(model_dir, str(tmp_path / "missing.jsonl"))
     assert missing.exit_code == 1 and "does not exist" in missing.stderr
     source = tmp_path / "in.jsonl"
     source.write_text(_lines(1))
     existing = tmp_path / "out.jsonl"
     existing.write_text('{"id":"x","sample":0,"finish_reason":"stop"}\n')
-    clobber = _generate(model_dir, str(source), "-o", str(existing))
+    clobber = _batch(model_dir, str(source), "-o", str(existing))
     assert clobber.exit_code == 1 and "--resume" in clobber.stderr
     assert existing.read_text() == '{"id":"x","sample":0,"finish_reason":"stop"}\n'
-    stdout_resume = _generate(model_dir, str(source), "--resume")
+    stdout_resume = _batch(model_dir, str(source), "--resume")
     assert stdout_resume.exit_code == 1 and "needs an output file" in stdout_resume.stderr
-    quick = _generate(model_dir, "Hello!", "--batch-size", "4", "--ordered")
-    assert quick.exit_code == 1 and "--batch-size, --ordered only apply to JSONL input" in quick.stderr
+    not_jsonl = _batch(model_dir, "Hello!", "--batch-size", "4")
+    assert not_jsonl.exit_code == 1 and "does not exist" in not_jsonl.stderr
 
 
 def test_batched_output_equals_one_at_a_time(model_dir: Path, tmp_path: Path) -> None:
@@ -134,7 +134,7 @@ def test_batched_output_equals_one_at_a_time(model_dir: Path, tmp_path: Path) ->
     runs = {}
     for size in ("8", "1"):
         out = tmp_path / f"out{size}.jsonl"
-        result = _generate(model_dir, str(source), "-o", str(out), "--batch-size", size, "--max-tokens", "6")
+        result = _batch(model_dir, str(source), "-o", str(out), "--batch-size", size, "--max-tokens", "6")
         assert result.exit_code == 0, result.output
         runs[size] = _records(out.read_text())
     assert len(runs["8"]) == 9
@@ -148,7 +148,7 @@ def test_programs_force_tokens_and_tag_zones(model_dir: Path) -> None:
         json.dumps({"id": "plain", "prompt": "Hello!"}),  # gets the --program default
         json.dumps({"id": "calc", "prompt": "What is 37*45?", "program": "calc", "temperature": 0.7}),
     ]
-    result = _generate(model_dir, "-", "--max-tokens", "6", "--program", "chat", "--ordered", input="\n".join(lines))
+    result = _batch(model_dir, "-", "--max-tokens", "6", "--program", "chat", "--ordered", input="\n".join(lines))
     assert result.exit_code == 0, result.output
     plain, calc = _records(result.stdout)
     assert plain["tags"] == [["answer"]] * len(plain["tokens"])
@@ -168,7 +168,7 @@ def test_regex_and_json_schema_lines_are_constrained(model_dir: Path) -> None:
         json.dumps({"id": "json", "prompt": "Answer in JSON.", "json_schema": schema}),
         json.dumps({"id": "free", "prompt": "Hello!"}),  # an unconstrained row in the same device batch
     ]
-    result = _generate(model_dir, "-", "--max-tokens", "16", "--temperature", "1.0", input="\n".join(lines))
+    result = _batch(model_dir, "-", "--max-tokens", "16", "--temperature", "1.0", input="\n".join(lines))
     assert result.exit_code == 0, result.output
     by_id: dict[str, list[dict]] = {}
     for record in _records(result.stdout):
@@ -186,8 +186,7 @@ def test_regex_and_json_schema_lines_are_constrained(model_dir: Path) -> None:
 def test_each_row_gets_its_own_settings_exactly(model_dir: Path) -> None:
     """Differential: every record equals the Engine's own generate_batch of that prompt alone, with the line's
     settings (sample 0 uses the line's seed as is), so per-row settings reach the device batch unchanged."""
-    from chatapp.engine.engine import Engine
-    from chatapp.models.loader import load_model
+    from chatapp.models import load_engine
     from chatapp.settings import GenerationSettings
 
     lines = [
@@ -203,24 +202,23 @@ def test_each_row_gets_its_own_settings_exactly(model_dir: Path) -> None:
             ],
         },
     ]
-    result = _generate(model_dir, "-", "--max-tokens", "6", input="\n".join(json.dumps(line) for line in lines))
+    result = _batch(model_dir, "-", "--max-tokens", "6", input="\n".join(json.dumps(line) for line in lines))
     assert result.exit_code == 0, result.output
     records = {r["id"]: r for r in _records(result.stdout)}
 
-    loaded = load_model(model_dir)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    engine = load_engine(model_dir)
     for line in lines:
         fields = {k: v for k, v in line.items() if k not in ("id", "prompt", "messages")}
         settings = GenerationSettings(**{"max_tokens": 6, **fields})
         messages = line.get("messages") or [{"role": "user", "content": line["prompt"]}]
-        (alone,) = engine.generate_batch([loaded.chat_format.render_for_completion(messages)], settings)
+        (alone,) = engine.generate_batch([engine.chat_format.render_for_completion(messages)], settings)
         expected = alone.tokens + ([alone.stop_token] if alone.stop_token is not None else [])
         assert records[line["id"]]["tokens"] == expected, line["id"]
         assert records[line["id"]]["finish_reason"] == alone.finish_reason
 
 
 def test_ordered_follows_input_order(model_dir: Path) -> None:
-    result = _generate(
+    result = _batch(
         model_dir,
         "-",
         "--max-tokens",
@@ -235,10 +233,10 @@ def test_ordered_follows_input_order(model_dir: Path) -> None:
 
 
 def test_a_reader_that_goes_away_ends_the_run_cleanly(model_dir: Path, tmp_path: Path) -> None:
-    """`chatapp generate in.jsonl | head -1`: one clear message and exit code 1, not a BrokenPipeError traceback."""
+    """`chatapp batch in.jsonl | head -1`: one clear message and exit code 1, not a BrokenPipeError traceback."""
     source = tmp_path / "in.jsonl"
     source.write_text(_lines(8))
-    command = [sys.executable, "-m", "chatapp.cli", "generate", str(source), "--model", str(model_dir)]
+    command = [sys.executable, "-m", "chatapp.cli", "batch", str(source), "--model", str(model_dir)]
     command += ["--batch-size", "2", "--max-tokens", "4"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert process.stdout is not None and process.stderr is not None
@@ -266,7 +264,7 @@ def test_resume_after_kill_9_yields_every_pair_exactly_once(model_dir: Path, tmp
     source.write_text(_lines(10, samples=2, temperature=0.8))
     out = tmp_path / "out.jsonl"
     args = [
-        "generate",
+        "batch",
         str(source),
         "-o",
         str(out),

@@ -15,10 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from chatapp.batch.output import ExistingOutput
-from chatapp.batch.records import RowAccumulator
+from chatapp.batch.records import row_record
 from chatapp.batch.requests import BatchDefaults, LineRequest
 from chatapp.batch.runner import BatchOptions, run_batch, sample_seed
 from chatapp.engine.events import PromptInfo, Step, TokenEvent, ToolEvent
+from chatapp.engine.reply import Reply
 from chatapp.errors import ContextOverflowError, ProgramError
 from chatapp.settings import GenerationSettings
 
@@ -249,7 +250,7 @@ def test_any_resume_point_completes_every_pair_exactly_once(lines_spec: list[tup
 
 
 def test_tool_events_pair_calls_with_their_outcomes() -> None:
-    accumulator = RowAccumulator(stt_layers=[])
+    reply = Reply()
     events = [
         TokenEvent(
             row=0,
@@ -274,8 +275,8 @@ def test_tool_events_pair_calls_with_their_outcomes() -> None:
         TokenEvent(row=0, token=7, forced=False, text="!", finish_reason="length"),
     ]
     for event in events:
-        accumulator.add(event)
-    record = accumulator.record("t", 0)
+        reply.add(event)
+    record = row_record(reply, "t", 0)
     assert record["tool_calls"] == [
         {"tool": "calculator", "expression": "1+1", "result": "2"},
         {"tool": "calculator", "expression": "1/0", "refusal": "division by zero"},

@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from chatapp import __version__
 from chatapp.cli import app
-from chatapp.settings import config_dir, data_dir, default_model_dir, history_db_path
+from chatapp.models import default_model_dir
+from chatapp.settings import config_dir, data_dir, history_db_path
 
 runner = CliRunner()
 
@@ -77,3 +78,12 @@ def test_calc_refusal_names_the_expression_and_why(expression: str, reason: str)
     assert f"the calculator refused {expression!r}" in message
     assert reason in message
     assert "Traceback" not in result.output
+
+
+def test_models_lists_the_registered_names_and_the_default() -> None:
+    from chatapp.models import resolve_model
+
+    result = CliRunner().invoke(app, ["models"])
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("tiny ")]
+    assert str(resolve_model("tiny")) in line and "(default)" in line

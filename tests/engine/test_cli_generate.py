@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -40,15 +41,47 @@ def test_generate_rejects_bad_settings(model_dir) -> None:
     assert result.exit_code == 1 and "top_p" in result.output
 
 
-def test_generate_runs_a_program_and_marks_its_zones(model_dir) -> None:
+def test_generate_runs_a_program_into_a_pipe_as_exact_text(model_dir) -> None:
     args = ["generate", "3*4?", "--model", str(model_dir), "--max-tokens", "4", "--program", "calc"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("[expression] <|python_start|>")
+    assert result.stdout.startswith("<|python_start|>")  # a pipe gets the text only: no zone labels
 
 
-def test_generate_names_a_bad_program_or_a_batch_only_option(model_dir) -> None:
+def test_generate_names_a_bad_program_or_a_batch_option(model_dir) -> None:
     result = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--program", "nope"])
     assert result.exit_code == 1 and "nope" in result.output
     result = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--ordered"])
-    assert result.exit_code == 1 and "--ordered" in result.output
+    assert result.exit_code == 2 and "--ordered" in result.output
+
+
+def test_a_piped_reply_is_exactly_the_tokens_text_tabs_included(model_dir) -> None:
+    """`generate --regex RX | cat`: the grammar forces "a<TAB>b", and the pipe gets those bytes, not 8 spaces."""
+    result = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--regex", "a\tb"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "a\tb"
+
+
+def test_generate_follows_a_json_schema_inline_or_from_a_file(model_dir, tmp_path) -> None:
+    schema = '{"enum": ["yes", "no"]}'
+    inline = CliRunner().invoke(app, ["generate", "Ok?", "--model", str(model_dir), "--json-schema", schema])
+    assert inline.exit_code == 0, inline.output
+    assert json.loads(inline.stdout) in ("yes", "no")
+    path = tmp_path / "schema.json"
+    path.write_text(schema)
+    from_file = CliRunner().invoke(app, ["generate", "Ok?", "--model", str(model_dir), "--json-schema", str(path)])
+    assert from_file.stdout == inline.stdout
+
+
+def test_generate_names_a_bad_constraint(model_dir) -> None:
+    bad_regex = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--regex", "[a-"])
+    assert bad_regex.exit_code == 1 and "Traceback" not in bad_regex.output
+    bad_json = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--json-schema", "{nope"])
+    assert bad_json.exit_code == 1 and "not valid JSON" in bad_json.output
+    both = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--regex", "a", "--json-schema", "{}"])
+    assert both.exit_code == 1 and "one of them" in both.output
+
+
+def test_model_accepts_a_registered_name() -> None:
+    result = CliRunner().invoke(app, ["generate", "What is 2+3?", "--model", "tiny", "--max-tokens", "4"])
+    assert result.exit_code == 0, result.output

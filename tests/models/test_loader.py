@@ -11,6 +11,7 @@ import torch
 from chatapp.chat import ChatFormat
 from chatapp.errors import ModelDirError
 from chatapp.models.loader import LoadedModel, load_model, resolve_device
+from chatapp.models.registry import MODELS
 
 
 @pytest.fixture
@@ -93,8 +94,8 @@ def test_corrupt_file_is_named(model_dir: Path, tmp_path: Path, name: str, conte
     assert info.value.hint
 
 
-def test_default_model_errors_point_at_make_train_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("chatapp.models.loader.default_model_dir", lambda: tmp_path / "default")
+def test_shipped_model_errors_point_at_make_train_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(MODELS, "tiny", lambda: tmp_path / "tiny")
     with pytest.raises(ModelDirError) as info:
         load_model()
-    assert "make train-default" in (info.value.hint or "")
+    assert "make train-tiny" in (info.value.hint or "")

@@ -102,13 +102,11 @@ def test_default_model_is_the_prepared_smollm2(default_home: Path) -> None:
 def test_routing_fractions_on_held_out_chat(model_dir: Path) -> None:
     """Student routing on a small held-out slice: every STT layer processes between 10% and 90% of the tokens
     and 30-70% on average, at a perplexity within 10% of routing off."""
-    from chatapp.engine.engine import Engine
-    from chatapp.models.loader import load_model
+    from chatapp.models import load_engine
     from chatapp.recipes.smollm2 import data
     from chatapp.recipes.smollm2.evaluate import stt_report
 
-    loaded = load_model(model_dir)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    engine = load_engine(model_dir)
     import random
 
     tools = data.tool_questions(random.Random(7), 6, held_out=True)
@@ -135,12 +133,10 @@ def test_routing_fractions_on_held_out_chat(model_dir: Path) -> None:
 
 def test_long_conversation_fits_the_8k_context(model_dir: Path) -> None:
     """A ~6,000-token conversation still answers: the cache grows on demand up to the model's 8192 positions."""
-    from chatapp.engine.engine import Engine
-    from chatapp.models.loader import load_model
+    from chatapp.models import load_engine
     from chatapp.settings import GenerationSettings
 
-    loaded = load_model(model_dir)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    engine = load_engine(model_dir)
     filler = "The museum opens at nine and closes at five. " * 12
     messages = []
     for turn in range(24):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from chatapp.trie.local_tokenizers import (
+from tests.trie.local_tokenizers import (
     cached_source_tokenizer,
     handmade_bpe,
     python_source_texts,

@@ -7,8 +7,8 @@ import pytest
 from chatapp.errors import ConstraintError
 from chatapp.trie.bitmask import allowed_ids, bitmask_to_bools, is_allowed
 from chatapp.trie.constraint import Constraint, batch_bitmask
-from chatapp.trie.local_tokenizers import handmade_bpe
 from chatapp.trie.vocab import ConstraintVocab
+from tests.trie.local_tokenizers import handmade_bpe
 
 from .conftest import END_TOKEN, SEED_TOKENS
 

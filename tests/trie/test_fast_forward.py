@@ -11,8 +11,8 @@ from chatapp.trie.bitmask import allowed_ids, is_allowed
 from chatapp.trie.constraint import Constraint
 from chatapp.trie.fast_forward import tokenize_forced
 from chatapp.trie.json_schema import json_literal
-from chatapp.trie.local_tokenizers import handmade_bpe
 from chatapp.trie.vocab import ConstraintVocab
+from tests.trie.local_tokenizers import handmade_bpe
 
 from .conftest import SEED_TOKENS
 from .strategies import regexes

@@ -21,7 +21,7 @@ FORMAT_TEXTS = (
 @pytest.fixture(scope="session")
 def ttfa_tokenizer():
     """Deterministic: the same corpus always trains the same merges, so disassembly goldens are stable."""
-    from chatapp.models.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
+    from chatapp.recipes.tiny.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
 
     return train_bpe_tokenizer(
         list(FORMAT_TEXTS) * 20, vocab_size=400, special_tokens=CHAT_SPECIAL_TOKENS + THINK_TOKENS

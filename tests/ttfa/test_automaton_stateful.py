@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from chatapp.ttfa.automaton import Automaton
+from chatapp.ttfa.automaton import Automaton, TTFAState
 from chatapp.ttfa.program import Program
 from chatapp.ttfa.reference import ReferenceRow
 
@@ -33,7 +33,9 @@ class RowManagement(RuleBasedStateMachine):
     @rule(data=st.data())
     def add_rows(self, data: st.DataObject) -> None:
         row_program = data.draw(st.lists(st.integers(0, len(self.progs) - 1), min_size=1, max_size=3))
-        self.automaton.add_rows(row_program)
+        # Fresh rows join at their programs' entries: the state of a new automaton over the same programs.
+        fresh = Automaton(self.progs, row_program).state
+        self.automaton.state = TTFAState(*(torch.cat([old, new]) for old, new in zip(self.automaton.state, fresh, strict=True)))
         self.rows += [ReferenceRow(self.progs[p]) for p in row_program]
 
     @precondition(lambda self: self.rows)

@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from chatapp.cli import app as cli
 from chatapp.errors import ConstraintError, ProgramError
-from chatapp.settings import GenerationSettings, default_model_dir
+from chatapp.models import default_model_dir
+from chatapp.settings import GenerationSettings
 from chatapp.ui import make_app
 from chatapp.ui.app import close_backend
 from chatapp.ui.backend import EngineBackend
@@ -132,7 +133,7 @@ DEFAULT_MODEL = default_model_dir()
 
 @pytest.mark.skipif(
     not (DEFAULT_MODEL / "config.json").is_file(),
-    reason="the embedded default model (chatapp/models/default/) has not been trained yet: `make train-default`",
+    reason="the embedded default model (chatapp/models/tiny/) has not been trained yet: `make train-default`",
 )
 @pytest.mark.asyncio
 async def test_default_model_answers_headless(tmp_path):

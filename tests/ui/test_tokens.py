@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chatapp.ui.stats import AnswerStats
+from chatapp.engine.reply import Reply
 from chatapp.ui.streaming import StepChannel
 from chatapp.ui.tokens import Segmenter, display_text, marker, message_content, plain_text, segment_events
 from tests.ui.scripted import calculator_answer, greeting, steps, think_answer, tok
@@ -69,17 +69,17 @@ def test_message_content_rebuilds_chat_parts():
 
 def test_stats_from_steps():
     events = think_answer()
-    stats = AnswerStats(num_layers=8)
+    stats = Reply(num_layers=8, stt_layers=(1, 3, 5, 7))
     for step in steps(events, prompt_tokens=12, seconds=0.02):
-        stats.add_step(step, step.tokens)
+        stats.add_step(step)
     forced = sum(e.forced for e in events)
-    assert stats.tokens == len(events)
+    assert stats.emitted == len(events)
     assert stats.forced_fraction == forced / len(events)
     assert abs(stats.tokens_per_second - 50.0) < 1e-9
     fed = [e for e in events if e.computed is not None]
     skipped = sum(not c for e in fed for c in e.computed)
     assert stats.stt_skipped_fraction == pytest.approx(skipped / (4 * len(fed)))
-    assert stats.compute_saved_fraction == pytest.approx(skipped / (8 * len(fed)))
+    assert stats.compute_saved == pytest.approx(skipped / (8 * len(fed)))
     # The final stop token is never fed to the model, so it does not occupy the context.
     assert stats.context_used == 12 + len(fed)
     assert stats.context_size == 2048

@@ -53,8 +53,7 @@ def stage_distill(work: Path, base: Path, seed: int) -> list[tuple[str, str]]:
     """(prompt, answer) pairs written by the base model; answers that ran out of tokens are cut at a sentence end."""
     import torch
 
-    from chatapp.engine.engine import Engine
-    from chatapp.models.loader import load_model
+    from chatapp.models import load_engine
     from chatapp.settings import GenerationSettings
 
     out = work / "distill.jsonl"
@@ -67,8 +66,7 @@ def stage_distill(work: Path, base: Path, seed: int) -> list[tuple[str, str]]:
     todo = [p for p in prompts if p not in done]
     if todo:
         torch.set_num_threads(2)
-        loaded = load_model(base)
-        engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+        engine = load_engine(base)
         settings = GenerationSettings(max_tokens=DISTILL_MAX_TOKENS, routing="off")
         batch = 16
         began = time.perf_counter()

@@ -47,11 +47,9 @@ class Score:
 
 
 def _engine(model_dir: Path) -> Any:
-    from chatapp.engine.engine import Engine
-    from chatapp.models.loader import load_model
+    from chatapp.models import load_engine
 
-    loaded = load_model(model_dir)
-    return Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    return load_engine(model_dir)
 
 
 def _generate(engine: Any, conversations: list[list[dict[str, Any]]], routing: str, max_tokens: int = 96) -> list[Any]:

@@ -9,8 +9,8 @@ from textual.content import Content
 from textual.timer import Timer
 
 from chatapp.engine.events import TokenEvent
+from chatapp.engine.reply import Reply
 from chatapp.ui.backend import ProgramInfo
-from chatapp.ui.stats import AnswerStats
 from chatapp.ui.tokens import display_text
 from chatapp.ui.widgets.heatmap import probability_colour
 from chatapp.ui.widgets.live import LiveStatic
@@ -114,9 +114,9 @@ class StatsPanel(LiveStatic):
         self._held_back: Timer | None = None  # shows figures held back by `show_live`
 
     def on_mount(self) -> None:
-        self.show(AnswerStats())
+        self.show(Reply())
 
-    def show_live(self, stats: AnswerStats) -> None:
+    def show_live(self, stats: Reply) -> None:
         """Show running figures at most every `STATS_INTERVAL` (digits changing 30 times a second are unreadable,
         and each change repaints the panel). Figures held back are shown when the interval is up, so a pause in the
         stream never leaves them stale. `stats` is the answer's live counter, read when shown."""
@@ -126,7 +126,7 @@ class StatsPanel(LiveStatic):
         elif self._held_back is None:
             self._held_back = self.set_timer(wait, lambda: self.show(stats))
 
-    def show(self, stats: AnswerStats) -> None:
+    def show(self, stats: Reply) -> None:
         if self._held_back is not None:
             self._held_back.stop()
             self._held_back = None
@@ -134,9 +134,9 @@ class StatsPanel(LiveStatic):
         context = f"{stats.context_used}/{stats.context_size}" if stats.context_size else str(stats.context_used)
         rows = [
             ("tokens/s", f"{stats.tokens_per_second:.1f}"),
-            ("tokens", f"{stats.tokens}  (prompt {stats.prompt_tokens})"),
+            ("tokens", f"{stats.emitted}  (prompt {stats.prompt_tokens})"),
             ("forced", f"{stats.forced_fraction:.0%}"),
-            ("compute saved", f"{stats.compute_saved_fraction:.0%}  (STT skip {stats.stt_skipped_fraction:.0%})"),
+            ("compute saved", f"{stats.compute_saved:.0%}  (STT skip {stats.stt_skipped_fraction:.0%})"),
             ("context", context),
         ]
         parts: list[str | tuple[str, str]] = []

@@ -19,14 +19,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from chatapp.models.corpus import THINK_CLOSE, Conversation, generate_corpus
+from chatapp.recipes.tiny.corpus import THINK_CLOSE, Conversation, generate_corpus
 
 if TYPE_CHECKING:
     import torch
     from rich.table import Table
 
-    from chatapp.engine.engine import Engine, GenerationResult
-    from chatapp.models.loader import LoadedModel
+    from chatapp.engine.engine import Engine
+    from chatapp.engine.reply import Reply
     from chatapp.settings import GenerationSettings
 
 
@@ -156,7 +156,7 @@ def evaluate_tasks(
     for start in range(0, len(pending), batch_size):
         chunk = pending[start : start + batch_size]
         prompts = [chat_format.render_for_completion(conv.prompt) for conv in chunk]
-        results: list[GenerationResult] = engine.generate_batch(prompts, settings)
+        results: list[Reply] = engine.generate_batch(prompts, settings)
         for conv, result in zip(chunk, results, strict=True):
             answer = answer_from_tokens(result.tokens, chat_format)
             if not judge(conv, answer, report) and len(report.failures) < keep_failures:
@@ -164,12 +164,10 @@ def evaluate_tasks(
     return report
 
 
-def heldout_task_report(loaded: LoadedModel, count: int, seed: int = 0, routing: str = "student") -> TaskReport:
-    """Task metrics of a loaded model on `count` conversations of the corpus's held-out split (greedy)."""
-    from chatapp.engine.engine import Engine
+def heldout_task_report(engine: Engine, count: int, seed: int = 0, routing: str = "student") -> TaskReport:
+    """Task metrics of a model on `count` conversations of the corpus's held-out split (greedy)."""
     from chatapp.settings import GenerationSettings
 
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
     settings = GenerationSettings(max_tokens=96, routing=routing)
     return evaluate_tasks(engine, generate_corpus(count, "heldout", seed), settings)
 

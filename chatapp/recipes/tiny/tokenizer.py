@@ -1,4 +1,4 @@
-"""Training the byte-level BPE tokenizers chatapp uses (the default model's, and the small ones tests build).
+"""Training the byte-level BPE tokenizers chatapp uses (the tiny model's, and the small ones tests build).
 
 Byte-level BPE (GPT-2 style: every byte is reachable, so any text round-trips). The chat special tokens are added
 as special tokens so they are single ids that ordinary text can never produce.
@@ -11,17 +11,9 @@ from collections.abc import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-CHAT_SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|bos|>",
-    "<|user_start|>",
-    "<|user_end|>",
-    "<|assistant_start|>",
-    "<|assistant_end|>",
-    "<|python_start|>",
-    "<|python_end|>",
-    "<|output_start|>",
-    "<|output_end|>",
-)
+from chatapp.special_tokens import CHAT_TOKENS
+
+CHAT_SPECIAL_TOKENS: tuple[str, ...] = tuple(CHAT_TOKENS.values())
 
 
 def train_bpe_tokenizer(
@@ -39,15 +31,15 @@ def train_bpe_tokenizer(
     tokenizers do): a number's digits are then the same ids wherever it appears, so a small model copies operands
     and results digit by digit instead of memorising one id per multi-digit chunk.
 
-    `isolated` characters are always tokens of their own, never merged with a neighbour. The default model isolates
+    `isolated` characters are always tokens of their own, never merged with a neighbour. The tiny model isolates
     `"`: a quoted word in a question (` "word"`) then starts with the same `"` id as the word the model quotes in
     its calculator call (`"word".count(...)`), so copying the word is a plain match-and-copy (induction) step
     instead of a lookup across two different ids (`Ġ"` vs `"`).
 
     `spell_quoted_words` cuts a lowercase word in double quotes (`"banana"`) into one token per letter, quotes
-    separate, as digits are: the default model's letter-counting questions quote the word and its calculator call
+    separate, as digits are: the tiny model's letter-counting questions quote the word and its calculator call
     quotes it again, so copying an unseen word is copying 26 well-trained letter ids instead of BPE pieces it met in
-    other words (run J wrote `"lavender"` as `"lav5`). Words outside quotes merge as usual. Two regex splits do it
+    other words (which it copies wrongly: `"lavender"` as `"lav5`). Words outside quotes merge as usual. Two regex splits do it
     (the second only finds letters whose piece ends in a quote, i.e. the quoted words the first cut out), so the
     rule is plain data in tokenizer.json; a text that itself ends in `word"` also gets that word spelled.
     """

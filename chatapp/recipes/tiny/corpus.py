@@ -1,6 +1,6 @@
-"""The synthetic conversation corpus the embedded default model is trained and evaluated on.
+"""The synthetic conversation corpus the shipped tiny model is trained and evaluated on.
 
-The default model is tiny, so what it can do is exactly what this corpus teaches: calling the calculator for
+The tiny model is small, so what it can do is exactly what this corpus teaches: calling the calculator for
 arithmetic and letter counting (nanochat's python / python_output parts), greetings and small talk, answering from a
 small fact table owned here, answering in one exact JSON shape when asked for JSON, and thinking inside
 ``<think>`` … ``</think>`` before answering when asked to think (the shipped TTFA programs drive these formats).
@@ -80,13 +80,6 @@ def _split_list(items: Sequence[str], split: Split, every: int = 4, train_only: 
     return held if split == "heldout" else [x for x in items if x not in held] + list(train_only)
 
 
-@dataclass(frozen=True)
-class _Template:
-    """A user-question template; `{...}` fields are filled by the generator of its kind."""
-
-    text: str
-
-
 # Arithmetic: {a} and {b} are operands, phrases per operator. The python expression is always canonical (`a*b`).
 _OPERATOR_PHRASES: dict[str, list[str]] = {
     "+": [
@@ -164,8 +157,8 @@ _OPERATOR_PHRASES: dict[str, list[str]] = {
 }
 # Training-only phrasings that teach the words the held-out phrasings are made of. A model trained from scratch on
 # this corpus knows a word only from the corpus, and the BPE tokens of `Add` (sentence-initial) and ` add` are
-# unrelated ids: with no training phrasing starting `Add`, `Multiply` or `Divide`, held-out `Add {a} and {b}.`
-# scored 0% on run J while `{a} plus {b} is what?` scored 100%. These keep the held-out phrasings
+# unrelated ids: with no training phrasing starting `Add`, `Multiply` or `Divide`, a held-out `Add {a} and {b}.`
+# is not understood at all, while held-out phrasings made of trained words are. These keep the held-out phrasings
 # unseen as phrasings; `test_corpus` checks that every word of a held-out phrasing occurs in training ones.
 _TRAIN_ONLY_OPERATOR_PHRASES: dict[str, list[str]] = {
     "+": [

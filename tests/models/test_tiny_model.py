@@ -1,4 +1,4 @@
-"""The embedded default model as shipped: loads offline, generates, and uses the calculator on held-out questions."""
+"""The tiny model as shipped in the package: loads offline, generates, and uses the calculator on held-out questions."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import json
 import pytest
 
 from chatapp.engine.engine import Engine
-from chatapp.models import load_model
-from chatapp.models.corpus import Conversation, generate_corpus
-from chatapp.models.evaluate import answer_from_tokens
-from chatapp.settings import GenerationSettings, default_model_dir
+from chatapp.models import load_engine
+from chatapp.models.registry import tiny_model_dir
+from chatapp.recipes.tiny.corpus import Conversation, generate_corpus
+from chatapp.recipes.tiny.evaluate import answer_from_tokens
+from chatapp.settings import GenerationSettings
 from chatapp.tools.calculator import evaluate
 
 GREEDY = GenerationSettings(max_tokens=80)
@@ -18,9 +19,7 @@ GREEDY = GenerationSettings(max_tokens=80)
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    loaded = load_model()  # the embedded default: no path, no network (conftest sets HF_HUB_OFFLINE)
-    assert loaded.path == default_model_dir()
-    return Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    return load_engine("tiny")  # shipped in the package: no network (conftest sets HF_HUB_OFFLINE)
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +28,10 @@ def heldout() -> list[Conversation]:
 
 
 def test_shipped_files_are_small_and_complete() -> None:
-    files = {p.name: p.stat().st_size for p in default_model_dir().iterdir()}
+    files = {p.name: p.stat().st_size for p in tiny_model_dir().iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "MODEL_CARD.md"} <= set(files)
     assert sum(files.values()) <= 30 * 2**20
-    assert json.loads((default_model_dir() / "config.json").read_text())["routing_trained"] is True
+    assert json.loads((tiny_model_dir() / "config.json").read_text())["routing_trained"] is True
 
 
 def test_calls_the_calculator_for_a_heldout_arithmetic_question(engine: Engine, heldout: list[Conversation]) -> None:

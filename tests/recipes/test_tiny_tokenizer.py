@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chatapp.models.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
+from chatapp.recipes.tiny.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
 
 TEXTS = ["What is 37*45? 37*45 is 1665. The year 2024 had 366 days."] * 50
 

@@ -1,4 +1,4 @@
-"""The default-model build pipeline end to end on its quick recipe (same code path as `make train-default`)."""
+"""The default-model build pipeline end to end on its quick recipe (same code path as `make train-tiny`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from chatapp.models.build_default import SPECIAL_TOKENS, Metrics, Recipe, main, targets
 from chatapp.models.loader import load_model
+from chatapp.recipes.tiny.build import SPECIAL_TOKENS, Metrics, Recipe, main, targets
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_build_writes_a_loadable_model_dir(built: Path) -> None:
     loaded = load_model(built, device="cpu")
     assert [loaded.tokenizer.id_to_token(i) for i in range(len(SPECIAL_TOKENS))] == list(SPECIAL_TOKENS)
     card = (built / "MODEL_CARD.md").read_text()
-    for section in ("## Data", "## Training", "## Held-out results", "## Reproduce", "make train-default"):
+    for section in ("## Data", "## Training", "## Held-out results", "## Reproduce", "make train-tiny"):
         assert section in card
 
 
@@ -87,7 +87,7 @@ def test_calibrated_threshold_is_the_cheapest_within_tolerance_of_the_best_f1(ro
     decisions."""
     import torch
 
-    from chatapp.models.build_default import F1_TOLERANCE, MAX_PROCESSED, calibrate_router_threshold
+    from chatapp.recipes.tiny.build import F1_TOLERANCE, MAX_PROCESSED, calibrate_router_threshold
 
     model = load_model(routed_model_dir, device="cpu").model
     model.config.use_g_threshold_selection = False  # the teacher picks the top 60% of each sequence

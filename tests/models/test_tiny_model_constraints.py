@@ -1,4 +1,4 @@
-"""End to end on the shipped default model: sampled outputs under a regex or JSON-schema constraint always match
+"""End to end on the shipped tiny model: sampled outputs under a regex or JSON-schema constraint always match
 it, for many seeds, and every emitted token was one the grammar allowed where it was emitted."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 import pytest
 
 from chatapp.engine.engine import Engine
-from chatapp.models import load_model
+from chatapp.models import load_engine
 from chatapp.settings import GenerationSettings
 from chatapp.trie import Constraint, ConstraintVocab
 
@@ -25,8 +25,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    loaded = load_model()
-    return Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    return load_engine("tiny")
 
 
 @pytest.fixture(scope="module")

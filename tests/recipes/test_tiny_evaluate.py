@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from chatapp.chat import ChatFormat
-from chatapp.models.corpus import THINK_CLOSE, THINK_OPEN, Conversation, conversation_text, generate_corpus
-from chatapp.models.evaluate import TaskReport, answer_from_tokens, evaluate_tasks, json_shape_ok, judge
-from chatapp.models.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
+from chatapp.recipes.tiny.corpus import THINK_CLOSE, THINK_OPEN, Conversation, conversation_text, generate_corpus
+from chatapp.recipes.tiny.evaluate import TaskReport, answer_from_tokens, evaluate_tasks, json_shape_ok, judge
+from chatapp.recipes.tiny.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
 
 
 @pytest.fixture(scope="module")

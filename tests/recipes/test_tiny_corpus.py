@@ -9,8 +9,8 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from chatapp.chat import ChatFormat
-from chatapp.models.corpus import THINK_CLOSE, THINK_OPEN, Conversation, conversation_text, generate_corpus
-from chatapp.models.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
+from chatapp.recipes.tiny.corpus import THINK_CLOSE, THINK_OPEN, Conversation, conversation_text, generate_corpus
+from chatapp.recipes.tiny.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
 
 N_TRAIN = 4000
 N_HELDOUT = 1000

@@ -1,0 +1,241 @@
+"""The reply fold: one row's `TokenEvent`s become its reply and the reply's statistics, the same way everywhere.
+
+`chatapp generate`, the batch records, `generate_batch`, the TUI's stats panel and stored messages, and a chat
+session's assistant message are all built by `Reply`, so they agree on what a reply is and on every number shown
+about it. Plain host data, no torch: the UI folds with it too.
+
+What a reply is:
+- Every emitted token, forced or sampled, special or not, is in it, except a final stop token (finish reason
+  `stop`): that token ends the reply and is kept apart as `stop_token`. `events` still has it, because it was
+  generated and fed like any other token (it counts for speed, forced share and routing).
+- `text` is the tokens' text exactly as detokenized (special tokens as their names); `content` is the chat
+  message content rebuilt from the tokens: plain text, or nanochat's parts when the reply called a tool (chat
+  framing tokens such as `<|assistant_end|>` left out, since re-rendering would turn them into plain text).
+
+The statistics, each with one definition:
+- `tokens_per_second`: emitted tokens over the seconds of the steps the row was active in (`Step.seconds`, the
+  engine's own timing, so the figure is reproducible with a scripted backend).
+- `forced_fraction`: forced emitted tokens over emitted tokens.
+- `compute_saved`: the share of decoder-layer work (token x layer blocks, all layers) the STT routers skipped,
+  over the emitted tokens that went through the model. The prompt is left out: this is what the answer cost.
+- `stt_skipped_fraction`: the same skipped blocks over the STT layers' blocks only.
+- `layer_computed`: per STT layer, the fraction of those tokens the layer computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from chatapp.engine.events import FinishReason, PromptInfo, Step, TokenEvent, ToolEvent
+from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
+
+PartType = Literal["text", "python", "python_output"]
+
+
+def part_after(markers: ToolMarkers, text: str) -> PartType | None:
+    """The content part a tool-marker token with this text starts (None: not a tool marker). The output opener
+    wins: with markers whose call end also opens the output (SmolLM2's), that token starts the output."""
+    if text == markers.output_opener:
+        return "python_output"
+    if text == markers.call_start:
+        return "python"
+    if text in (markers.call_end, markers.output_end):
+        return "text"
+    return None
+
+
+def is_structural(event: TokenEvent) -> bool:
+    """Chat-format control tokens (`<|...|>`) frame a message; other special tokens (`<think>`) are content."""
+    return event.special and event.text.startswith("<|") and event.text.endswith("|>")
+
+
+@dataclass
+class Reply:
+    """One row's reply, folded from its events as they stream. `num_layers` (all of the model's decoder layers) is
+    the denominator of `compute_saved`; `stt_layers` (their indices) key `layer_computed`."""
+
+    row: int = 0
+    num_layers: int = 0
+    stt_layers: Sequence[int] = ()
+    markers: ToolMarkers = NANOCHAT_TOOL_MARKERS  # the chat format's tool protocol
+    events: list[TokenEvent] = field(default_factory=list)  # every emitted token, a final stop token included
+    stop_token: int | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    tool_events: list[ToolEvent] = field(default_factory=list)
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    context_used: int = 0
+    context_size: int = 0
+    forced_count: int = 0
+    routed_tokens: int = 0  # emitted tokens that went through the model with routing reported
+    computed_per_layer: list[int] = field(default_factory=list)  # per STT layer: how many of those it computed
+
+    # ------------------------------------------------------------------------------------------------ folding
+    def start(self, prompt: PromptInfo) -> None:
+        """Take the prefill's facts for this row from the first Step's `PromptInfo`."""
+        row = self.row if self.row < len(prompt.prompt_tokens) else 0
+        self.prompt_tokens = prompt.prompt_tokens[row] if prompt.prompt_tokens else 0
+        self.prefill_seconds = prompt.prefill_seconds
+        self.context_used = prompt.context_used[row] if prompt.context_used else self.prompt_tokens
+        self.context_size = prompt.context_size
+
+    def add(self, event: TokenEvent) -> str:
+        """Fold one token; returns the text it adds to the reply ("" for a final stop token)."""
+        self.stop_token = None  # a stop token followed by more tokens was not final
+        self.events.append(event)
+        self.forced_count += event.forced
+        if event.computed is not None:
+            if not self.computed_per_layer:
+                self.computed_per_layer = [0] * len(event.computed)
+            self.routed_tokens += 1
+            for layer, computed in enumerate(event.computed):
+                self.computed_per_layer[layer] += bool(computed)
+        # Every emitted token but a final stop token that was never fed now occupies the context.
+        if event.finish_reason is None or event.computed is not None:
+            self.context_used += 1
+        if event.tool is not None:
+            self.tool_events.append(event.tool)
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+            self.error = event.error
+            if event.finish_reason == "stop":
+                self.stop_token = event.token
+                return ""
+        return event.text
+
+    def add_step(self, step: Step) -> str:
+        """Fold one Step of a stream this row runs in (its seconds, the prompt on the first one, this row's tokens);
+        returns the text the reply gained. For a batch stream, where a row's time ends with its finish, fold with
+        `fold_replies` (or `start` / `add` and add the seconds of the steps the row was active in)."""
+        if step.prompt is not None:
+            self.start(step.prompt)
+        self.decode_seconds += step.seconds
+        return "".join(self.add(event) for event in step.tokens if event.row == self.row)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # ---------------------------------------------------------------------------------------------- the reply
+    def _reply_events(self) -> list[TokenEvent]:
+        return self.events[:-1] if self.stop_token is not None else self.events
+
+    @property
+    def tokens(self) -> list[int]:
+        """The reply's token ids (a final stop token is `stop_token`, not here)."""
+        return [event.token for event in self._reply_events()]
+
+    @property
+    def forced(self) -> list[bool]:
+        """Per reply token: forced (tool output, program feed, grammar) rather than sampled."""
+        return [event.forced for event in self._reply_events()]
+
+    @property
+    def text(self) -> str:
+        return "".join(event.text for event in self._reply_events())
+
+    @property
+    def content(self) -> str | list[dict[str, str]]:
+        """The chat message content: plain text, or nanochat's parts (text / python / python_output)."""
+        parts: list[dict[str, str]] = []
+        mode: PartType = "text"
+        for event in self._reply_events():
+            if event.special and (after := part_after(self.markers, event.text)) is not None:
+                mode = after
+                continue
+            if is_structural(event):
+                continue
+            if parts and parts[-1]["type"] == mode:
+                parts[-1]["text"] += event.text
+            else:
+                parts.append({"type": mode, "text": event.text})
+        if all(part["type"] == "text" for part in parts):
+            return "".join(part["text"] for part in parts)
+        return parts
+
+    @property
+    def tool_calls(self) -> list[dict[str, str]]:
+        """Each tool call with its `result` or `refusal`: `{"tool", "expression", "result" | "refusal"}`."""
+        calls: list[dict[str, str]] = []
+        for tool in self.tool_events:
+            if tool.kind == "call":
+                calls.append({"tool": tool.tool, "expression": tool.expression})
+                continue
+            # An outcome answers the latest call of that expression that has none yet; one without a call is kept.
+            for call in reversed(calls):
+                if call["expression"] == tool.expression and "result" not in call and "refusal" not in call:
+                    call[tool.kind] = tool.output or ""
+                    break
+            else:
+                calls.append({"tool": tool.tool, "expression": tool.expression, tool.kind: tool.output or ""})
+        return calls
+
+    # ------------------------------------------------------------------------------------------------- stats
+    @property
+    def emitted(self) -> int:
+        """Tokens the row emitted, a final stop token included."""
+        return len(self.events)
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Reply tokens the model sampled (what `max_tokens` counts)."""
+        return self.forced.count(False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.emitted / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def forced_fraction(self) -> float:
+        return self.forced_count / self.emitted if self.emitted else 0.0
+
+    @property
+    def _skipped_blocks(self) -> int:
+        return self.routed_tokens * len(self.computed_per_layer) - sum(self.computed_per_layer)
+
+    @property
+    def compute_saved(self) -> float:
+        """Share of all (token, decoder layer) blocks the STT routers skipped; see the module docstring."""
+        total = self.routed_tokens * self.num_layers
+        return self._skipped_blocks / total if total else 0.0
+
+    @property
+    def stt_skipped_fraction(self) -> float:
+        """Share of (token, STT layer) blocks the routers skipped."""
+        total = self.routed_tokens * len(self.computed_per_layer)
+        return self._skipped_blocks / total if total else 0.0
+
+    def layer_computed(self) -> dict[int, float]:
+        """Per STT layer index: the fraction of this row's routed tokens the layer computed ({} with routing off)."""
+        if not self.routed_tokens:
+            return {}
+        return {
+            layer: count / self.routed_tokens
+            for layer, count in zip(self.stt_layers, self.computed_per_layer, strict=True)
+        }
+
+
+def fold_replies(
+    steps: Iterable[Step],
+    *,
+    num_layers: int = 0,
+    stt_layers: Sequence[int] = (),
+    markers: ToolMarkers = NANOCHAT_TOOL_MARKERS,
+) -> list[Reply]:
+    """Run a `generate` stream to its end and fold every row's reply (rows in request order)."""
+    replies: list[Reply] = []
+    for step in steps:
+        if step.prompt is not None:
+            replies = [Reply(row, num_layers, stt_layers, markers) for row in range(step.prompt.rows)]
+            for reply in replies:
+                reply.start(step.prompt)
+        for reply in replies:
+            if not reply.finished:
+                reply.decode_seconds += step.seconds
+        for event in step.tokens:
+            replies[event.row].add(event)
+    return replies
