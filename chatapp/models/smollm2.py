@@ -41,6 +41,16 @@ def gguf_path() -> Path:
     return path
 
 
+def wheel_installed() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution(WHEEL)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def mark_tool_tokens(model_dir: Path) -> None:
     """Name the Jupyter tokens as the model's tool markers in its tokenizer config (see `chatapp.chat`)."""
     from chatapp.chat import TOOL_MARKERS_KEY

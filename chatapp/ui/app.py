@@ -207,14 +207,14 @@ class ChatApp(App[None]):
     def _new_reply(self) -> Reply:
         """The fold of the next answer (row 0 of the backend's stream)."""
         info = self.backend.info
-        return Reply(0, info.num_layers, info.stt_layers)
+        return Reply(0, info.num_layers, info.stt_layers, info.tool_markers)
 
     def _start(self, stream: StepStream, user: UserMessage | None = None) -> None:
         """Create the answer (on screen, after the user's message if given, and in the database) and generate it in
         a thread worker."""
         assert self.conversation_id is not None
         message_id = self.store.add_message(self.conversation_id, "assistant", "", status="streaming")
-        answer = AssistantMessage(message_id=message_id)
+        answer = AssistantMessage(message_id=message_id, markers=self.backend.info.tool_markers)
         self.transcript.add(*([user] if user else []), answer)
         self.generation = Generation(answer, message_id, self._new_reply())
         self.query_one(RoutingHeatmap).start(self.backend.settings.max_tokens)
@@ -279,7 +279,7 @@ class ChatApp(App[None]):
         self.store.finish_message(
             generation.message_id,
             "complete" if outcome == "complete" else "interrupted",
-            message_content(answer.events),
+            message_content(answer.events, self.backend.info.tool_markers),
         )
         if answer.is_attached:
             answer.set_status(outcome, detail)
@@ -441,7 +441,14 @@ class ChatApp(App[None]):
             if stored.role == "user":
                 widgets.append(UserMessage(plain_text(stored.content), message_id=stored.id))
             else:
-                widgets.append(AssistantMessage(stored.tokens, status=stored.status, message_id=stored.id))
+                widgets.append(
+                    AssistantMessage(
+                        stored.tokens,
+                        status=stored.status,
+                        message_id=stored.id,
+                        markers=self.backend.info.tool_markers,
+                    )
+                )
         await self.transcript.mount_all(widgets)
         self.transcript.scroll_end(animate=False, immediate=False)
         self._reset_panels()
@@ -464,7 +471,7 @@ class ChatApp(App[None]):
         if answer is None:
             self.notify("No answer to copy yet.", severity="warning")
             return
-        self.copy_to_clipboard(plain_text(message_content(answer.events)))
+        self.copy_to_clipboard(plain_text(message_content(answer.events, self.backend.info.tool_markers)))
         self.notify("Copied the last answer.")
 
     def _last_answer(self) -> AssistantMessage | None:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from chatapp.engine.events import Step
 from chatapp.settings import GenerationSettings
+from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 
 StepStream = Generator[Step, None, None]
 """A generating call's events. Stopping early (`close()`) cancels it; the partial answer stays in the session."""
@@ -37,6 +38,8 @@ class ModelInfo:
     stt_layers: tuple[int, ...]  # the order of `TokenEvent.router_probs`
     context_size: int
     supports_tools: bool
+    # The chat format's tool protocol: how the transcript finds a tool call and the history stores one.
+    tool_markers: ToolMarkers = NANOCHAT_TOOL_MARKERS
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ class EngineBackend(BackendState):
             stt_layers=tuple(engine.stt_layers),
             context_size=int(engine.context_size),
             supports_tools=bool(engine.chat_format.supports_tools),
+            tool_markers=engine.tool_markers,
         )
         self.new_session()
 

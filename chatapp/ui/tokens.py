@@ -12,7 +12,7 @@ from typing import Literal
 
 from chatapp.engine.events import TokenEvent, ToolEvent
 from chatapp.engine.reply import Reply
-from chatapp.special_tokens import OUTPUT_END, PYTHON_START
+from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 
 # Chat-format special tokens get short readable names; any other special token keeps its own name.
 _MARKER_NAMES = {
@@ -25,6 +25,10 @@ _MARKER_NAMES = {
     "user_start": "user",
     "user_end": "/user",
     "bos": "bos",
+    # SmolLM2's tool markers (the default model's tool protocol).
+    "jupyter_code": "python",
+    "jupyter_output": "output",
+    "jupyter_text": "/output",
 }
 
 
@@ -59,10 +63,12 @@ class Segment:
 class Segmenter:
     """Splits an assistant message's token stream into text and tool-call segments, incrementally.
 
-    A tool segment runs from `<|python_start|>` to `<|output_end|>` inclusive, so the expression, the forced
-    result and their markers live inside the collapsible block while the prose around it stays in the text.
+    A tool segment runs from the call's start marker to the output's end marker inclusive (`<|python_start|>` ...
+    `<|output_end|>` for nanochat's format), so the expression, the forced result and their markers live inside the
+    collapsible block while the prose around it stays in the text.
     """
 
+    markers: ToolMarkers = NANOCHAT_TOOL_MARKERS
     segments: list[Segment] = field(default_factory=list)
     _count: int = 0
 
@@ -73,7 +79,7 @@ class Segmenter:
             index = self._count
             self._count += 1
             current = self.segments[-1] if self.segments else None
-            if event.special and event.text == PYTHON_START:
+            if event.special and event.text == self.markers.call_start:
                 current = Segment("tool", index, index)
                 self.segments.append(current)
             elif current is None or current.closed:
@@ -85,24 +91,26 @@ class Segmenter:
                     current.call = event.tool
                 else:
                     current.outcome = event.tool
-            if event.special and event.text == OUTPUT_END:
+            if event.special and event.text == self.markers.output_end:
                 current.closed = True
             if not touched or touched[-1] is not current:
                 touched.append(current)
         return touched
 
 
-def segment_events(events: Sequence[TokenEvent]) -> list[Segment]:
+def segment_events(events: Sequence[TokenEvent], markers: ToolMarkers = NANOCHAT_TOOL_MARKERS) -> list[Segment]:
     """All segments of a finished message."""
-    segmenter = Segmenter()
+    segmenter = Segmenter(markers)
     segmenter.feed(events)
     return segmenter.segments
 
 
-def message_content(events: Sequence[TokenEvent]) -> str | list[dict[str, str]]:
+def message_content(
+    events: Sequence[TokenEvent], markers: ToolMarkers = NANOCHAT_TOOL_MARKERS
+) -> str | list[dict[str, str]]:
     """The chat-format content of an assistant answer rebuilt from its tokens by the engine's reply fold. Used to
     store partial answers and to resume a conversation, so it must not depend on the backend's own bookkeeping."""
-    reply = Reply()
+    reply = Reply(markers=markers)
     for event in events:
         reply.add(event)
     return reply.content

@@ -28,6 +28,7 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Static
 
 from chatapp.engine.events import TokenEvent
+from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 from chatapp.ui.tokens import Segment as TokenSegment
 from chatapp.ui.tokens import Segmenter, display_text
 from chatapp.ui.wrap import WrappedText
@@ -319,7 +320,14 @@ class AssistantMessage(Vertical, can_focus=True):
             self.index = index
             self.event = event
 
-    def __init__(self, events: Sequence[TokenEvent] = (), *, message_id: int, status: str = "streaming") -> None:
+    def __init__(
+        self,
+        events: Sequence[TokenEvent] = (),
+        *,
+        message_id: int,
+        status: str = "streaming",
+        markers: ToolMarkers = NANOCHAT_TOOL_MARKERS,
+    ) -> None:
         # Born in its state: a class or text changed after mounting costs another style or layout pass.
         super().__init__(classes="-streaming" if status == "streaming" else "")
         self.message_id = message_id  # its row in the history database
@@ -327,7 +335,7 @@ class AssistantMessage(Vertical, can_focus=True):
         self.events: list[TokenEvent] = []
         self.cursor = -1
         self.status = status
-        self._segmenter = Segmenter()
+        self._segmenter = Segmenter(markers)
         self._views: dict[int, TokenRun | ToolCallBlock] = {}
         self._first_run = TokenRun(self, 0, 0, growing=status == "streaming")
         self._status_text = ""
