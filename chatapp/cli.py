@@ -248,7 +248,8 @@ def generate(
         int | None, typer.Option("--batch-size", min=1, help="JSONL input: rows per device batch (default 32).")
     ] = None,
     samples: Annotated[
-        int | None, typer.Option("--samples", min=1, help="JSONL input: samples per line that sets none (default 1).")
+        int | None,
+        typer.Option("--samples", min=1, max=1024, help="JSONL input: samples per line that sets none (default 1)."),
     ] = None,
     program: Annotated[
         str | None,
@@ -267,8 +268,10 @@ def generate(
     """
     from chatapp.batch.command import is_batch_input, reject_batch_options, run_batch_command
     from chatapp.settings import GenerationSettings
+    from chatapp.validation import check_text
 
     try:
+        check_text("the prompt", prompt)
         settings = GenerationSettings(
             temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed
         )
@@ -313,9 +316,11 @@ def _generate_quick(
     from chatapp.engine.engine import Engine
     from chatapp.engine.quick import stream_reply
     from chatapp.models.loader import load_model
+    from chatapp.validation import check_prompt_chars, longest_token_chars
 
     loaded = load_model(model, device, dtype)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.chat_format)
+    check_prompt_chars(len(prompt), int(engine.context_size), longest_token_chars(loaded.tokenizer))
     compiled = None
     if program is not None:
         from chatapp.ttfa import load_program
