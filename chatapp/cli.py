@@ -386,7 +386,11 @@ def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: st
             config = STTConfig.from_json_file(str(Path(init).expanduser()))
             config.validate_stt()
         except Exception as err:  # any parse or validation failure is the config file's fault
-            raise TrainingError(f"cannot use {init} as a model config: {err}", hint="write an STTConfig JSON") from None
+            from chatapp.stt.config import config_problem
+
+            raise TrainingError(
+                f"cannot use {init} as a model config: {config_problem(err)}", hint="write an STTConfig JSON"
+            ) from None
         if config.vocab_size < tokenizer.get_vocab_size():
             raise TrainingError(f"{init}: vocab_size {config.vocab_size} < the tokenizer's {tokenizer.get_vocab_size()}")
         model = STTForCausalLM(config).to(resolved)
@@ -429,8 +433,10 @@ def train(
     from chatapp.stt.io import copy_tokenizer_files
     from chatapp.stt.train import TrainConfig, init_distributed
     from chatapp.stt.train import train as run_training
+    from chatapp.validation import check_output_dir
 
     try:
+        check_output_dir(out, "--out directory")
         dist_info = init_distributed()
         if dist_info.world_size > 1 and device is None:
             device = f"cuda:{dist_info.local_rank}" if torch.cuda.is_available() else "cpu"
