@@ -215,6 +215,8 @@ def run(
         )
     except ChatappError as err:
         raise fail(err) from None
+    if getattr(chat.store, "notice", None):
+        err_console.print(f"notice: {chat.store.notice}", markup=False, soft_wrap=True)
     try:
         chat.run()
     finally:
