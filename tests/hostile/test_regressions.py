@@ -257,7 +257,7 @@ def test_cli_convert_and_train_check_the_output_path_first(tmp_path: Path) -> No
     existing = tmp_path / "existing"
     existing.write_text("keep me")
     result = runner.invoke(app, ["convert", str(default_model_dir()), str(existing)])
-    assert result.exit_code == 1 and "not a directory" in result.output
+    assert result.exit_code == 1 and "already exists" in result.output
     result = runner.invoke(app, ["train", "corpus.jsonl", "--out", str(existing), "--model", str(default_model_dir())])
     assert result.exit_code == 1 and "not a directory" in result.output
     assert existing.read_text() == "keep me"
