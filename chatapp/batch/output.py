@@ -106,7 +106,10 @@ def _parse_existing(path: Path, data: bytes) -> ExistingOutput:
             record = None
         kind = _record_kind(record)
         if kind is None:
-            raise _not_resumable(path, f"line {number} is not a chatapp batch record")
+            raise BatchFileError(
+                f"{path}:{number} is not a chatapp batch record, so the file cannot be resumed; it was left untouched",
+                hint="resume only files written by `chatapp generate`, or write to a new output file",
+            )
         existing.records += 1
         if kind == "result":
             existing.done.add((id_key(record["id"]), record["sample"]))
