@@ -258,6 +258,8 @@ def run(
         device=device,
         in_process=in_process,
     )
+    if getattr(chat.store, "notice", None):
+        err_console.print(f"notice: {chat.store.notice}", markup=False, soft_wrap=True)
     try:
         chat.run()
     finally:
@@ -290,12 +292,15 @@ def generate(
     from chatapp.engine.quick import stream_reply
     from chatapp.models import load_engine
     from chatapp.settings import GenerationSettings
+    from chatapp.validation import check_prompt_chars, check_text, longest_token_chars
 
+    check_text("the prompt", prompt)
     settings = GenerationSettings(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed)
     if regex is not None and json_schema is not None:
         raise SettingsError("--regex and --json-schema both constrain the reply", hint="pass one of them")
     schema = _json_schema(json_schema) if json_schema is not None else None
     engine = load_engine(model, device, dtype=dtype)
+    check_prompt_chars(len(prompt), int(engine.context_size), longest_token_chars(engine.tokenizer))
     compiled = None
     if program is not None:
         from chatapp.ttfa import load_program
@@ -335,7 +340,7 @@ def batch(
     device: DeviceOption = None,
     dtype: DtypeOption = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Rows per device batch.")] = 32,
-    samples: Annotated[int, typer.Option("--samples", min=1, help="Samples per line that sets none.")] = 1,
+    samples: Annotated[int, typer.Option("--samples", min=1, max=1024, help="Samples per line that sets none.")] = 1,
     temperature: TemperatureOption = 0.0,
     top_k: TopKOption = 0,
     top_p: TopPOption = 1.0,
@@ -429,7 +434,11 @@ def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: st
             config = STTConfig.from_json_file(str(Path(init).expanduser()))
             config.validate_stt()
         except Exception as err:  # any parse or validation failure is the config file's fault
-            raise TrainingError(f"cannot use {init} as a model config: {err}", hint="write an STTConfig JSON") from None
+            from chatapp.stt.config import config_problem
+
+            raise TrainingError(
+                f"cannot use {init} as a model config: {config_problem(err)}", hint="write an STTConfig JSON"
+            ) from None
         if config.vocab_size < tokenizer.get_vocab_size():
             raise TrainingError(f"{init}: vocab_size {config.vocab_size} < the tokenizer's {tokenizer.get_vocab_size()}")
         model = STTForCausalLM(config).to(resolved)
@@ -474,7 +483,9 @@ def train(
     from chatapp.stt.io import copy_tokenizer_files
     from chatapp.stt.train import TrainConfig, init_distributed
     from chatapp.stt.train import train as run_training
+    from chatapp.validation import check_output_dir
 
+    check_output_dir(out, "--out directory")
     dist_info = init_distributed()
     if dist_info.world_size > 1 and device is None:
         device = f"cuda:{dist_info.local_rank}" if torch.cuda.is_available() else "cpu"

@@ -83,3 +83,7 @@ class SettingsError(ChatappError):
 
 class TrainingError(ChatappError):
     """Training cannot start or resume: corpus too small for the window, unusable checkpoint or init config."""
+
+
+class HistoryError(ChatappError):
+    """The chat history database cannot be used: a directory, another program's database, unreadable."""

@@ -7,6 +7,7 @@ Locations follow XDG: `$CHATAPP_HOME` overrides everything (tests use it); other
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -15,6 +16,13 @@ from typing import Literal
 from chatapp.errors import SettingsError
 
 ContextPolicy = Literal["error", "drop_oldest"]
+
+# Upper bounds of the integer settings. Every entry point (quick `generate`, batch lines, the TUI's settings) builds
+# a `GenerationSettings`, so these checks are the one validation they share. The bounds keep every value inside
+# what torch takes (int64 top-k, unsigned 64-bit generator seeds) and far above any real use.
+MAX_TOP_K = 2**31 - 1
+MAX_MAX_TOKENS = 1 << 20
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -37,16 +45,19 @@ class GenerationSettings:
     stop_tokens: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        _check_number("temperature", self.temperature, hint="use 0 for greedy decoding")
+        _check_int("top_k", self.top_k, 0, MAX_TOP_K, hint="use 0 to disable top-k")
+        _check_number("top_p", self.top_p, hint="use 1.0 to disable top-p")
+        _check_int("max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS)
+        _check_int("seed", self.seed, 0, MAX_SEED, hint="use a seed between 0 and 2**63-1")
         if self.temperature < 0:
             raise SettingsError(f"temperature must be >= 0, got {self.temperature}", hint="use 0 for greedy decoding")
-        if self.top_k < 0:
-            raise SettingsError(f"top_k must be >= 0, got {self.top_k}", hint="use 0 to disable top-k")
         if not 0 < self.top_p <= 1:
             raise SettingsError(f"top_p must be in (0, 1], got {self.top_p}", hint="use 1.0 to disable top-p")
-        if self.max_tokens < 1:
-            raise SettingsError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.routing_threshold is not None and not 0 <= self.routing_threshold <= 1:
-            raise SettingsError(f"routing_threshold must be in [0, 1], got {self.routing_threshold}")
+        if self.routing_threshold is not None:
+            _check_number("routing_threshold", self.routing_threshold)
+            if not 0 <= self.routing_threshold <= 1:
+                raise SettingsError(f"routing_threshold must be in [0, 1], got {self.routing_threshold}")
         if self.context_policy not in ("error", "drop_oldest"):
             raise SettingsError(
                 f"context_policy must be 'error' or 'drop_oldest', got {self.context_policy!r}",
@@ -59,6 +70,22 @@ class GenerationSettings:
         if unknown:
             raise SettingsError(f"unknown setting(s): {', '.join(sorted(unknown))}", hint=f"known: {', '.join(sorted(known))}")
         return replace(self, **changes)
+
+
+def _check_int(name: str, value: object, low: int, high: int, hint: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SettingsError(f"{name} must be an integer, got {value!r}", hint=hint)
+    if not low <= value <= high:
+        shown = str(value) if len(str(value)) <= 30 else f"a {len(str(value))}-digit number"
+        raise SettingsError(f"{name} must be between {low} and {high}, got {shown}", hint=hint)
+
+
+def _check_number(name: str, value: object, hint: str | None = None) -> None:
+    """A finite real number: NaN passes every `<` comparison test as False, so it is named here, not by a range."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SettingsError(f"{name} must be a number, got {value!r}", hint=hint)
+    if not math.isfinite(value):
+        raise SettingsError(f"{name} must be a finite number, got {value}", hint=hint)
 
 
 def _home_override() -> Path | None:

@@ -31,8 +31,16 @@ ErrorKey = tuple[int, int | None, str]
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
-    """One compact JSON line, UTF-8, newline-terminated (token lists make the compact form worth it)."""
-    return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+    """One compact JSON line, UTF-8, newline-terminated (token lists make the compact form worth it).
+
+    A record that holds text UTF-8 cannot encode (a lone surrogate echoed from input) is written with `\\u` escapes
+    instead: still one valid JSON line, never a crash that loses the record.
+    """
+    text = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return (text + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(record, ensure_ascii=True, separators=(",", ":")) + "\n").encode("utf-8")
 
 
 def is_result_record(record: dict[str, Any]) -> bool:
@@ -53,24 +61,57 @@ class ExistingOutput:
     truncated_bytes: int = 0  # size of the torn trailing line that was cut off
 
 
+RECORD_START = b'{"id":'
+"""How every record line starts (`encode_record` of a dict whose first key is `id`): a torn line starts so too."""
+
+
+def _is_sample(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_id(value: object) -> bool:
+    return value is None or (isinstance(value, str | int) and not isinstance(value, bool))
+
+
+def _record_kind(record: object) -> str | None:
+    """"result", "error", or None for anything that is not a record this module writes."""
+    if not isinstance(record, dict):
+        return None
+    if is_result_record(record):
+        if {"id", "sample"} <= record.keys() and _is_id(record["id"]) and record["id"] is not None:
+            return "result" if _is_sample(record["sample"]) else None
+        return None
+    if {"line", "error"} <= record.keys() and _is_id(record.get("id")) and isinstance(record["error"], str):
+        line, sample = record["line"], record.get("sample")
+        if isinstance(line, int) and not isinstance(line, bool) and (sample is None or _is_sample(sample)):
+            return "error"
+    return None
+
+
+def _not_resumable(path: Path, why: str) -> BatchFileError:
+    return BatchFileError(
+        f"{path} {why}, so it cannot be resumed; it was left untouched",
+        hint="resume only files written by `chatapp generate`, or write to a new output file",
+    )
+
+
 def _parse_existing(path: Path, data: bytes) -> ExistingOutput:
     existing = ExistingOutput()
-    for number, raw in enumerate(data.splitlines(), start=1):
+    for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
         try:
             record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             record = None
-        valid_result = isinstance(record, dict) and is_result_record(record) and {"id", "sample"} <= record.keys()
-        valid_error = isinstance(record, dict) and not is_result_record(record) and {"line", "error"} <= record.keys()
-        if not (valid_result or valid_error):
+        kind = _record_kind(record)
+        if kind is None:
             raise BatchFileError(
-                f"{path}:{number} is not a chatapp batch record, so the file cannot be resumed",
+                f"{path}:{number} is not a chatapp batch record, so the file cannot be resumed; it was left untouched",
                 hint="resume only files written by `chatapp batch`, or write to a new output file",
             )
         existing.records += 1
-        if valid_result:
+        if kind == "result":
             existing.done.add((id_key(record["id"]), record["sample"]))
         else:
             existing.errors.add(error_key(record))
@@ -82,19 +123,34 @@ def scan_output(path: Path) -> ExistingOutput:
 
     Only the last line can be torn (records are appended whole), so everything up to the last newline is intact.
     The file is checked completely before it is modified: a file that is not ours is reported, never truncated.
+    A tail is cut only when it follows at least one valid record and looks like the start of one; anything else (a
+    note without a newline, a binary, a one-line JSON file) is refused and left as it is.
     """
     if not path.exists():
         return ExistingOutput()
+    if not path.is_file():
+        raise _not_resumable(path, "is not a regular file")
     try:
         data = path.read_bytes()
     except OSError as err:
         raise BatchFileError(f"cannot read {path}: {err.strerror}") from None
     keep = data.rfind(b"\n") + 1  # 0 when there is no complete line at all
     existing = _parse_existing(path, data[:keep])
-    if keep < len(data):
-        with path.open("r+b") as handle:
-            handle.truncate(keep)
-        existing.truncated_bytes = len(data) - keep
+    tail = data[keep:]
+    if tail:
+        if existing.records == 0:
+            raise _not_resumable(path, "holds no complete chatapp batch record")
+        if not (tail.startswith(RECORD_START) or RECORD_START.startswith(tail)):
+            raise _not_resumable(path, f"ends in {len(tail)} bytes that are not the start of a chatapp batch record")
+        try:
+            with path.open("r+b") as handle:
+                handle.truncate(keep)
+        except OSError as err:
+            raise BatchFileError(
+                f"cannot cut the torn last line ({len(tail)} bytes) off {path}: {err.strerror}; it was left untouched",
+                hint="make the file writable (or copy it) and resume again",
+            ) from None
+        existing.truncated_bytes = len(tail)
     return existing
 
 
@@ -121,11 +177,17 @@ class FileSink:
         data = memoryview(encode_record(record))
         # A regular-file write is complete in one call in practice; the loop covers the rare short write (e.g. a
         # signal), and a torn tail is still repaired on resume.
-        while data:
-            written = os.write(self._fd, data)
-            data = data[written:]
-        if self._fsync:
-            os.fsync(self._fd)
+        try:
+            while data:
+                written = os.write(self._fd, data)
+                data = data[written:]
+            if self._fsync:
+                os.fsync(self._fd)
+        except OSError as err:
+            raise BatchFileError(
+                f"cannot write to {self.path}: {err.strerror}",
+                hint="free space or pick another output file, then rerun with --resume to finish the rest",
+            ) from None
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -152,10 +214,19 @@ class StreamSink:
                 "the output stream was closed before every record was written",
                 hint="write to a file with -o OUT.jsonl, then read it at leisure",
             ) from None
+        except OSError as err:  # e.g. stdout redirected to a full disk
+            _discard_stream(stream)
+            raise BatchFileError(
+                f"cannot write records to the output stream: {err.strerror}",
+                hint="write to a file with -o OUT.jsonl on a disk with free space",
+            ) from None
 
     def close(self) -> None:
         stream = self._stream or sys.stdout
-        stream.flush()
+        try:
+            stream.flush()
+        except OSError:
+            _discard_stream(stream)  # write() already reported it; the flush at exit must not raise again
 
 
 def _discard_stream(stream: TextIO) -> None:

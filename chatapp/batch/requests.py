@@ -16,6 +16,13 @@ from typing import Any
 
 from chatapp.errors import ChatappError
 from chatapp.settings import GenerationSettings
+from chatapp.validation import (
+    MAX_SAMPLES,
+    check_regex_source,
+    check_schema_source,
+    find_lone_surrogate,
+    strings_in,
+)
 
 RequestId = str | int
 """A line's `id`: echoed in every output record of the line, and the key `--resume` matches on."""
@@ -27,8 +34,6 @@ _FLOAT_SETTINGS = ("temperature", "top_p")
 KNOWN_FIELDS = frozenset(
     {"id", "prompt", "messages", "samples", "program", "regex", "json_schema", *_INT_SETTINGS, *_FLOAT_SETTINGS}
 )
-# Seeds go to torch generators, which take unsigned 64-bit seeds; 63 bits keeps them valid everywhere.
-_MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -159,9 +164,6 @@ def _read_settings(obj: dict[str, Any], defaults: GenerationSettings) -> Generat
     for name in _FLOAT_SETTINGS:
         if name in obj:
             changes[name] = _read_float(obj, name)
-    seed = changes.get("seed")
-    if isinstance(seed, int) and not 0 <= seed <= _MAX_SEED:
-        raise _Invalid(f'"seed" must be between 0 and 2**63-1, got {seed}')
     try:
         return defaults.with_(**changes)
     except ChatappError as err:  # SettingsError: a value out of range
@@ -180,8 +182,9 @@ def _parse_object(line: int, obj: dict[str, Any], defaults: BatchDefaults, reque
     messages = _read_messages(obj) if has_messages else None
 
     samples = _read_int(obj, "samples") if "samples" in obj else defaults.samples
-    if samples < 1:
-        raise _Invalid(f'"samples" must be >= 1, got {samples}')
+    if not 1 <= samples <= MAX_SAMPLES:
+        shown = samples if len(str(samples)) <= 30 else f"a {len(str(samples))}-digit number"
+        raise _Invalid(f'"samples" must be between 1 and {MAX_SAMPLES}, got {shown}')
 
     regex = _read_str(obj, "regex")
     json_schema = obj.get("json_schema")
@@ -189,6 +192,13 @@ def _parse_object(line: int, obj: dict[str, Any], defaults: BatchDefaults, reque
         raise _Invalid(f'"json_schema" must be an object (a JSON Schema), got {_json_type(json_schema)}')
     if regex is not None and json_schema is not None:
         raise _Invalid('give at most one of "regex" or "json_schema"')
+    try:  # size limits before anything compiles: a huge pattern fails here, in microseconds
+        if regex is not None:
+            check_regex_source(regex)
+        if json_schema is not None:
+            check_schema_source(json_schema)
+    except ChatappError as err:
+        raise _Invalid(f'"{"regex" if regex is not None else "json_schema"}": {err.message}') from None
 
     program = _read_str(obj, "program") if "program" in obj else defaults.program
     return LineRequest(
@@ -204,6 +214,18 @@ def _parse_object(line: int, obj: dict[str, Any], defaults: BatchDefaults, reque
     )
 
 
+def _check_unicode(obj: dict[str, Any]) -> None:
+    """Reject a line holding a lone surrogate (`"\\ud800"`): it is valid JSON but not text a tokenizer or a UTF-8
+    output file can take."""
+    for text in strings_in(obj):
+        index = find_lone_surrogate(text)
+        if index is not None:
+            raise _Invalid(
+                f"a string holds the lone surrogate \\u{ord(text[index]):04x}, which is not a Unicode character; "
+                "escape characters outside the BMP as surrogate pairs"
+            )
+
+
 def parse_line(line: int, text: str | bytes, defaults: BatchDefaults) -> LineRequest | LineError:
     """Parse one non-blank input line. Never raises for bad input: returns a `LineError` instead."""
     request_id: RequestId | None = None
@@ -217,8 +239,11 @@ def parse_line(line: int, text: str | bytes, defaults: BatchDefaults) -> LineReq
             obj = json.loads(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as err:
             raise _Invalid(f"invalid JSON: {err.msg} (column {err.colno})") from None
+        except RecursionError:
+            raise _Invalid("invalid JSON: arrays or objects nested too deeply for this reader") from None
         if not isinstance(obj, dict):
             raise _Invalid(f"each line must be a JSON object, got {_json_type(obj)}")
+        _check_unicode(obj)
         request_id = _read_id(obj)
         return _parse_object(line, obj, defaults, request_id)
     except _Invalid as err:

@@ -139,7 +139,7 @@ class ChatSession:
         if used + len(segment) >= self.context_size:
             raise ContextOverflowError(
                 f"this turn needs {used + len(segment)} tokens of context but the model holds {self.context_size}",
-                hint="start a new conversation (reset), or use context_policy='drop_oldest'",
+                hint="start a new conversation (ctrl+n in the chat) or send a shorter message",
             )
         request = self.engine.turn_request(settings, program=program, constraint=constraint)
         self._active = self._run_turn(base, messages, segment, fresh, request)

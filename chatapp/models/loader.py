@@ -110,6 +110,8 @@ def load_model(
             f"cannot load the weights in {model_dir}: {err}",
             hint=hint or "check that config.json and the safetensors files come from the same checkpoint",
         ) from None
+    _check_vocab(model_dir, tokenizer, int(model.config.vocab_size), hint)
+    _check_finite(model_dir, model, hint)  # before any weight-format conversion
     prepare_weights(model, fmt or weight_format_for(model, resolved))
     if resolved.type == "cpu":
         configure_threads(model)
@@ -162,6 +164,30 @@ def is_complete_model_dir(model_dir: Path) -> bool:
     return all((model_dir / name).is_file() for name in files) and bool(_weight_files(model_dir))
 
 
+def _check_vocab(model_dir: Path, tokenizer: Tokenizer, vocab_size: int, hint: str | None) -> None:
+    """Every token id the tokenizer can produce must have a row in the model's embedding."""
+    ids = tokenizer.get_vocab().values()
+    largest = max(ids, default=-1)
+    if largest >= vocab_size:
+        raise ModelDirError(
+            f"{model_dir / 'tokenizer.json'} has token ids up to {largest}, but the model's vocabulary "
+            f"(vocab_size in config.json) has {vocab_size} rows",
+            hint=hint or "use the tokenizer.json that came with these weights",
+        )
+
+
+def _check_finite(model_dir: Path, model: STTForCausalLM, hint: str | None) -> None:
+    """NaN or infinite weights make every logit NaN: the model would answer nothing, silently."""
+    import torch
+
+    for name, tensor in model.named_parameters():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ModelDirError(
+                f"the weights in {model_dir} hold NaN or infinite values ({name})",
+                hint=hint or "re-copy the weights, or retrain: the checkpoint is damaged",
+            )
+
+
 def check_model_dir(model_dir: Path, hint: str | None = None) -> None:
     """Raise `ModelDirError` unless `model_dir` has a readable config.json, weights and tokenizer.json."""
     if not model_dir.exists():
@@ -170,7 +196,9 @@ def check_model_dir(model_dir: Path, hint: str | None = None) -> None:
             hint=hint or "pass the path of a directory holding config.json, model.safetensors and tokenizer.json",
         )
     if not model_dir.is_dir():
-        raise ModelDirError(f"{model_dir} is not a directory", hint=hint or "pass the model's directory, not a file")
+        raise ModelDirError(
+            f"{model_dir} is a file, not a model directory", hint=hint or "pass the model's directory, not a file"
+        )
     _read_config(model_dir, hint)
     if not _weight_files(model_dir):
         raise ModelDirError(

@@ -26,6 +26,10 @@ from transformers import Qwen2Config
 BetaScheduleKind = Literal["cosine", "linear", "constant"]
 
 
+MAX_PARAMETERS = 10**11
+"""Rough upper bound on a model's parameters (layers x hidden x widest matrix) before anything is allocated."""
+
+
 @strict
 class STTConfig(Qwen2Config):
     """Qwen2 plus Subjective Timescale Transformer settings. Every field is saved in config.json."""
@@ -84,7 +88,28 @@ class STTConfig(Qwen2Config):
         super().__post_init__(**kwargs)
 
     def validate_stt(self) -> None:
-        """Reject settings that cannot describe a model; raised as ValueError (a programming error, not user input)."""
+        """Reject settings that cannot describe a model, as ValueError (callers reading a user's file turn it into a
+        `ModelDirError` / `TrainingError` naming the file): sizes must be positive and fit together, and the model
+        must fit in memory at all (a 10**9-wide layer would be tried, and fail only after minutes of allocating)."""
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "max_position_embeddings")
+        for name in sizes:
+            value = getattr(self, name, None)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        head_dim = getattr(self, "head_dim", None)
+        if head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_key_value_heads}"
+            )
+        width = max(self.hidden_size, self.intermediate_size, self.vocab_size)
+        if self.num_hidden_layers * self.hidden_size * width > MAX_PARAMETERS:
+            raise ValueError("the sizes describe a model of more than 10**11 parameters, which cannot be loaded here")
         bad = [i for i in self.stt_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ValueError(f"stt_layers {bad} out of range for {self.num_hidden_layers} layers")
@@ -117,3 +142,12 @@ def betas_at(config: STTConfig, step: int | None) -> tuple[float, float]:
         schedule_value(config.beta_ce_start, config.beta_ce_end, step, steps, kind),
         schedule_value(config.beta_cu_start, config.beta_cu_end, step, steps, kind),
     )
+
+
+def config_problem(err: Exception) -> str:
+    """The message of a config error without the validation framework's wrapping ("Class validation error ...")."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    last = lines[-1] if lines else type(err).__name__
+    for prefix in ("ValueError: ", "TypeError: "):
+        last = last.removeprefix(prefix)
+    return last if len(last) <= 500 else last[:500] + "..."

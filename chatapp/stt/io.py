@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from chatapp.errors import ModelDirError
-from chatapp.stt.config import STTConfig
+from chatapp.stt.config import STTConfig, config_problem
 
 if TYPE_CHECKING:
     from chatapp.stt.model import STTForCausalLM
@@ -42,6 +42,11 @@ ROUTER_PARTS = (".transition_network.", ".predictive_router.", ".causal_router."
 
 
 def _require_dir(model_dir: Path) -> None:
+    if model_dir.exists() and not model_dir.is_dir():
+        raise ModelDirError(
+            f"{model_dir} is a file, not a model directory",
+            hint="pass the directory holding config.json and model.safetensors",
+        )
     if not model_dir.is_dir():
         raise ModelDirError(
             f"model directory {model_dir} does not exist",
@@ -84,7 +89,7 @@ def load_config(model_dir: str | Path) -> tuple[STTConfig, bool]:
         config.validate_stt()
     except (TypeError, ValueError, StrictDataclassError) as err:
         raise ModelDirError(
-            f"{path} is not a valid model config: {err}", hint="fix or regenerate config.json"
+            f"{path} is not a valid model config: {config_problem(err)}", hint="fix or regenerate config.json"
         ) from None
     if not is_stt:
         config.routing_trained = False
@@ -141,10 +146,22 @@ def load_model(
             f"weights in {model_dir} do not match its config.json ({detail})",
             hint="the directory mixes files from different models; re-copy it from one source",
         )
+    own = model.state_dict()
+    wrong = [name for name in sorted(state) if name in own and tuple(state[name].shape) != tuple(own[name].shape)]
+    if wrong:
+        shown = "; ".join(
+            f"{name}: {tuple(state[name].shape)} in the file, {tuple(own[name].shape)} in config.json"
+            for name in wrong[:3]
+        )
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise ModelDirError(
+            f"weights in {model_dir} have the wrong shapes for its config.json: {shown}{more}",
+            hint="the directory mixes files from different models; re-copy it from one source",
+        )
     try:
         model.load_state_dict(state, strict=False)
     except RuntimeError as err:
-        raise ModelDirError(f"weights in {model_dir} have the wrong shapes: {err}", hint="re-copy the model") from None
+        raise ModelDirError(f"weights in {model_dir} do not load: {str(err)[:500]}", hint="re-copy the model") from None
     device = torch.device(device) if device is not None else torch.device("cpu")
     return model.to(device=device, dtype=dtype or default_dtype(device)).eval()
 

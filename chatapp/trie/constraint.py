@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from chatapp.errors import ConstraintError
+from chatapp.trie.budget import metered
 from chatapp.trie.dfa import DEAD, ByteDFA
 from chatapp.trie.fast_forward import LOOKBACK_TOKENS, FastForward, fast_forward
 from chatapp.trie.json_schema import schema_to_regex
@@ -78,7 +79,8 @@ class Constraint:
         cls, schema: dict[str, Any] | str, vocab: ConstraintVocab, end_token: int | None = None, **options: Any
     ) -> Constraint:
         """A constraint from a JSON schema (the subset `json_schema.py` documents); `ConstraintError` otherwise."""
-        return cls(vocab, compile_regex(schema_to_regex(schema)), end_token, **options)
+        with metered("the JSON schema"):
+            return cls(vocab, compile_regex(schema_to_regex(schema)), end_token, **options)
 
     # -- state ---------------------------------------------------------------------------------------------------
 

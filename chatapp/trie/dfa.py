@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from chatapp.trie.budget import check_states, tick
+
 DEAD = 0
 """The dead state: reached by any byte that no match can continue with; absorbing."""
 
@@ -161,6 +163,7 @@ def _reachable(transitions: np.ndarray, start: int) -> np.ndarray:
     seen[start] = True
     frontier = np.array([start])
     while len(frontier):
+        tick()
         nxt = np.unique(transitions[frontier])
         nxt = nxt[~seen[nxt]]
         seen[nxt] = True
@@ -169,37 +172,65 @@ def _reachable(transitions: np.ndarray, start: int) -> np.ndarray:
 
 
 def _coreachable(transitions: np.ndarray, accepting: np.ndarray) -> np.ndarray:
-    """States from which an accepting state is reachable (fixpoint over the table, vectorised per round)."""
+    """States from which an accepting state is reachable: a breadth-first search backwards over the edges.
+
+    Linear in the edges (a fixpoint over the whole table would take one table pass per state of a long chain).
+    """
+    n = len(transitions)
+    sources = np.repeat(np.arange(n, dtype=np.int64), transitions.shape[1])
+    targets = transitions.reshape(-1).astype(np.int64)
+    edge_id = np.unique(targets * n + sources)  # distinct (target, source) pairs, sorted by target
+    by_target, from_source = edge_id // n, edge_id % n
+    starts = np.searchsorted(by_target, np.arange(n + 1))
     good = accepting.copy()
     good[DEAD] = False
-    while True:
-        grown = good | good[transitions].any(axis=1)
-        grown[DEAD] = False
-        if (grown == good).all():
-            return good
-        good = grown
+    frontier = np.flatnonzero(good)
+    while len(frontier):
+        tick()
+        spans = [from_source[starts[t] : starts[t + 1]] for t in frontier]
+        preds = np.unique(np.concatenate(spans)) if spans else np.zeros(0, dtype=np.int64)
+        preds = preds[~good[preds]]
+        preds = preds[preds != DEAD]
+        good[preds] = True
+        frontier = preds
+    return good
 
 
 def _minimise(transitions: np.ndarray, accepting: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Moore's partition refinement with `np.unique` over (class, classes of the 256 successors) rows.
+    """Moore's partition refinement with `np.unique` over (class, classes of the successors) rows.
 
+    Bytes that every state treats alike (one column of the table repeated) are compared once: a signature has one
+    column per byte class, not 256, which makes each round cheap for the usual tables (ASCII letters, digits).
     Renumbers classes so DEAD stays 0 (it is alone in its initial class: the only non-coreachable state left).
     """
+    check_states(len(transitions), "byte")
+    _, column_of_class = np.unique(transitions.T, axis=0, return_index=True)
+    compact = transitions[:, np.sort(column_of_class)]
     classes = np.where(accepting, 2, 1)
     classes[DEAD] = 0
     count = len(np.unique(classes))
     while True:
-        signature = np.concatenate((classes[:, None], classes[transitions]), axis=1)
-        _, refined = np.unique(signature, axis=0, return_inverse=True)
-        refined = refined.reshape(-1)
-        new_count = int(refined.max()) + 1
-        classes = refined
+        tick()
+        signature = np.concatenate((classes[:, None], classes[compact]), axis=1)
+        classes = _row_ids(signature)
+        new_count = int(classes.max()) + 1
         if new_count == count:
             break
         count = new_count
-    # np.unique sorts rows, and DEAD's row (class 0, all-zero successors) is the smallest: it keeps class 0.
+    # Rows are numbered in sorted order, and DEAD's row (class 0, all-zero successors) is the smallest: it keeps 0.
     representative = np.zeros(count, dtype=np.int64)
     representative[classes] = np.arange(len(classes))
     new_transitions = classes[transitions[representative]].astype(np.int32)
     new_accepting = accepting[representative]
     return new_transitions, new_accepting, int(classes[start])
+
+
+def _row_ids(rows: np.ndarray) -> np.ndarray:
+    """Number the distinct rows of a 2-D int array in lexicographic order (`np.unique(axis=0)`'s inverse, faster)."""
+    order = np.lexsort(rows.T[::-1])
+    ordered = rows[order]
+    starts = np.ones(len(rows), dtype=bool)
+    starts[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    ids = np.empty(len(rows), dtype=np.int64)
+    ids[order] = np.cumsum(starts) - 1
+    return ids

@@ -66,7 +66,29 @@ def schema_to_regex(schema: dict[str, Any] | str) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as err:
             raise ConstraintError(f"JSON schema is not valid JSON: {err}", hint="pass a JSON object") from None
-    return _SchemaCompiler().compile(schema, "#")
+    try:
+        return _SchemaCompiler().compile(schema, "#")
+    except RecursionError:
+        raise ConstraintError("JSON schema is nested too deeply to compile", hint="flatten the schema") from None
+
+
+MAX_COUNT = 10_000
+"""Largest minItems / maxItems / minLength / maxLength: each is unrolled into the automaton."""
+
+
+def _count(schema: dict[str, Any], key: str, where: str) -> int | None:
+    """A non-negative integer keyword (None when absent)."""
+    if key not in schema:
+        return None
+    value = schema[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < 0:
+        raise ConstraintError(f"JSON schema at {where}: {key} must be a non-negative integer, got {json_literal(value)}")
+    if value > MAX_COUNT:
+        raise ConstraintError(
+            f"JSON schema at {where}: {key} is {int(value):,}, more than the limit of {MAX_COUNT:,}",
+            hint=f"use a {key} of at most {MAX_COUNT:,}",
+        )
+    return int(value)
 
 
 class _SchemaCompiler:
@@ -98,7 +120,7 @@ class _SchemaCompiler:
         if kind is None:
             raise ConstraintError(f"JSON schema at {where} has no type, enum, const or anyOf", hint='add e.g. "type"')
         kinds = kind if isinstance(kind, list) else [kind]
-        unknown = [k for k in kinds if k not in _KEYWORDS_BY_TYPE]
+        unknown = [k for k in kinds if not isinstance(k, str) or k not in _KEYWORDS_BY_TYPE]
         if unknown:
             raise ConstraintError(f"JSON schema at {where}: unsupported type {unknown[0]!r}")
         allowed = {"type"}.union(*(_KEYWORDS_BY_TYPE[k] for k in kinds))
@@ -129,7 +151,12 @@ class _SchemaCompiler:
                 hint='set "additionalProperties": false',
             )
         properties = schema.get("properties", {})
-        required = set(schema.get("required", []))
+        if not isinstance(properties, dict):
+            raise ConstraintError(f"JSON schema at {where}: properties must be an object")
+        required_list = schema.get("required", [])
+        if not isinstance(required_list, list) or not all(isinstance(name, str) for name in required_list):
+            raise ConstraintError(f"JSON schema at {where}: required must be a list of property names")
+        required = set(required_list)
         missing = sorted(required - set(properties))
         if missing:
             raise ConstraintError(f"JSON schema at {where}: required key {missing[0]!r} is not in properties")
@@ -146,14 +173,14 @@ class _SchemaCompiler:
         if "items" not in schema:
             raise ConstraintError(f"JSON schema at {where}: arrays need an items schema", hint='add "items"')
         item = "(?:" + self.compile(schema["items"], f"{where}/items") + ")"
-        low = int(schema.get("minItems", 0))
-        high = schema.get("maxItems")
-        if high is not None and int(high) < max(low, 0):
+        low = _count(schema, "minItems", where) or 0
+        high = _count(schema, "maxItems", where)
+        if high is not None and high < low:
             raise ConstraintError(f"JSON schema at {where}: maxItems is below minItems")
         sep = regex_literal(ITEM_SEPARATOR)
         if high == 0:
             return r"\[\]"
-        rest_high = "" if high is None else str(int(high) - 1)
+        rest_high = "" if high is None else str(high - 1)
         body = f"{item}(?:{sep}{item}){{{max(low - 1, 0)},{rest_high}}}"
         return r"\[" + (body if low > 0 else f"(?:{body})?") + r"\]"
 
@@ -163,13 +190,13 @@ def _alternatives(options: list[str]) -> str:
 
 
 def _repeat(unit: str, schema: dict[str, Any], low_key: str, high_key: str, where: str) -> str:
-    low = int(schema.get(low_key, 0))
-    high = schema.get(high_key)
-    if high is not None and int(high) < low:
+    low = _count(schema, low_key, where) or 0
+    high = _count(schema, high_key, where)
+    if high is not None and high < low:
         raise ConstraintError(f"JSON schema at {where}: {high_key} is below {low_key}")
     if low == 0 and high is None:
         return unit + "*"
-    return f"{unit}{{{low},{'' if high is None else int(high)}}}"
+    return f"{unit}{{{low},{'' if high is None else high}}}"
 
 
 def _ordered_members(members: list[tuple[str, bool]]) -> str:

@@ -22,8 +22,10 @@ from functools import lru_cache
 import interegular
 import numpy as np
 from interegular.fsm import FSM, anything_else
+from interegular.patterns import _Repeated
 
 from chatapp.errors import ConstraintError
+from chatapp.trie.budget import active_meter, check_states, metered, tick
 from chatapp.trie.dfa import DEAD, ByteDFA, finish_dfa, stitch
 from chatapp.trie.token_bytes import SPECIAL_TOKEN_MARKER
 
@@ -99,6 +101,7 @@ class _ByteTableBuilder:
     def build(self) -> tuple[np.ndarray, np.ndarray, int]:
         for state, row_id in self.state_ids.items():
             self._fill_state(row_id, self._char_function(state))
+            check_states(len(self.rows), "byte")
         accepting = np.zeros(len(self.rows), dtype=bool)
         for state in self.fsm.finals:
             accepting[self.state_ids[state]] = True
@@ -113,6 +116,7 @@ class _ByteTableBuilder:
         )
 
     def _new_row(self) -> int:
+        tick()
         self.rows.append(np.zeros(256, dtype=np.int32))
         return len(self.rows) - 1
 
@@ -170,7 +174,25 @@ def compile_regex(pattern: str, special_tokens: tuple[str, ...] = ()) -> ByteDFA
     Each name in `special_tokens` that occurs verbatim in the pattern stands for that special token (bytes
     0xFF + name), e.g. `[0-9+*]+<|python_end|>`. Names are split out before parsing, so they must sit at the top
     level of the pattern (between complete regexes, not inside a group or class).
+
+    The compile runs under the active `CompileBudget` (`budget.metered`; the default one otherwise): too many
+    states, too long or a cancel raise `ConstraintError` instead of running on.
     """
+    with metered(f"regex {_shown(pattern)}"):
+        try:
+            return _compile(pattern, special_tokens)
+        except RecursionError:
+            raise ConstraintError(
+                f"regex {_shown(pattern)} is nested too deeply to compile", hint="use fewer nested groups"
+            ) from None
+
+
+def _shown(pattern: str) -> str:
+    """The pattern for a message: quoted, and cut short when long."""
+    return repr(pattern) if len(pattern) <= 200 else repr(pattern[:200]) + f"... ({len(pattern):,} characters)"
+
+
+def _compile(pattern: str, special_tokens: tuple[str, ...]) -> ByteDFA:
     names = sorted({n for n in special_tokens if n and n in pattern}, key=len, reverse=True)
     if names:
         parts = re.split("(" + "|".join(map(re.escape, names)) + ")", pattern)
@@ -178,40 +200,66 @@ def compile_regex(pattern: str, special_tokens: tuple[str, ...] = ()) -> ByteDFA
             pieces = [compile_regex(part) for part in parts[0::2]]
         except ConstraintError as err:
             raise ConstraintError(
-                f"regex {pattern!r}: the text around its special tokens {names} must be whole regexes: {err.message}",
+                f"regex {_shown(pattern)}: the text around its special tokens {names} must be whole regexes: "
+                f"{err.message}",
                 hint="put special-token names at the top level of the pattern, outside groups and classes",
             ) from None
         bridges = [bytes([SPECIAL_TOKEN_MARKER]) + name.encode() for name in parts[1::2]]
         dfa = stitch(pieces, bridges, source=f"regex {pattern!r}")
         if dfa.start == DEAD:
-            raise ConstraintError(f"regex {pattern!r} matches nothing", hint="a constraint must allow some output")
+            raise ConstraintError(f"regex {_shown(pattern)} matches nothing", hint="a constraint must allow some output")
         return dfa
     return _compile_plain(pattern)
 
 
+def unrolled_size(parsed: object) -> int:
+    """Positions of a parsed regex with every counted repetition written out (`a{1000}`: 1000; `x*`: 2x)."""
+    if isinstance(parsed, _Repeated):
+        base = unrolled_size(parsed.base)
+        count = parsed.max if parsed.max is not None else parsed.min + 1
+        return base * max(count, 1)
+    for name in ("options", "parts"):
+        children = getattr(parsed, name, None)
+        if children is not None:
+            return sum(unrolled_size(child) for child in children) or 1
+    inner = getattr(parsed, "inner", None)
+    return unrolled_size(inner) if inner is not None else 1
+
+
 def _compile_plain(pattern: str) -> ByteDFA:
+    shown = _shown(pattern)
     try:
         re.compile(pattern)  # Python's parser gives the clearest syntax errors (position included)
     except re.error as err:
-        raise ConstraintError(f"regex {pattern!r} does not parse: {err}", hint="check the regex syntax") from None
+        raise ConstraintError(f"regex {shown} does not parse: {err}", hint="check the regex syntax") from None
+    except OverflowError:
+        raise ConstraintError(f"regex {shown} has a repetition count too large to parse", hint="use smaller {n}") from None
     try:
         parsed = interegular.parse_pattern(pattern)
     except (interegular.InvalidSyntax, interegular.Unsupported) as err:
         raise ConstraintError(
-            f"regex {pattern!r} is not supported: {err or type(err).__name__}",
+            f"regex {shown} is not supported: {err or type(err).__name__}",
             hint="use Python `re` syntax without back-references, anchors, \\b or unicode properties",
         ) from None
     if parsed.prefix_postfix != (0, 0):
         raise ConstraintError(
-            f"regex {pattern!r} uses a look-around that reaches outside the match, which a constraint cannot express",
+            f"regex {shown} uses a look-around that reaches outside the match, which a constraint cannot express",
             hint="constraints match the whole output: keep look-arounds between characters of the match, or drop them",
+        )
+    meter = active_meter()
+    limit = meter.budget.max_unrolled if meter is not None else None
+    if meter is not None and limit is not None and (size := unrolled_size(parsed)) > limit:
+        raise ConstraintError(
+            f"{meter.source} unrolls to {size:,} positions (counted repetitions written out), more than the limit "
+            f"of {limit:,}",
+            hint="use smaller {n} counts, or * and + where any count will do",
         )
     try:
         fsm = parsed.to_fsm()
     except interegular.Unsupported as err:
-        raise ConstraintError(f"regex {pattern!r} is not supported: {err}") from None
+        raise ConstraintError(f"regex {shown} is not supported: {err}") from None
     transitions, accepting, start = _ByteTableBuilder(fsm).build()
     dfa = finish_dfa(transitions, accepting, start, source=f"regex {pattern!r}")
     if dfa.start == DEAD:
-        raise ConstraintError(f"regex {pattern!r} matches nothing", hint="a constraint must allow some output")
+        raise ConstraintError(f"regex {shown} matches nothing", hint="a constraint must allow some output")
     return dfa

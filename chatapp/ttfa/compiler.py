@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from chatapp.errors import ProgramError
 from chatapp.ttfa.program import Program, Zone
-from chatapp.ttfa.source import Contains, ProgramSource, TokenSpec, ZoneSource
+from chatapp.ttfa.source import MAX_BUDGET, Contains, ProgramSource, TokenSpec, ZoneSource
 from chatapp.ttfa.vocab import TokenVocab
 
 DEFAULT_PAD = "<|assistant_end|>"
@@ -56,6 +56,11 @@ class _Compiler:
             raise self.error("the program declares no zones", key="zones", hint="add at least one [[zones]] table")
         if duplicates := sorted({t for t in source.tags if source.tags.count(t) > 1}):
             raise self.error(f"tag {duplicates[0]!r} is declared twice", key="tags", hint="declare each tag once")
+        if source.max_genned_per_zone is not None and source.max_genned_per_zone > MAX_BUDGET:
+            raise self.error(
+                "max_genned_per_zone must be no larger than 2**30", key="max_genned_per_zone",
+                hint="leave it out for no limit",
+            )
         if source.max_genned_per_zone is not None and source.max_genned_per_zone < 1:
             raise self.error(
                 "max_genned_per_zone must be at least 1", key="max_genned_per_zone", hint="leave it out for no limit"
@@ -121,6 +126,8 @@ class _Compiler:
             raise self.error(
                 "budget must be >= 0", zone, "budget", hint="use 0 for a forced-only zone, or leave it out"
             )
+        if budget is not None and budget > MAX_BUDGET:
+            raise self.error("budget must be no larger than 2**30", zone, "budget", hint="leave it out for no limit")
         if budget == 0:
             return self.forced_only_zone(zone, feed)
         effective = budget if budget is not None else self.source.max_genned_per_zone

@@ -146,6 +146,8 @@ def parse_program_toml(text: str, file: str | None = None, default_name: str = "
     except tomllib.TOMLDecodeError as err:
         line = _decode_error_line(err)
         raise ProgramError(f"not valid TOML: {err}", hint="fix the TOML syntax", file=file, line=line) from None
+    except RecursionError:
+        raise ProgramError("arrays or tables nested too deeply", hint="programs need no nesting", file=file) from None
     top_lines, zone_lines = _key_lines(text)
 
     def check(table: dict, allowed: set[str], lines: dict[str, int], header: int | None, zone: str | None) -> None:
@@ -217,10 +219,25 @@ def parse_program_toml(text: str, file: str | None = None, default_name: str = "
 def load_program_source(path: Path) -> ProgramSource:
     """Read and parse a program file."""
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as err:
         raise ProgramError(
             f"cannot read program file {path}: {err.strerror}", hint="pass a built-in name or a .toml path"
+        ) from None
+    if len(data) > MAX_PROGRAM_BYTES:
+        raise ProgramError(
+            f"the file is {len(data):,} bytes, more than the limit of {MAX_PROGRAM_BYTES:,} for a program",
+            hint="pass a program .toml file", file=str(path),
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ProgramError(
+            f"not valid UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start})",
+            hint="save the program as UTF-8",
+            file=str(path),
+            line=line,
         ) from None
     return parse_program_toml(text, file=str(path), default_name=path.stem)
 
@@ -229,8 +246,19 @@ def _is_string(value: object) -> bool:
     return isinstance(value, str)
 
 
+MAX_PROGRAM_BYTES = 1 << 20
+"""Largest program file: programs are a few zones; anything bigger is not one."""
+
+MAX_BUDGET = 1 << 30
+"""Largest zone budget (`budget`, `max_genned_per_zone`): far above any generation, far below int64 overflow."""
+
+
 def _is_integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_budget(value: object) -> bool:
+    return _is_integer(value) and value <= MAX_BUDGET
 
 
 def _is_string_list(value: object) -> bool:
@@ -251,7 +279,7 @@ _TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
     "name": ("a string", _is_string),
     "description": ("a string", _is_string),
     "tags": ("a list of strings", _is_string_list),
-    "max_genned_per_zone": ("an integer", _is_integer),
+    "max_genned_per_zone": ("an integer no larger than 2**30", _is_budget),
     "pad": ("a token (string)", _is_string),
     "label": ("a string", _is_string),
     "force": ("a string", _is_string),
@@ -259,7 +287,7 @@ _TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
     "jump_on": (_TOKEN_SPEC, _is_token_spec),
     "timeout_token": ("a token (string)", _is_string),
     "goto": ('a zone label or "halt"', _is_string),
-    "budget": ("an integer", _is_integer),
+    "budget": ("an integer no larger than 2**30", _is_budget),
 }
 
 

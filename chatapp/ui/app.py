@@ -29,7 +29,7 @@ from chatapp.settings import config_dir, data_dir, engine_log_path, history_db_p
 from chatapp.ui.backend import ChatBackend, StepStream
 from chatapp.ui.commands import ChatCommands
 from chatapp.ui.export import export_conversation
-from chatapp.ui.history import HistoryStore
+from chatapp.ui.history import HistoryStore, open_history
 from chatapp.ui.screens.help import WIDGET_KEYS, HelpFacts, HelpScreen, binding_keys
 from chatapp.ui.screens.history import HistoryScreen, ResumeChoice
 from chatapp.ui.screens.program import ProgramChoice, ProgramScreen
@@ -109,6 +109,8 @@ class ChatApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
+        if getattr(self.store, "notice", None):
+            self.notify(self.store.notice, severity="warning", timeout=15)
         self._panels = _Panels(
             self.query_one(Transcript),
             self.query_one(RoutingHeatmap),
@@ -514,23 +516,29 @@ def make_app(
 
     Raises `ModelDirError` / `ProgramError` before any UI starts, so the CLI can report them plainly.
     """
-    if backend is None:
-        from chatapp.models import resolve_model
+    # The history first: a database that cannot be used is reported before seconds of model loading.
+    store = open_history(Path(db_path) if db_path else history_db_path(), clock=clock, move_aside=db_path is None)
+    try:
+        if backend is None:
+            from chatapp.models import resolve_model
 
-        directory = resolve_model(model_dir)
-        if in_process:
-            from chatapp.ui.backend import EngineBackend
+            directory = resolve_model(model_dir)
+            if in_process:
+                from chatapp.ui.backend import EngineBackend
 
-            backend = EngineBackend.load(directory, device=device)
-        else:
-            from chatapp.ui.process import ProcessBackend
+                backend = EngineBackend.load(directory, device=device)
+            else:
+                from chatapp.ui.process import ProcessBackend
 
-            backend = ProcessBackend(directory, device=device, log_path=engine_log_path())
+                backend = ProcessBackend(directory, device=device, log_path=engine_log_path())
+    except BaseException:
+        store.close()
+        raise
     try:
         if program is not None:
             backend.switch_program(program)
-        store = HistoryStore(Path(db_path) if db_path else history_db_path(), clock=clock)
     except BaseException:
+        store.close()
         close_backend(backend)
         raise
     return ChatApp(backend, store, clock=clock, cursor_blink=cursor_blink)

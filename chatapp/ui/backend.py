@@ -199,6 +199,11 @@ class EngineBackend(BackendState):
             from chatapp.trie.regex import compile_regex
 
             compile_regex(constraint)  # raises ConstraintError naming the regex
+        self.configure_checked(settings, constraint)
+
+    def configure_checked(self, settings: GenerationSettings, constraint: str | None) -> None:
+        """`configure` for a constraint already compiled elsewhere (the UI process): store it, compile nothing now
+        (the engine compiles it, under the same budget, when the next answer starts)."""
         self._settings = settings
         self._constraint = constraint or None
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from chatapp.engine.events import TokenEvent, ToolEvent
+from chatapp.errors import HistoryError
 
 MessageStatus = Literal["complete", "streaming", "interrupted"]
 
@@ -97,16 +98,23 @@ class HistoryStore:
 
     def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock
-        self._db = sqlite3.connect(self.path)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL is durable against a killed process (what we guard against) without an fsync per batch.
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)
-        self._db.commit()
+        self.notice: str | None = None  # set by `open_history` when it moved a damaged database aside
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL is durable against a killed process (what we guard against) without an fsync per batch.
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(_SCHEMA)
+            self._db.commit()
+        except (OSError, sqlite3.Error) as err:
+            raise HistoryError(
+                f"cannot open the history database {self.path}: {err}",
+                hint="pass --db with a writable file path, or fix the permissions",
+            ) from None
 
     def close(self) -> None:
         self._db.close()
@@ -282,3 +290,88 @@ def _token_event(row: sqlite3.Row) -> TokenEvent:
         finish_reason=row["finish_reason"],
         error=row["error"],
     )
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+_COLUMNS = {
+    "conversations": {"id", "title", "model", "program", "created", "updated"},
+    "messages": {"id", "conversation_id", "position", "role", "content", "status", "created"},
+    "tokens": {"message_id", "position", "token", "text", "forced", "special", "zone", "tags", "router_probs",
+               "computed", "tool", "finish_reason", "error"},
+}
+
+
+def history_problem(path: Path) -> tuple[str, str] | None:
+    """Why `path` cannot be used as this app's history, without changing it: ("damaged" | "foreign", detail), or
+    None when it is fine (missing, empty, or a history database)."""
+    try:
+        if not path.exists() or path.stat().st_size == 0:
+            return None
+        with path.open("rb") as handle:
+            header = handle.read(len(SQLITE_HEADER))
+    except OSError as err:
+        raise HistoryError(f"cannot read the history database {path}: {err.strerror}") from None
+    if header != SQLITE_HEADER:
+        return "damaged", "it is not an SQLite database"
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    except sqlite3.Error as err:
+        return "damaged", str(err)
+    try:
+        check = db.execute("PRAGMA quick_check(1)").fetchone()
+        if not check or check[0] != "ok":
+            return "damaged", f"SQLite's integrity check says {check[0] if check else 'nothing'}"
+        tables = [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        for table in tables:
+            if table.startswith("sqlite_"):
+                continue
+            if table not in _COLUMNS:
+                return "foreign", f"it has a table {table!r} that chatapp does not write"
+            columns = {row[1] for row in db.execute(f'PRAGMA table_info("{table}")')}
+            if missing := sorted(_COLUMNS[table] - columns):
+                return "foreign", f"its table {table!r} has no column {missing[0]!r}"
+    except sqlite3.Error as err:
+        return "damaged", str(err)
+    finally:
+        db.close()
+    return None
+
+
+def open_history(path: Path, *, clock: Callable[[], float] = time.time, move_aside: bool = True) -> HistoryStore:
+    """The history store at `path`, never deleting or overwriting what is there.
+
+    A directory, or another program's SQLite database, is refused with the fix. A damaged file (not SQLite, failing
+    SQLite's check) is renamed to `NAME.damaged-TIMESTAMP` with its -wal/-shm files and a fresh database started,
+    with `store.notice` saying so, when `move_aside` (the default location); refused otherwise (a `--db` the user
+    named is more likely a wrong path than a database to replace).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise HistoryError(
+            f"the history database {path} is a directory",
+            hint="pass --db with a file path, or move the directory away",
+        )
+    problem = history_problem(path)
+    notice = None
+    if problem is not None:
+        kind, detail = problem
+        if kind == "foreign" or not move_aside:
+            raise HistoryError(
+                f"{path} is not a chatapp history database ({detail}); it was left untouched",
+                hint="pass --db with another file (a new one is created), or move that file away",
+            )
+        moved = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        try:
+            for suffix in ("", "-wal", "-shm"):
+                side = Path(f"{path}{suffix}")
+                if side.exists():
+                    side.rename(f"{moved}{suffix}")
+        except OSError as err:
+            raise HistoryError(
+                f"the history database {path} is damaged ({detail}) and could not be moved aside: {err.strerror}",
+                hint=f"move {path} away yourself, or pass --db with another file",
+            ) from None
+        notice = f"the history database {path} was damaged ({detail}); it was moved to {moved} and a new one started"
+    store = HistoryStore(path, clock=clock)
+    store.notice = notice
+    return store

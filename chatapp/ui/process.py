@@ -42,7 +42,7 @@ from chatapp.ui.backend import BackendState, Message, ProgramInfo, StepStream
 # EngineBackend methods that return a StepStream.
 _GENERATING = frozenset({"send", "regenerate", "edit_last"})
 # And those that answer once.
-_CALLS = frozenset({"new_session", "switch_program", "configure"})
+_CALLS = frozenset({"new_session", "switch_program", "configure", "configure_checked"})
 # Seconds between two batches of steps sent to the UI process (it draws at 30 Hz; see `_pump`).
 SEND_INTERVAL = 1 / 60
 
@@ -105,7 +105,13 @@ class ProcessBackend(BackendState):
         return self._program
 
     def configure(self, settings: GenerationSettings, constraint: str | None) -> None:
-        self._call("configure", settings, constraint)
+        # The regex compiles here, in the caller's thread (the settings screen runs it in a cancellable worker, and
+        # the compile is cached), not in the engine process, where the UI thread would wait on the pipe for it.
+        if constraint:
+            from chatapp.trie.regex import compile_regex
+
+            compile_regex(constraint)  # raises ConstraintError naming the regex
+        self._call("configure_checked", settings, constraint)
         self._settings, self._constraint = settings, constraint or None
 
     def send(self, text: str) -> StepStream:

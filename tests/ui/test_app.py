@@ -282,7 +282,7 @@ async def test_settings_are_validated_then_applied(build_app):
     app = build_app(backend)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("f2")
-        await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen))
+        await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen) and app.screen.query("#set-top_k"))
         screen = app.screen
 
         async def fill(field: str, value: str) -> None:
@@ -302,7 +302,10 @@ async def test_settings_are_validated_then_applied(build_app):
         await fill("top_p", "0.9")
         await fill("constraint", "[a-z")
         await save()
-        assert "constraint '[a-z'" in str(screen.query_one("#error").render())
+        # The regex compiles in a worker; its first compile imports the trie package (slow on a loaded box).
+        await wait_until(
+            pilot, lambda: "'[a-z'" in str(screen.query_one("#error").render()), what="the regex error", timeout=60
+        )
         assert backend.settings.top_k == 0  # nothing applied while invalid
         await fill("constraint", "[a-z]+")
         await fill("temperature", "0.7")
@@ -312,6 +315,29 @@ async def test_settings_are_validated_then_applied(build_app):
         s = backend.settings
         assert (s.temperature, s.top_k, s.top_p, s.routing_threshold) == (0.7, 40, 0.9, 0.25)
         assert backend.constraint == "[a-z]+"
+
+
+async def test_a_slow_regex_compiles_off_the_ui_thread_and_esc_cancels_it(build_app):
+    """Issue 17: F2 with `c{2500}` froze the UI (and ctrl+q) while the regex compiled on the UI thread."""
+    import chatapp.trie.regex  # noqa: F401  (a one-off import, slow on a busy box, is not what is measured here)
+
+    backend = ScriptedBackend()
+    app = build_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f2")
+        await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen) and app.screen.query("#set-constraint"))
+        screen = app.screen
+        screen.query_one("#set-constraint").value = "c{2600}"  # seconds to compile on a busy 2-core box
+        screen.query_one("#set-temperature").focus()
+        started = time.monotonic()
+        await pilot.press("enter")
+        assert "compiling" in str(screen.query_one("#error").render())
+        await pilot.press("escape")  # handled at once: the UI thread is free
+        await wait_until(pilot, lambda: not isinstance(app.screen, SettingsScreen), timeout=5)
+        assert time.monotonic() - started < 5  # the compile alone takes longer; esc does not wait for it
+        assert backend.constraint is None  # cancelled: nothing applied
+        await pilot.pause(0.2)
+        assert backend.constraint is None
 
 
 async def test_export_writes_markdown_and_json(build_app):

@@ -6,9 +6,10 @@ compiled by the backend. Nothing changes unless everything is valid.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical
@@ -69,6 +70,7 @@ class SettingsScreen(ModalScreen[SettingsChoice | None]):
     def __init__(self, backend: ChatBackend) -> None:
         super().__init__()
         self._backend = backend
+        self._cancel: threading.Event | None = None  # set while a regex compiles in the worker
 
     def compose(self) -> ComposeResult:
         settings = self._backend.settings
@@ -95,9 +97,48 @@ class SettingsScreen(ModalScreen[SettingsChoice | None]):
     def save(self) -> None:
         values = {spec.name: self.query_one(f"#set-{spec.name}", Input).value for spec in _FIELDS}
         constraint = self.query_one("#set-constraint", Input).value.strip() or None
+        if self._cancel is not None:
+            return  # a compile is already running
         try:
             settings = parse_settings(self._backend.settings, values)
-            self._backend.configure(settings, constraint)
+        except ChatappError as err:
+            self.show_error(err)
+            return
+        if constraint is None:
+            self._apply(settings, constraint)
+            return
+        # A regex may take seconds to compile (within its budget): never on the UI thread, and esc cancels it.
+        self._cancel = threading.Event()
+        error = self.query_one("#error", Static)
+        error.update("compiling the regex... (esc cancels)")
+        error.display = True
+        self._compile(settings, constraint, self._cancel)
+
+    @work(thread=True, exclusive=True, group="compile-regex")
+    def _compile(self, settings: GenerationSettings, constraint: str, cancel: threading.Event) -> None:
+        from chatapp.trie.budget import CompileBudget, metered
+        from chatapp.trie.regex import compile_regex
+
+        try:
+            with metered(f"regex {constraint!r}", CompileBudget(cancel=cancel)):
+                compile_regex(constraint)
+        except ChatappError as err:
+            if not cancel.is_set():
+                self.app.call_from_thread(self._compiled, settings, constraint, err)
+            return
+        if not cancel.is_set():
+            self.app.call_from_thread(self._compiled, settings, constraint, None)
+
+    def _compiled(self, settings: GenerationSettings, constraint: str, err: ChatappError | None) -> None:
+        self._cancel = None
+        if err is not None:
+            self.show_error(err)
+            return
+        self._apply(settings, constraint)
+
+    def _apply(self, settings: GenerationSettings, constraint: str | None) -> None:
+        try:
+            self._backend.configure(settings, constraint)  # the regex, if any, is compiled and cached by now
         except ChatappError as err:
             self.show_error(err)
             return
@@ -110,4 +151,7 @@ class SettingsScreen(ModalScreen[SettingsChoice | None]):
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
+        if self._cancel is not None:
+            self._cancel.set()  # the worker stops at its compile's next tick
+            self._cancel = None
         self.dismiss(None)

@@ -1,0 +1,172 @@
+"""Limits on what a request may ask for, checked before any work starts, shared by quick and batch mode.
+
+Each check raises a `ChatappError` naming the input and the limit, so a hostile or mistyped input costs a message,
+not minutes of tokenizing or compiling, gigabytes of rows, or a traceback. The numeric ranges of the sampling
+settings live with `GenerationSettings` (every entry point builds one); this module holds the rest: text that is not
+Unicode, prompt size, samples per line, and the size of regex and JSON-schema constraints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from chatapp.errors import BatchFileError, ChatappError, ConstraintError, SettingsError
+
+MAX_SAMPLES = 1024
+"""Samples one request (a batch line, `--samples`) may ask for: each sample is a row held until it is written."""
+
+MAX_REGEX_CHARS = 10_000
+"""Longest regex constraint, in characters."""
+
+MAX_SCHEMA_CHARS = 100_000
+"""Longest JSON-schema constraint, as compact JSON text."""
+
+MAX_SCHEMA_DEPTH = 32
+"""Deepest nesting of objects and arrays in a JSON-schema constraint."""
+
+
+def find_lone_surrogate(text: str) -> int | None:
+    """Index of the first lone surrogate in `text` (None if it is proper Unicode).
+
+    JSON's `"\\ud800"` escapes and command-line bytes that are not UTF-8 (Python maps them to U+DC80..U+DCFF) both
+    end up as surrogates, which no tokenizer, terminal or UTF-8 file can hold.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return err.start
+    return None
+
+
+def check_text(name: str, text: str, *, hint: str | None = None) -> None:
+    """`SettingsError` if `text` holds a lone surrogate (it is not valid Unicode, e.g. undecodable bytes)."""
+    index = find_lone_surrogate(text)
+    if index is not None:
+        code = ord(text[index])
+        what = f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= code <= 0xDCFF else (
+            f"a lone surrogate U+{code:04X}, which is not a Unicode character"
+        )
+        raise SettingsError(
+            f"{name} holds {what} (character {index + 1})",
+            hint=hint or f"pass {name} as UTF-8 text",
+        )
+
+
+def strings_in(value: Any) -> Iterable[str]:
+    """Every string (keys included) inside a parsed JSON value, without recursion (depth cannot overflow)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Sequence[Any] = list(item.values())
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_samples(samples: int, name: str = "samples") -> None:
+    if not 1 <= samples <= MAX_SAMPLES:
+        raise SettingsError(
+            f"{name} must be between 1 and {MAX_SAMPLES}, got {samples}",
+            hint=f"split the request into lines of at most {MAX_SAMPLES} samples",
+        )
+
+
+def check_regex_source(pattern: str) -> None:
+    """Size limit of a regex constraint, before it is parsed."""
+    check_text("the regex", pattern)
+    if len(pattern) > MAX_REGEX_CHARS:
+        raise ConstraintError(
+            f"the regex is {len(pattern):,} characters, more than the limit of {MAX_REGEX_CHARS:,}",
+            hint="use a shorter regex",
+        )
+
+
+def check_schema_source(schema: Any) -> None:
+    """Size and depth limits of a JSON-schema constraint, before it is compiled."""
+    depth = json_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ConstraintError(
+            f"the JSON schema is nested {depth} levels deep, more than the limit of {MAX_SCHEMA_DEPTH}",
+            hint="flatten the schema",
+        )
+    size = len(json.dumps(schema, separators=(",", ":")))
+    if size > MAX_SCHEMA_CHARS:
+        raise ConstraintError(
+            f"the JSON schema is {size:,} characters of JSON, more than the limit of {MAX_SCHEMA_CHARS:,}",
+            hint="use a smaller schema",
+        )
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters in the longest token string of `tokenizer` (at least 1).
+
+    A token's string is at least as long as the text it decodes to (byte-level BPE spells each byte as one character,
+    byte fallback as `<0xNN>`), so a prompt of more than context x this many characters cannot fit the context.
+    """
+    return max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
+
+
+def check_prompt_chars(chars: int, context_size: int, chars_per_token: int) -> None:
+    """Reject a prompt too long for the context before tokenizing it (tokenizing a long run without spaces is
+    quadratic: a 1 MB word takes minutes)."""
+    limit = context_size * max(1, chars_per_token)
+    if chars > limit:
+        raise SettingsError(
+            f"the prompt is {chars:,} characters; the model's context of {context_size:,} tokens holds at most "
+            f"{limit:,} (its longest token is {chars_per_token} characters)",
+            hint="shorten the prompt",
+        )
+
+
+def prompt_chars(prompt: str | None, messages: Sequence[Any] | None) -> int:
+    """Characters of user-supplied text in a request (every string inside its messages)."""
+    if prompt is not None:
+        return len(prompt)
+    return sum(len(text) for text in strings_in(list(messages or ())))
+
+
+def check_output_dir(path: str | Path, what: str) -> Path:
+    """An output directory that can be written, checked before hours of training or converting.
+
+    It may exist as a directory or not exist yet (with a parent that is a directory); anything else is refused.
+    """
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        raise BatchFileError(
+            f"the {what} {target} exists and is not a directory",
+            hint="pass a new directory (or an existing one) for the output",
+        )
+    parent = target
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise BatchFileError(f"cannot create the {what} {target}: {parent} is not a directory", hint="pick another path")
+    return target
+
+
+def describe(err: ChatappError) -> str:
+    """One line for a record: the message and its fix."""
+    return str(err).replace("\n  fix: ", "; fix: ")

@@ -1,0 +1,274 @@
+"""Issue 17, case by case: each input that gave a traceback, lost data or hung now gives a clear `ChatappError`."""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from chatapp.batch.output import FileSink, scan_output
+from chatapp.batch.requests import BatchDefaults, LineError, parse_line
+from chatapp.cli import app
+from chatapp.errors import BatchFileError, ChatappError, ConstraintError, HistoryError, ProgramError, SettingsError
+from chatapp.settings import GenerationSettings
+from chatapp.trie.json_schema import schema_to_regex
+from chatapp.trie.regex import compile_regex
+from chatapp.ttfa.source import load_program_source, parse_program_toml
+from chatapp.validation import check_output_dir, check_prompt_chars
+
+runner = CliRunner()
+
+
+def _error(text: str | bytes) -> str:
+    parsed = parse_line(1, text, BatchDefaults())
+    assert isinstance(parsed, LineError), parsed
+    return parsed.error
+
+
+# --- one batch line must not kill the batch ---------------------------------------------------------------------
+
+def test_a_line_of_100000_brackets_is_an_error_record() -> None:
+    assert "nested too deeply" in _error("[" * 100_000)
+
+
+def test_a_lone_surrogate_prompt_is_an_error_record() -> None:
+    assert "lone surrogate" in _error('{"id": 1, "prompt": "\\ud800"}')
+
+
+@pytest.mark.parametrize("field", ["top_k", "max_tokens", "seed", "samples"])
+def test_huge_integers_are_range_errors(field: str) -> None:
+    assert "between" in _error(json.dumps({"id": 1, "prompt": "hi", field: 10**20}))
+
+
+def test_a_billion_samples_is_refused_before_any_row_exists() -> None:
+    assert "between 1 and 1024" in _error('{"id": 1, "prompt": "hi", "samples": 1000000000}')
+
+
+def test_a_schema_400_deep_is_refused_by_its_depth() -> None:
+    schema: dict = {"type": "string"}
+    for _ in range(400):
+        schema = {"type": "array", "items": schema}
+    assert "nested 401 levels deep" in _error(json.dumps({"id": 1, "prompt": "hi", "json_schema": schema}))
+
+
+def test_an_error_record_with_a_surrogate_still_encodes() -> None:
+    from chatapp.batch.output import encode_record
+
+    assert json.loads(encode_record({"id": "\ud800", "line": 1, "error": "x"}))["id"] == "\ud800"
+
+
+# --- settings: one validation for quick and batch ----------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"temperature": math.nan}, {"temperature": math.inf}, {"top_p": math.nan}, {"top_k": 10**20}, {"seed": -1},
+     {"seed": 2**64}, {"max_tokens": 10**12}],
+)
+def test_settings_out_of_range_are_refused(changes: dict) -> None:
+    with pytest.raises(SettingsError):
+        GenerationSettings(**changes)
+
+
+def test_a_long_prompt_is_refused_before_tokenizing() -> None:
+    with pytest.raises(SettingsError, match="1,000,000 characters"):
+        check_prompt_chars(1_000_000, 256, 19)
+
+
+# --- constraints compile within budget ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pattern", ["a{99999}", "(a|b)*a(a|b){16}"])
+def test_explosive_regexes_fail_fast(pattern: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(ConstraintError, match="limit"):
+        compile_regex(pattern)
+    assert time.monotonic() - started < 30  # well under a second on a quiet machine; the budget caps it at 10 s
+
+
+def test_a_thousand_fold_repeat_compiles_quickly() -> None:
+    started = time.monotonic()
+    assert compile_regex("a{1000}").accepts(b"a" * 1000)
+    assert time.monotonic() - started < 30  # was 18 s on a quiet machine, now about 0.5 s
+
+
+def test_min_items_100000_is_refused_at_once() -> None:
+    with pytest.raises(ConstraintError, match="minItems"):
+        schema_to_regex({"type": "array", "items": {"type": "integer"}, "minItems": 100000})
+
+
+def test_a_deeply_nested_regex_is_a_constraint_error() -> None:
+    with pytest.raises(ConstraintError):
+        compile_regex("(" * 3000 + "a" + ")" * 3000)
+
+
+# --- --resume never truncates what is not a torn record ----------------------------------------------------------
+
+@pytest.mark.parametrize("data", [b"notes, no trailing newline", b"\x00\x01\x02binary", b'{"a": 1}', b"[1, 2]"])
+def test_resume_refuses_a_file_without_records_and_leaves_it(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(BatchFileError, match="left untouched"):
+        scan_output(path)
+    assert path.read_bytes() == data
+
+
+def test_resume_refuses_a_record_whose_sample_is_a_list(tmp_path: Path) -> None:
+    path = tmp_path / "out.jsonl"
+    data = b'{"id":"a","sample":[0],"text":"","finish_reason":"stop"}\n{"id":"b"'
+    path.write_bytes(data)
+    with pytest.raises(BatchFileError):
+        scan_output(path)
+    assert path.read_bytes() == data
+
+
+def test_resume_cuts_only_a_torn_record_after_a_valid_one(tmp_path: Path) -> None:
+    path = tmp_path / "out.jsonl"
+    good = b'{"id":"a","sample":0,"text":"","finish_reason":"stop"}\n'
+    path.write_bytes(good + b'{"id":"b","sam')
+    assert scan_output(path).truncated_bytes == 14
+    assert path.read_bytes() == good
+    path.write_bytes(good + b"trailing note")
+    with pytest.raises(BatchFileError):
+        scan_output(path)
+
+
+def test_resume_on_a_file_that_cannot_be_cut_is_refused(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "out.jsonl"
+    data = b'{"id":"a","sample":0,"text":"","finish_reason":"stop"}\n{"id":"b'
+    path.write_bytes(data)
+
+    real_open = Path.open
+
+    def immutable(self, mode="r", *args, **kwargs):
+        if mode == "r+b":
+            raise PermissionError(1, "Operation not permitted")
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", immutable)
+    with pytest.raises(BatchFileError, match="cannot cut"):
+        scan_output(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == data
+
+
+def test_writing_to_a_full_disk_is_a_batch_file_error() -> None:
+    sink = FileSink(Path("/dev/full"))
+    with pytest.raises(BatchFileError, match="No space left"):
+        sink.write({"id": 1, "line": 1, "error": "x"})
+    sink.close()
+
+
+# --- programs ------------------------------------------------------------------------------------------------------
+
+def test_a_program_file_with_invalid_utf8_is_a_program_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b'name = "x\xff"\n[[zones]]\nlabel = "a"\n')
+    with pytest.raises(ProgramError, match="UTF-8"):
+        load_program_source(path)
+
+
+def test_max_genned_per_zone_beyond_int64_is_refused() -> None:
+    with pytest.raises(ProgramError, match="max_genned_per_zone"):
+        parse_program_toml('max_genned_per_zone = 18446744073709551616\n[[zones]]\nlabel = "a"\n')
+
+
+# --- model configs and output paths --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("changes", [{"num_attention_heads": 0}, {"hidden_size": 0}, {"num_key_value_heads": 2}])
+def test_impossible_model_configs_are_refused(changes: dict) -> None:
+    from chatapp.stt.config import STTConfig
+
+    base = {"hidden_size": 12, "num_attention_heads": 3, "num_key_value_heads": 3, "num_hidden_layers": 2,
+            "intermediate_size": 8, "vocab_size": 16, "max_position_embeddings": 32}
+    with pytest.raises(Exception, match=r"must be|multiple"):
+        STTConfig(**{**base, **changes})
+
+
+def test_an_existing_file_as_output_directory_is_refused_before_work(tmp_path: Path) -> None:
+    target = tmp_path / "file"
+    target.write_text("x")
+    with pytest.raises(BatchFileError, match="not a directory"):
+        check_output_dir(target, "--out directory")
+    assert check_output_dir(tmp_path / "new" / "dir", "--out directory") == tmp_path / "new" / "dir"
+
+
+# --- history database ------------------------------------------------------------------------------------------------
+
+def test_a_directory_as_history_db_is_refused(tmp_path: Path) -> None:
+    from chatapp.ui.history import open_history
+
+    with pytest.raises(HistoryError, match="directory"):
+        open_history(tmp_path)
+
+
+def test_a_foreign_database_is_refused_and_untouched(tmp_path: Path) -> None:
+    from chatapp.ui.history import open_history
+
+    path = tmp_path / "other.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE stuff (a)")
+    db.commit()
+    db.close()
+    data = path.read_bytes()
+    with pytest.raises(HistoryError, match="left untouched"):
+        open_history(path)
+    assert path.read_bytes() == data
+
+
+def test_a_damaged_default_db_is_moved_aside_with_a_notice(tmp_path: Path) -> None:
+    from chatapp.ui.history import open_history
+
+    path = tmp_path / "history.sqlite3"
+    path.write_bytes(b"garbage")
+    with pytest.raises(HistoryError):
+        open_history(path, move_aside=False)  # a --db the user named: refused
+    store = open_history(path)
+    assert store.notice and "moved to" in store.notice
+    store.close()
+    aside = [p for p in tmp_path.iterdir() if ".damaged-" in p.name]
+    assert [p.read_bytes() for p in aside] == [b"garbage"]
+
+
+# --- the CLI: no traceback, non-zero exit, before any model loads -------------------------------------------------
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "hello \udcff"], "not UTF-8"),
+        (["generate", "hi", "--top-k", "99999999999999999999"], "top_k must be between"),
+        (["generate", "hi", "--temperature", "nan"], "finite"),
+        (["generate", "hi", "--seed", "-1"], "seed must be between"),
+    ],
+)
+def test_cli_refuses_bad_quick_input_cleanly(args: list[str], message: str) -> None:
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1
+    assert message in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_cli_convert_and_train_check_the_output_path_first(tmp_path: Path) -> None:
+    from chatapp.settings import default_model_dir
+
+    existing = tmp_path / "existing"
+    existing.write_text("keep me")
+    result = runner.invoke(app, ["convert", str(default_model_dir()), str(existing)])
+    assert result.exit_code == 1 and "already exists" in result.output
+    result = runner.invoke(app, ["train", "corpus.jsonl", "--out", str(existing), "--model", str(default_model_dir())])
+    assert result.exit_code == 1 and "not a directory" in result.output
+    assert existing.read_text() == "keep me"
+
+
+def test_cli_convert_of_a_plain_file_says_it_is_a_file(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    result = runner.invoke(app, ["convert", str(plain), str(tmp_path / "out")])
+    assert result.exit_code == 1 and "is a file, not a model directory" in result.output
+
+
+def test_no_chatapp_error_is_swallowed() -> None:
+    assert issubclass(HistoryError, ChatappError)
