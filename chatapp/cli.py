@@ -93,8 +93,8 @@ def info() -> None:
 
     import torch
 
-    from chatapp.models import default_model_dir
     from chatapp.models.loader import is_complete_model_dir
+    from chatapp.models.registry import default_model_name, model_listing
     from chatapp.settings import config_dir, data_dir, history_db_path
 
     def installed(package: str) -> str:
@@ -107,8 +107,7 @@ def info() -> None:
         device = f"cuda: {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} GPU(s))"
     else:
         device = f"cpu ({torch.get_num_threads()} threads)"
-    model_dir = default_model_dir()
-    present = is_complete_model_dir(model_dir)
+    default = next(entry for entry in model_listing() if entry.name == default_model_name())  # nothing is prepared
     rows = {
         "chatapp": __version__,
         "python": sys.version.split()[0],
@@ -119,7 +118,7 @@ def info() -> None:
         "config dir": str(config_dir()),
         "data dir": str(data_dir()),
         "history db": str(history_db_path()),
-        "default model": f"{model_dir} ({'present' if present else 'missing'})",
+        "default model": f"{default.path} ({'present' if is_complete_model_dir(default.path) else 'missing'})",
     }
     for key, value in rows.items():
         typer.echo(f"{key + ':':<15}{value}")
@@ -139,7 +138,7 @@ def models() -> None:
     for entry in model_listing():
         name = f"{entry.name} (default)" if entry.name == default_model_name() else entry.name
         table.add_row(name, entry.parameters, entry.context, entry.stt_layers, entry.state, str(entry.path))
-    Console(soft_wrap=True).print(table)
+    Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200).print(table)
 
 
 @app.command()

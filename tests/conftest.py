@@ -28,6 +28,8 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     """Config, data and history go to a per-test temporary CHATAPP_HOME."""
     monkeypatch.setenv("CHATAPP_HOME", str(tmp_path_factory.mktemp("chatapp_home")))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # Commands run without --model use the tiny model; the SmolLM2 default has its own tests (tests/models).
+    monkeypatch.setenv("CHATAPP_DEFAULT_MODEL", "tiny")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 

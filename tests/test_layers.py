@@ -21,6 +21,7 @@ ROOT = Path(chatapp.__file__).resolve().parent
 # through `ChatFormatLike` without importing `chat`, so the two share a level.
 LEVELS: list[set[str]] = [
     {"errors", "special_tokens"},
+    {"validation"},
     {"settings"},
     {"tools", "trie", "ttfa", "stt"},
     {"engine", "chat"},

@@ -30,11 +30,22 @@ def smollm2_model_dir() -> Path:
 MODELS: dict[str, Callable[[], Path]] = {"default": smollm2_model_dir, "tiny": tiny_model_dir}
 
 
+# Names the model used when none is given (e.g. `tiny` on a slow machine); unset, the choice below.
+DEFAULT_MODEL_ENV = "CHATAPP_DEFAULT_MODEL"
+
+
 def default_model_name() -> str:
-    """The model used when none is named: the SmolLM2 model when its weights package is installed (the set-up
-    installs it), else the tiny model, so a checkout without set-up still runs."""
+    """The model used when none is named: `$CHATAPP_DEFAULT_MODEL` when set, else the SmolLM2 model when its weights
+    package is installed (the set-up installs it), else the tiny model, so a checkout without set-up still runs."""
+    import os
+
     from chatapp.models.smollm2 import wheel_installed
 
+    chosen = os.environ.get(DEFAULT_MODEL_ENV)
+    if chosen:
+        if chosen not in MODELS:
+            raise ModelDirError(f"{DEFAULT_MODEL_ENV}={chosen!r} is not a model name", hint=f"use one of {', '.join(MODELS)}")
+        return chosen
     return "default" if wheel_installed() else "tiny"
 
 
@@ -52,8 +63,8 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
 
     A path must exist; whether it holds a usable checkpoint is checked when it is loaded (`check_model_dir`).
     """
-    if name_or_path is None:
-        return default_model_dir()
+    if name_or_path is None or name_or_path == "default":
+        return MODELS[default_model_name()]() if name_or_path is None else MODELS["default"]()
     if isinstance(name_or_path, str) and name_or_path in MODELS:
         return MODELS[name_or_path]()
     path = Path(name_or_path).expanduser()

@@ -176,7 +176,7 @@ def test_any_bytes_in_a_model_dir_file_are_a_model_dir_error(tmp_path_factory, d
     import shutil
 
     from chatapp.models.loader import check_model_dir, load_model
-    from chatapp.settings import default_model_dir
+    from chatapp.models.registry import tiny_model_dir as default_model_dir
 
     folder = tmp_path_factory.mktemp("model")
     for file in ("config.json", "tokenizer.json"):

@@ -252,7 +252,7 @@ def test_cli_refuses_bad_quick_input_cleanly(args: list[str], message: str) -> N
 
 
 def test_cli_convert_and_train_check_the_output_path_first(tmp_path: Path) -> None:
-    from chatapp.settings import default_model_dir
+    from chatapp.models.registry import tiny_model_dir as default_model_dir
 
     existing = tmp_path / "existing"
     existing.write_text("keep me")

@@ -21,7 +21,9 @@ def logits_of(model: STTForCausalLM, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_config_defaults_follow_the_reference_and_round_trip(tmp_path):
-    config = STTConfig(num_hidden_layers=6, hidden_size=64, num_attention_heads=4, intermediate_size=64)
+    config = STTConfig(
+        num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64
+    )
     assert config.stt_layers == [1, 3, 5]
     assert (config.capacity, config.g_threshold, config.ma_window) == (0.5, 0.75, 100)
     assert (config.tpn_loss_weight, config.causal_loss_weight, config.g_reg_loss_weight) == (0.05, 0.01, 0.001)

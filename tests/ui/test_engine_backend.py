@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from chatapp.cli import app as cli
 from chatapp.errors import ConstraintError, ProgramError
-from chatapp.models import default_model_dir
+from chatapp.models import registry
 from chatapp.settings import GenerationSettings
 from chatapp.ui import make_app
 from chatapp.ui.app import close_backend
@@ -128,7 +128,7 @@ def test_run_reports_a_bad_program_file(tiny_model_dir, tmp_path):
     assert "bad.toml" in result.output and "Traceback" not in result.output
 
 
-DEFAULT_MODEL = default_model_dir()
+DEFAULT_MODEL = registry.tiny_model_dir()
 
 
 @pytest.mark.skipif(
