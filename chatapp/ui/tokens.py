@@ -25,7 +25,9 @@ _MARKER_NAMES = {
     "user_start": "user",
     "user_end": "/user",
     "bos": "bos",
-    # SmolLM2's tool markers (the default model's tool protocol).
+    # ChatML (SmolLM2, Qwen) turn markers, and SmolLM2's tool markers (the default model's tool protocol).
+    "im_start": "start",
+    "im_end": "end",
     "jupyter_code": "python",
     "jupyter_output": "output",
     "jupyter_text": "/output",
