@@ -19,7 +19,8 @@ def test_markers_are_readable_never_raw():
     assert marker("<|output_end|>") == "⟨/output⟩"
     assert marker("<|assistant_end|>") == "⟨end⟩"
     assert marker("<think>") == "⟨think⟩"
-    assert marker("<|im_end|>") == "⟨im_end⟩"
+    assert marker("<|im_end|>") == "⟨end⟩"  # ChatML turn markers read like nanochat's
+    assert marker("<jupyter_code>") == "⟨python⟩"  # SmolLM2's tool markers
     for event in calculator_answer() + think_answer():
         assert "<|" not in display_text(event)
 
