@@ -31,7 +31,7 @@ from typing import Any, Literal
 from tokenizers import Tokenizer
 
 from chatapp.errors import ConversationError, ModelDirError
-from chatapp.special_tokens import CHAT_TOKENS
+from chatapp.special_tokens import ASSISTANT_END, CHAT_TOKENS, OUTPUT_END, OUTPUT_START, PYTHON_END, PYTHON_START
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 
 # tokenizer_config.json key naming a checkpoint's tool markers (written by the default model's preparation).
@@ -173,6 +173,8 @@ class ChatFormat:
     """
 
     supports_tools = True
+    # Built-in TTFA programs are written with this format's own token names: nothing to translate.
+    program_aliases: dict[str, str] = {}
     tool_markers: ToolMarkers | None = NANOCHAT_TOOL_MARKERS
 
     bos_id: int
@@ -320,6 +322,21 @@ class TemplateChatFormat:
         self.assistant_end_id: int | None = turn_end_id if turn_end_id is not None else eos_id
         candidates = [turn_end_id, eos_id, *stop_token_ids]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in candidates if i is not None))
+
+    @property
+    def program_aliases(self) -> dict[str, str]:
+        """nanochat's token names (what built-in TTFA programs are written with) -> this format's tokens."""
+        aliases: dict[str, str] = {}
+        if self.assistant_end_id is not None and (end := self.tokenizer.id_to_token(self.assistant_end_id)):
+            aliases[ASSISTANT_END] = end
+        if (markers := self.tool_markers) is not None:
+            aliases |= {
+                PYTHON_START: markers.call_start,
+                PYTHON_END: markers.call_end,
+                OUTPUT_START: markers.output_opener,
+                OUTPUT_END: markers.output_end,
+            }
+        return aliases
 
     def _bind_tool_markers(self, markers: ToolMarkers | None, source: str) -> None:
         """Resolve the tool markers to ids; a checkpoint without them (or whose tokenizer lacks one) has no tools."""

@@ -177,7 +177,8 @@ TokenizerOption = Annotated[
 
 
 def _program_tokenizer(tokenizer: str | None):
-    """The tokenizer a program is compiled for: a tokenizer.json, a model directory or name, or the default model's."""
+    """The tokenizer a program is compiled for (a tokenizer.json, a model directory or name, or the default model's)
+    and, for a model directory, its chat format's token-name aliases."""
     from pathlib import Path
 
     from tokenizers import Tokenizer
@@ -186,14 +187,24 @@ def _program_tokenizer(tokenizer: str | None):
     from chatapp.models.registry import is_registered, resolve_model
 
     path = resolve_model(tokenizer) if is_registered(tokenizer) else Path(str(tokenizer)).expanduser()
-    if path.is_dir():
+    model_dir = path if path.is_dir() else None
+    if model_dir is not None:
         path = path / "tokenizer.json"
     try:
-        return Tokenizer.from_file(str(path))
+        loaded = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for missing or malformed files
         raise ModelDirError(
             f"cannot read tokenizer {path}: {err}", hint="pass --tokenizer PATH (a tokenizer.json or a model directory)"
         ) from None
+    aliases: dict[str, str] = {}
+    if model_dir is not None:
+        from chatapp.chat import chat_format_for
+
+        try:
+            aliases = chat_format_for(loaded, model_dir).program_aliases
+        except ModelDirError:  # no chat format: the program's names are taken as they are
+            aliases = {}
+    return loaded, aliases
 
 
 @program_app.command("show")
@@ -204,8 +215,8 @@ def program_show(
     """Print a compiled program, one zone per line: feed tokens, triggers, jumps, budgets, tags."""
     from chatapp.ttfa import disassemble, load_program
 
-    vocab = _program_tokenizer(tokenizer)
-    compiled = load_program(program, vocab)
+    vocab, aliases = _program_tokenizer(tokenizer)
+    compiled = load_program(program, vocab, aliases)
     typer.echo(disassemble(compiled, vocab))
     for warning in compiled.warnings:
         err_console.print(f"warning: {warning}", markup=False, soft_wrap=True)
@@ -219,7 +230,7 @@ def program_check(
     """Compile a program and report `ok` (plus any warnings), or its first error as FILE:LINE (exit code 1)."""
     from chatapp.ttfa import load_program
 
-    compiled = load_program(file, _program_tokenizer(tokenizer))
+    compiled = load_program(file, *_program_tokenizer(tokenizer))
     for warning in compiled.warnings:
         err_console.print(f"warning: {warning}", markup=False, soft_wrap=True)
     typer.echo(f"ok: {compiled.name} ({len(compiled.zones)} zones, {len(compiled.warnings)} warnings)")
@@ -304,7 +315,7 @@ def generate(
     if program is not None:
         from chatapp.ttfa import load_program
 
-        compiled = load_program(program, engine.tokenizer)
+        compiled = load_program(program, engine.tokenizer, engine.chat_format.program_aliases)
     constraint = engine.constraint(regex=regex, json_schema=schema) if regex or schema is not None else None
     exact = None if sys.stdout.isatty() else sys.stdout
     console = Console(highlight=False) if exact is None else err_console

@@ -75,6 +75,7 @@ class ModelPreparer:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.aliases = engine.chat_format.program_aliases
         self.chat_format = engine.chat_format
         self.context_size = int(engine.context_size)
         self.vocab_size = int(engine.model.config.vocab_size)
@@ -100,7 +101,7 @@ class ModelPreparer:
             from chatapp.ttfa import load_program
 
             try:
-                self._programs[name] = load_program(name, self.tokenizer)
+                self._programs[name] = load_program(name, self.tokenizer, self.aliases)
             except ProgramError as err:
                 self._programs[name] = err
         program = self._programs[name]

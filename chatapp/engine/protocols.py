@@ -18,6 +18,7 @@ class ChatFormatLike(Protocol):
 
     supports_tools: bool
     assistant_end_id: int | None
+    program_aliases: dict[str, str]  # nanochat token names -> this format's (for TTFA programs)
     stop_token_ids: tuple[int, ...]
 
     def encode_text(self, text: str) -> list[int]: ...

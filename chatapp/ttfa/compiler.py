@@ -20,6 +20,8 @@ semantics leave to the compiler:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from tokenizers import Tokenizer
 
 from chatapp.errors import ProgramError
@@ -32,9 +34,9 @@ HALT = "halt"
 
 
 class _Compiler:
-    def __init__(self, source: ProgramSource, tokenizer: Tokenizer) -> None:
+    def __init__(self, source: ProgramSource, tokenizer: Tokenizer, aliases: Mapping[str, str] | None = None) -> None:
         self.source = source
-        self.vocab = TokenVocab(tokenizer)
+        self.vocab = TokenVocab(tokenizer, aliases)
         self.warnings: list[str] = []
 
     def error(self, message: str, zone: ZoneSource | None = None, key: str | None = None, hint: str | None = None):
@@ -281,6 +283,7 @@ class _Compiler:
         return [c for c in continuations if self.vocab.encode(text + c)[: len(tokens)] != tokens]
 
 
-def compile_program(source: ProgramSource, tokenizer: Tokenizer) -> Program:
-    """Compile `source` for `tokenizer`; raises `ProgramError` naming the file, line and zone at fault."""
-    return _Compiler(source, tokenizer).compile()
+def compile_program(source: ProgramSource, tokenizer: Tokenizer, aliases: Mapping[str, str] | None = None) -> Program:
+    """Compile `source` for `tokenizer` (token names through `aliases`, see `TokenVocab`); raises `ProgramError`
+    naming the file, line and zone at fault."""
+    return _Compiler(source, tokenizer, aliases).compile()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -35,6 +36,7 @@ def load_program_source_by_name(name_or_path: str | Path) -> ProgramSource:
     return load_program_source(program_path(name_or_path))
 
 
-def load_program(name_or_path: str | Path, tokenizer: Tokenizer) -> Program:
-    """Load a built-in program by name (chat, think, calc, json) or a `.toml` file, compiled for `tokenizer`."""
-    return compile_program(load_program_source_by_name(name_or_path), tokenizer)
+def load_program(name_or_path: str | Path, tokenizer: Tokenizer, aliases: Mapping[str, str] | None = None) -> Program:
+    """Load a built-in program by name (chat, think, calc, json) or a `.toml` file, compiled for `tokenizer`; a chat
+    format's `program_aliases` let a program written with nanochat's token names run on its model."""
+    return compile_program(load_program_source_by_name(name_or_path), tokenizer, aliases)

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cached_property
 
 from tokenizers import Tokenizer
 
 
 class TokenVocab:
-    """Token texts of a `tokenizers.Tokenizer`, for resolving token names and `contains` sets."""
+    """Token texts of a `tokenizers.Tokenizer`, for resolving token names and `contains` sets.
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    `aliases` maps a token name a program may use to this tokenizer's token for it: built-in programs are written
+    with nanochat's names (`<|python_start|>`, `<|assistant_end|>`), and a chat format whose tool markers and turn end
+    are other tokens (SmolLM2: `<jupyter_code>`, `<|im_end|>`) supplies the map, so one program runs on both.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, aliases: Mapping[str, str] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.aliases = dict(aliases or {})
         self.size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)
 
@@ -21,11 +28,14 @@ class TokenVocab:
         return tuple(self.tokenizer.decode_batch([[i] for i in range(self.size)], skip_special_tokens=False))
 
     def encode(self, text: str) -> list[int]:
-        """Canonical tokenization; special-token names in `text` become their special tokens."""
+        """Canonical tokenization; special-token names in `text` (aliases applied) become their special tokens."""
+        for name, token in self.aliases.items():
+            text = text.replace(name, token)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def token(self, name: str) -> int | None:
         """The one token whose text is `name`: a special/added token by name, else the ordinary token."""
+        name = self.aliases.get(name, name)
         if (special := self.tokenizer.token_to_id(name)) is not None and special in self.special_ids:
             return special
         ids = self.encode(name)

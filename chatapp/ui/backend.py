@@ -189,7 +189,7 @@ class EngineBackend(BackendState):
             return None
         from chatapp.ttfa import load_program
 
-        program = load_program(name_or_path, self._engine.tokenizer)
+        program = load_program(name_or_path, self._engine.tokenizer, self._engine.chat_format.program_aliases)
         self._program_object = program
         self._program = ProgramInfo(name=name_or_path, tags=tuple(program.tag_names))
         return self._program

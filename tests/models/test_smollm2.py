@@ -146,3 +146,14 @@ def test_long_conversation_fits_the_8k_context(model_dir: Path) -> None:
     [result] = engine.generate_batch([prompt], GenerationSettings(max_tokens=24))
     assert result.finish_reason == "stop", result
     assert "144" in result.text
+
+
+def test_builtin_calc_program_runs_on_the_models_own_tool_markers(model_dir: Path) -> None:
+    """Built-in programs are written with nanochat's names; the chat format's aliases map them to SmolLM2's tokens
+    (`<|python_start|>` -> `<jupyter_code>`, `<|assistant_end|>` -> `<|im_end|>`)."""
+    result = CliRunner().invoke(app, ["program", "show", "calc", "--tokenizer", str(model_dir)])
+    assert result.exit_code == 0, result.output
+    assert '"<jupyter_code>"' in result.output and '"<|im_end|>"' in result.output
+    out = generate("What is 12*34?", "--model", str(model_dir), "--program", "calc")
+    assert out.startswith("<jupyter_code>")  # forced by the program's first zone
+    assert "408" in out
