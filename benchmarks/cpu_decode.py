@@ -36,28 +36,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from _formats import NoStopFormat
 
 from chatapp.engine.engine import Engine
 from chatapp.settings import GenerationSettings
 from chatapp.stt import STTForCausalLM
 from chatapp.stt.weights import FORMATS, Int8Linear, prepare_weights
-
-
-class NoStopFormat:
-    """A chat format without stop tokens, so every side generates exactly the tokens asked for."""
-
-    supports_tools = False
-    assistant_end_id = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
 
 
 # ----------------------------------------------------------------------------------------------------- inputs

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _formats import NoStopFormat
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from chatapp.engine.engine import Engine
@@ -51,24 +52,6 @@ GPU_SHAPE = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=True,
 )
-
-
-class NoStopFormat:
-    """A chat format with no stop tokens, so both sides produce exactly NEW_TOKENS tokens. The benchmark passes
-    token ids, so the engine never asks it to render a conversation."""
-
-    supports_tools = False
-    assistant_end_id = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
 
 
 @dataclass

