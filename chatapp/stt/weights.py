@@ -1,4 +1,5 @@
-"""Weight formats for inference: float32, bfloat16, and int8 weight-only with per-output-channel scales.
+"""Weight formats for inference: float32, bfloat16, int8 weight-only with per-output-channel scales, and int4
+weight-only in groups.
 
 On a CPU a decode step of a model that does not fit in the cache is a stream of weight reads: every projection
 is a matrix-vector product whose time is the bytes of its weight over the memory bandwidth. Halving the bytes
@@ -12,6 +13,12 @@ is loaded (`prepare_weights`); nothing is converted per step.
   (`torch._weight_int8pack_mm`, activations in bfloat16). Everything else (embeddings, norms, routers, the KV
   cache) is bfloat16. Prefill-sized inputs (more than `DEQUANT_ROWS` rows) dequantize the weight to bfloat16 and
   run a plain matrix product instead: there the product is compute-bound and the weight-only kernel is slower.
+- "int4": as int8, but the projections and the LM head hold 4-bit weights in groups of `INT4_GROUP` input
+  channels, each group with its own scale and offset (asymmetric, the layout of llama.cpp's Q4_1, which is what
+  the default model's GGUF ships), run by torch's CPU int4 kernel (`torch._weight_int4pack_mm_for_cpu`) at every
+  batch size (it packs nibbles in its own layout, so there is no cheap dequantized copy for prefill). It halves
+  int8's bytes again; the LM head, the largest matrix of a small model, gains most. A projection of a shape the
+  kernel does not take (see `Int4Linear.fits`) stays in bfloat16.
 
 `auto` picks per device (see `default_format`): measured in benchmarks/cpu_decode.py and recorded in the README.
 """
@@ -24,11 +31,14 @@ from torch import nn
 
 from chatapp.errors import ChatappError
 
-FORMATS = ("float32", "bfloat16", "int8")
-_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "q8": "int8", "int8": "int8"}
+FORMATS = ("float32", "bfloat16", "int8", "int4")
+_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "q8": "int8", "q4": "int4"}
 
 # Above this many rows (tokens x batch) an int8 projection dequantizes and runs a dense bfloat16 product.
 DEQUANT_ROWS = 48
+
+# Input channels per int4 scale/offset pair: Q4_1's block size.
+INT4_GROUP = 32
 
 # A model whose float32 weights exceed this is bound by weight reads at decode on a CPU; below it the weights
 # stay in the CPU's caches and float32 is as fast as int8 (and exact).
@@ -111,23 +121,94 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def quantize_int4(weight: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int32 (N, K) in [0, 15], scales_and_zeros (K / group, N, 2)): asymmetric round-to-nearest per group of
+    `group` input channels, in the layout of torch's int4 kernels: w ~= (q - 8) * scale + zero.
+
+    Each group's range [min, max] maps onto the 16 levels; the scale and offset are rounded to `dtype` first, so
+    their rounding is part of the quantization. (Clipping each group's range by the factor of least squared
+    error, llama.cpp's k-quant idea on one axis, moved the default model's greedy agreement by 0.2 points: not
+    worth its code.)
+    """
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    scales = ((high - low) / 15).clamp_min(1e-12).to(dtype).float()
+    zeros = (low + 8 * scales).to(dtype).float()  # the value of level 8, the kernel's midpoint
+    q = torch.round((w - zeros[..., None]) / scales[..., None] + 8).clamp_(0, 15).to(torch.int32).reshape(n, k)
+    scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).to(dtype).contiguous()
+    return q, scales_and_zeros
+
+
+class Int4Linear(nn.Module):
+    """A weight-only int4 `nn.Linear` in groups (see the module docstring). CPU only: the packed layout is the CPU
+    kernel's."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP) -> None:
+        super().__init__()
+        q, scales_and_zeros = quantize_int4(weight, group, torch.bfloat16)
+        self.out_features, self.in_features = q.shape
+        self.group = group
+        self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: int = INT4_GROUP) -> Int4Linear:
+        return cls(linear.weight, linear.bias, group)
+
+    @staticmethod
+    def fits(linear: nn.Linear, group: int = INT4_GROUP) -> bool:
+        """Whether the kernel takes this projection's shape (input width a multiple of the group, output width a
+        multiple of 16)."""
+        return linear.in_features % group == 0 and linear.out_features % 16 == 0
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (N, K), read back through the kernel (an identity input): for code that reads
+        `.weight` of a projection; costs a full product."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight_int4.device)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.weight_int4, self.group, self.scales_and_zeros).t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        out = torch._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group, self.scales_and_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
+
+
+def quantized(linear: nn.Linear, fmt: str) -> nn.Module:
+    """`linear` in weight-only format `fmt` ("int8" or "int4"; an int4-incompatible shape stays as it is)."""
+    if fmt == "int8":
+        return Int8Linear.from_linear(linear, torch.bfloat16)
+    return Int4Linear.from_linear(linear) if Int4Linear.fits(linear) else linear
+
+
 def prepare_weights(model: nn.Module, fmt: str) -> nn.Module:
     """Put an STTForCausalLM's weights in format `fmt` in place (once, at load) and return it.
 
-    Int8 replaces the q/k/v/o and MLP projections of every layer and the LM head (a tied head gets its own int8
-    copy; the embedding table stays bfloat16, since a lookup only reads one row). Routers, the TPN and norms are
-    left in bfloat16: they are small, and the causal router's threshold decides which tokens run.
+    Int8 and int4 replace the q/k/v/o and MLP projections of every layer and the LM head (a tied head gets its own
+    quantized copy; the embedding table stays bfloat16, since a lookup only reads one row). Routers, the TPN and
+    norms are left in bfloat16: they are small, and the causal router's threshold decides which tokens run.
     """
     fmt = parse_format(fmt) or "float32"
+    if fmt == "int4" and model.device.type != "cpu":
+        raise WeightFormatError(
+            f"the int4 format runs on the CPU only, not on {model.device.type}", hint="use --dtype int8 or bfloat16"
+        )
     model.to(dtype=activation_dtype(fmt))
-    if fmt == "int8":
-        dtype = torch.bfloat16
+    if fmt in ("int8", "int4"):
         for layer in model.model.layers:
             for parent in (layer.self_attn, layer.mlp):
                 for name, child in list(parent.named_children()):
                     if isinstance(child, nn.Linear):
-                        setattr(parent, name, Int8Linear.from_linear(child, dtype))
-        model.lm_head = Int8Linear.from_linear(model.lm_head, dtype)
+                        setattr(parent, name, quantized(child, fmt))
+        model.lm_head = quantized(model.lm_head, fmt)
     model.weight_format = fmt
     return model
 

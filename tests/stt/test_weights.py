@@ -16,9 +16,12 @@ import torch.nn.functional as F
 from chatapp.errors import ChatappError
 from chatapp.stt.weights import (
     DEQUANT_ROWS,
+    INT4_GROUP,
+    Int4Linear,
     Int8Linear,
     parse_format,
     prepare_weights,
+    quantize_int4,
     quantize_int8,
     weight_format,
 )
@@ -29,13 +32,14 @@ LOGIT_TOLERANCE = 0.15  # largest |logit - float32 logit|, x the float32 logits'
 NORM_TOLERANCE = 0.05  # |logits - float32 logits| / |float32 logits|, per step
 
 
-def spread_model(seed: int = 3):
-    return routed_model(seed=seed, initializer_range=0.05)
+def spread_model(seed: int = 3, **overrides):
+    return routed_model(seed=seed, initializer_range=0.05, **overrides)
 
 
 def test_parse_format_accepts_names_and_aliases() -> None:
     assert parse_format(None) is None and parse_format("auto") is None
     assert parse_format("fp32") == "float32" and parse_format("BF16") == "bfloat16" and parse_format("int8") == "int8"
+    assert parse_format("q4") == "int4" and parse_format(" INT4 ") == "int4"
     with pytest.raises(ChatappError, match="unknown weight format 'fp8'"):
         parse_format("fp8")
 
@@ -59,6 +63,41 @@ def test_int8_linear_equals_its_dequantized_weight(rows: int) -> None:
     expected = F.linear(x.float(), int8.weight.float(), int8.bias.float())
     torch.testing.assert_close(int8(x).float(), expected, rtol=0.02, atol=0.02)
     assert int8(x[None]).shape == (1, rows, 48)
+
+
+def test_quantize_int4_rounds_each_group_to_its_nearest_level() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(8, 4 * INT4_GROUP) * torch.logspace(-2, 1, 4 * INT4_GROUP)  # groups of different ranges
+    q, scales_and_zeros = quantize_int4(weight, INT4_GROUP, torch.float32)
+    assert q.min() >= 0 and q.max() <= 15 and scales_and_zeros.shape == (4, 8, 2)
+    scales = scales_and_zeros[..., 0].t().repeat_interleave(INT4_GROUP, dim=1)
+    zeros = scales_and_zeros[..., 1].t().repeat_interleave(INT4_GROUP, dim=1)
+    error = (weight - ((q - 8) * scales + zeros)).abs()
+    assert (error <= scales / 2 + 1e-5).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 80])
+def test_int4_linear_equals_its_dequantized_weight(rows: int) -> None:
+    """The kernel computes x @ W.T + b for the dequantized W, at decode and prefill sizes alike."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    int4 = Int4Linear.from_linear(linear)
+    q, scales_and_zeros = quantize_int4(linear.weight, INT4_GROUP, torch.bfloat16)
+    dequantized = (q.float() - 8).view(48, 2, INT4_GROUP) * scales_and_zeros[..., 0].t().float()[..., None]
+    dequantized = (dequantized + scales_and_zeros[..., 1].t().float()[..., None]).view(48, 64)
+    torch.testing.assert_close(int4.weight.float(), dequantized, rtol=0.01, atol=0.01)
+    x = torch.randn(rows, 64).bfloat16()
+    expected = F.linear(x.float(), dequantized, int4.bias.float())
+    torch.testing.assert_close(int4(x).float(), expected, rtol=0.02, atol=0.03)
+    assert int4(x[None]).shape == (1, rows, 48)
+
+
+def test_int4_keeps_shapes_its_kernel_cannot_take_dense() -> None:
+    assert Int4Linear.fits(torch.nn.Linear(64, 48)) and not Int4Linear.fits(torch.nn.Linear(40, 48))
+    assert not Int4Linear.fits(torch.nn.Linear(64, 40))
+    model = prepare_weights(routed_model(seed=1, hidden_size=48, intermediate_size=96), "int4")
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp.gate_proj, torch.nn.Linear) and isinstance(mlp.down_proj, Int4Linear)  # 48 in; 96 in
 
 
 @torch.no_grad()
@@ -87,6 +126,25 @@ def test_lossy_formats_stay_close_to_float32(fmt: str, routing: str) -> None:
     assert got_tokens == want_tokens
 
 
+@pytest.mark.parametrize("routing", ["off", "student"])
+def test_int4_model_computes_its_dequantized_weights(routing: str) -> None:
+    """int4's rounding is too coarse for a random model's logits to stay near float32's (16 levels a group, on
+    weights with no structure; the real model's guard is in benchmarks/cpu_decode.py). What it must do is compute
+    exactly the model of its dequantized weights, in bfloat16: that checks the kernel, the packing and the plumbing.
+    """
+    converted = prepare_weights(spread_model(vocab_size=320), "int4")
+    reference = spread_model(vocab_size=320)
+    with torch.no_grad():
+        for name, module in converted.named_modules():
+            if isinstance(module, Int4Linear):
+                reference.get_submodule(name).weight.copy_(module.weight.float())
+    prompt = [5, 17, 42, 9, 111, 7, 250, 3]
+    want, want_tokens = greedy(reference, prompt, 8, routing)
+    got, got_tokens = greedy(converted, prompt, 8, routing)
+    assert (got - want).abs().max().item() <= LOGIT_TOLERANCE * want.std().item()
+    assert got_tokens == want_tokens
+
+
 def test_int8_replaces_every_projection_and_the_tied_head() -> None:
     model = prepare_weights(spread_model(), "int8")
     projections = [m for m in model.modules() if isinstance(m, Int8Linear)]
@@ -95,6 +153,15 @@ def test_int8_replaces_every_projection_and_the_tied_head() -> None:
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     router = model.model.layers[model.stt_layer_indices[0]].causal_router
     assert isinstance(router.up, torch.nn.Linear)  # routers stay dense
+
+
+def test_int4_replaces_every_projection_and_the_tied_head() -> None:
+    model = prepare_weights(spread_model(), "int4")
+    assert len([m for m in model.modules() if isinstance(m, Int4Linear)]) == 7 * model.config.num_hidden_layers
+    assert isinstance(model.lm_head, torch.nn.Linear)  # a vocabulary of 300 rows: not a multiple of 16
+    head = prepare_weights(routed_model(vocab_size=320), "int4").lm_head
+    assert isinstance(head, Int4Linear) and head.out_features == 320
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
 def test_default_format_by_size() -> None:
