@@ -47,14 +47,18 @@ class KVCache:
         hidden_size: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """`dtype` is the activations' (the routers' stored x_{t-1}); `kv_dtype` the keys' and values', `dtype` by
+        default."""
         if max_len < 1 or batch_size < 0:
             raise ValueError(f"bad cache shape: batch_size={batch_size}, max_len={max_len}")
         self.max_len = max_len
         self.batch_size = batch_size
         shape = (batch_size, max_len + 1, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        kv_dtype = kv_dtype or dtype
+        self.keys = [torch.zeros(shape, device=device, dtype=kv_dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=kv_dtype) for _ in range(num_layers)]
         # Absolute position of every entry (trash slot included); int32 keeps the mask inputs small.
         self.positions = torch.zeros(num_layers, batch_size, max_len + 1, device=device, dtype=torch.int32)
         self.lengths = torch.zeros(num_layers, batch_size, device=device, dtype=torch.long)
@@ -64,6 +68,10 @@ class KVCache:
         self.host_bound = 0
 
     # ----------------------------------------------------------------------------------------------- properties
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.keys[0].dtype if self.keys else self.prev_hidden.dtype
+
     @property
     def device(self) -> torch.device:
         return self.seen.device

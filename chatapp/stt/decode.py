@@ -95,7 +95,7 @@ def step_state(model, cache: KVCache, span: int) -> StepState:
     grown = cache.lengths + 1
     slot_ids = torch.arange(span, device=device)
     visible = (slot_ids < grown[..., None])[:, :, None, None, :]
-    bias = torch.zeros(visible.shape, device=device, dtype=model.dtype).masked_fill_(~visible, float("-inf"))
+    bias = torch.zeros(visible.shape, device=device, dtype=cache.kv_dtype).masked_fill_(~visible, float("-inf"))
     rows = torch.arange(cache.batch_size, device=device)
     return StepState(cos=cos, sin=sin, rows=rows, visible=visible, bias=bias, grown=grown, span=span)
 
@@ -103,35 +103,36 @@ def step_state(model, cache: KVCache, span: int) -> StepState:
 def attention(
     block: DecoderBlock,
     x: torch.Tensor,
-    state: StepState,
-    cache: KVCache,
-    index: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     rows: torch.Tensor,
     slots: torch.Tensor,
     mask: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    span: int,
+    subset: bool,
 ) -> torch.Tensor:
-    """Self-attention of the (B', D) queries `x` of cache rows `rows`, storing their K/V at `slots`."""
+    """Self-attention of the (B', D) queries `x` of cache rows `rows`, storing their K/V at `slots` of the layer's
+    cache `keys`/`values` (B, S, H_kv, Dh). `subset`: `rows` is not every cache row, so gather them."""
     attn = block.self_attn
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     batch = x.shape[0]
-    # Rotary runs once over Q and K side by side (B', H + H_kv, Dh).
+    # Rotary runs once over Q and K side by side (B', H + H_kv, Dh), in the activations' dtype as `extend` does.
     qk = torch.cat((attn.q_proj(x), attn.k_proj(x)), dim=1).view(batch, heads + kv_heads, head_dim)
-    qk = rotate(qk, cos, sin)
-    keys, values = cache.keys[index], cache.values[index]
+    qk = rotate(qk, cos, sin).to(keys.dtype)
     keys.index_put_((rows, slots), qk[:, heads:])
-    values.index_put_((rows, slots), attn.v_proj(x).view(batch, kv_heads, head_dim))
-    if rows is not state.rows:
+    values.index_put_((rows, slots), attn.v_proj(x).view(batch, kv_heads, head_dim).to(values.dtype))
+    if subset:
         keys, values = keys[rows], values[rows]
-    keys, values = keys[:, : state.span], values[:, : state.span]
-    if x.dtype == torch.float32:
+    keys, values = keys[:, :span], values[:, :span]
+    if keys.dtype == torch.float32:
         out = F.scaled_dot_product_attention(
             qk[:, :heads, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=heads != kv_heads
         )
     else:
         out = single_query_attention(qk[:, :heads], keys, values, mask, kv_heads)
-    return attn.o_proj(out.reshape(batch, heads * head_dim))
+    return attn.o_proj(out.reshape(batch, heads * head_dim).to(x.dtype))
 
 
 def single_query_attention(
@@ -139,8 +140,9 @@ def single_query_attention(
 ) -> torch.Tensor:
     """Grouped-query attention of one query per row in two matrix products, softmax in float32.
 
-    For reduced-precision inputs: torch's CPU flash attention runs a single bfloat16 query 4-20x slower than
-    these three ops (measured at 128-1024 keys, batch 1-32). `q` (B, H, D); `keys`/`values` (B, S, H_kv, D);
+    For a reduced-precision cache (a CPU cache is float32, see `STTForCausalLM.kv_dtype`): torch's CPU flash
+    attention runs a single bfloat16 query 4-20x slower than these three ops (measured at 128-1024 keys, batch
+    1-32). `q` (B, H, D); `keys`/`values` (B, S, H_kv, D);
     `mask` (B, 1, 1, S), bool "may see" or additive. Returns (B, H, D).
     """
     batch, heads, head_dim = q.shape
@@ -158,17 +160,22 @@ def single_query_attention(
 def block_step(
     block: DecoderBlock,
     x: torch.Tensor,
-    state: StepState,
-    cache: KVCache,
-    index: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     rows: torch.Tensor,
     slots: torch.Tensor,
     mask: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    span: int,
+    subset: bool,
 ) -> torch.Tensor:
-    """A decoder block (attention and SwiGLU MLP, pre-norm, residuals) on (B', D) rows."""
-    h = x + attention(block, rms_norm(block.input_layernorm, x), state, cache, index, rows, slots, mask, cos, sin)
+    """A decoder block (attention and SwiGLU MLP, pre-norm, residuals) on (B', D) rows (see `attention`).
+
+    Tensors and plain values only, no cache object or layer index: a compiled copy (`compile_decode`) then serves
+    every layer with one graph."""
+    y = rms_norm(block.input_layernorm, x)
+    h = x + attention(block, y, keys, values, rows, slots, mask, cos, sin, span, subset)
     y = rms_norm(block.post_attention_layernorm, h)
     mlp = block.mlp
     return h + mlp.down_proj(F.silu(mlp.gate_proj(y)) * mlp.up_proj(y))
@@ -184,42 +191,46 @@ def router_probs(layer: STTLayer, x: torch.Tensor, previous: torch.Tensor) -> to
     return torch.sigmoid(torch.addmm(router.out.bias, hidden, router.out.weight.t()).float()).squeeze(1)
 
 
-def dense_layer(block: DecoderBlock, x: torch.Tensor, state: StepState, cache: KVCache, index: int):
-    """A layer that stores and computes every row's token: returns (output, LayerWrite)."""
+def dense_layer(step, block: DecoderBlock, x: torch.Tensor, state: StepState, cache: KVCache, index: int):
+    """A layer that stores and computes every row's token: returns (output, LayerWrite). `step` is `block_step` or
+    its compiled copy."""
     slots = cache.lengths[index]
-    out = block_step(block, x, state, cache, index, state.rows, slots, state.bias[index], state.cos, state.sin)
+    keys, values = cache.keys[index], cache.values[index]
+    out = step(block, x, keys, values, state.rows, slots, state.bias[index], state.cos, state.sin, state.span, False)
     return out, LayerWrite(slots, state.grown[index])
 
 
 def routed_layer(
-    layer: STTLayer, x: torch.Tensor, selected: torch.Tensor, state: StepState, cache: KVCache, index: int
+    step, layer: STTLayer, x: torch.Tensor, selected: torch.Tensor, state: StepState, cache: KVCache, index: int
 ):
     """An STT layer under student routing: only `selected` (B,) rows run the block and store their token."""
     lengths = cache.lengths[index]
     slots = torch.where(selected, lengths, cache.max_len)
     write = LayerWrite(slots, lengths + selected)
+    keys, values = cache.keys[index], cache.values[index]
     if x.device.type == "cuda":
         # No host sync: every row is computed, unselected rows write to the trash slot and see every key (their
         # discarded output stays finite).
         mask = state.visible[index] | ~selected[:, None, None, None]
-        out = block_step(layer, x, state, cache, index, state.rows, slots, mask, state.cos, state.sin)
+        out = step(layer, x, keys, values, state.rows, slots, mask, state.cos, state.sin, state.span, False)
         return torch.where(selected[:, None], out, x), write
     picked = selected.nonzero().squeeze(1)  # the host read: on a CPU it is free, and a skipped row costs nothing
     if picked.numel() == 0:
         return x, write
     if picked.numel() == x.shape[0]:
-        return dense_layer(layer, x, state, cache, index)
-    out = block_step(
+        return dense_layer(step, layer, x, state, cache, index)
+    out = step(
         layer,
         x.index_select(0, picked),
-        state,
-        cache,
-        index,
+        keys,
+        values,
         picked,
         lengths.index_select(0, picked),
         state.visible[index].index_select(0, picked),
         state.cos.index_select(0, picked),
         state.sin.index_select(0, picked),
+        state.span,
+        True,
     )
     return x.index_copy(0, picked, out), write
 
@@ -233,23 +244,24 @@ def decode_step(
     """
     span = max(cache.reserve(1, 1), 1)
     state = step_state(model, cache, span)
+    step = getattr(model, "compiled_block_step", None) or block_step
     x = model.model.embed_tokens(ids)
     writes: list[LayerWrite] = []
     probs, chosen = [], []
     stt_slot = 0
     for index, layer in enumerate(model.model.layers):
         if not isinstance(layer, STTLayer):
-            x, write = dense_layer(layer, x, state, cache, index)
+            x, write = dense_layer(step, layer, x, state, cache, index)
         else:
             stored = cache.prev_hidden[stt_slot]
             prob = router_probs(layer, x, stored.to(x.dtype))
             stored.copy_(x)  # this token is the next token's x_{t-1}
             if student:
                 selected = prob >= cutoff
-                x, write = routed_layer(layer, x, selected, state, cache, index)
+                x, write = routed_layer(step, layer, x, selected, state, cache, index)
                 chosen.append(selected)
             else:
-                x, write = dense_layer(layer, x, state, cache, index)
+                x, write = dense_layer(step, layer, x, state, cache, index)
             probs.append(prob)
             stt_slot += 1
         writes.append(write)

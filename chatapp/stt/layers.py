@@ -73,15 +73,17 @@ class Attention(nn.Module):
         # Rotary on (B, S, H, D) with cos/sin (B, S, D): unsqueeze at the head axis.
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
         keys, values, mask = sink(k, v)
+        # The cache may hold K/V in another dtype than the activations (float32 on a CPU, see
+        # `STTForCausalLM.kv_dtype`): attention runs in the cache's dtype.
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
+            q.to(keys.dtype).transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=None if mask is None else mask[:, None],
             is_causal=mask is None,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim).to(x.dtype))
 
 
 class DecoderBlock(nn.Module):

@@ -96,8 +96,18 @@ class STTForCausalLM(nn.Module):
         """Whether "student" routing actually skips tokens (routers trained and present)."""
         return bool(self.config.routing_trained and self.config.train_causal_router)
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: float32 on a CPU whatever the weights, the activation dtype elsewhere.
+
+        torch's CPU kernels run one reduced-precision query against its keys 3-6x slower than float32 attention
+        (scaled_dot_product_attention at 128-512 keys; benchmarks/cpu_decode.py), and at decode attention is a
+        large share of a small model's step. The cache costs twice the memory of a bfloat16 one for it.
+        """
+        return torch.float32 if self.device.type == "cpu" else self.dtype
+
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """An empty KV cache on the model's device and dtype."""
+        """An empty KV cache on the model's device: activations' state in the model's dtype, K/V in `kv_dtype`."""
         attn = self.model.layers[0].self_attn
         return KVCache(
             num_layers=self.config.num_hidden_layers,
@@ -109,6 +119,7 @@ class STTForCausalLM(nn.Module):
             hidden_size=self.config.hidden_size,
             device=self.device,
             dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
         )
 
     # ------------------------------------------------------------------------------------------------- inference

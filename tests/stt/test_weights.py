@@ -117,7 +117,7 @@ def test_lossy_formats_stay_close_to_float32(fmt: str, routing: str) -> None:
     reference = spread_model()
     converted = prepare_weights(spread_model(), fmt)
     assert weight_format(converted) == fmt and converted.dtype == torch.bfloat16
-    assert converted.new_cache(1, 4).keys[0].dtype == torch.bfloat16  # the KV cache follows the format
+    assert converted.new_cache(1, 4).keys[0].dtype == torch.float32  # on a CPU attention runs in float32
     prompt = [5, 17, 42, 9, 111, 7, 250, 3]
     want, want_tokens = greedy(reference, prompt, 8, routing)
     got, got_tokens = greedy(converted, prompt, 8, routing)
