@@ -59,7 +59,7 @@ ModelOption = Annotated[
 DeviceOption = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")]
 DtypeOption = Annotated[
     str | None,
-    typer.Option("--dtype", help="Weight format: auto (default; $CHATAPP_DTYPE), float32, bfloat16 or int8."),
+    typer.Option("--dtype", help="Weight format: auto (default; $CHATAPP_DTYPE), float32, bfloat16, int8 or int4."),
 ]
 ProgramOption = Annotated[
     str | None, typer.Option("--program", help="TTFA program: a built-in name (chat, think, calc, json) or a .toml file.")

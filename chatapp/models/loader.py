@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 DTYPE_ENV = "CHATAPP_DTYPE"
 # torch's CPU thread count for generation (see `configure_threads`).
 THREADS_ENV = "CHATAPP_THREADS"
+# "1" compiles the decode step (`chatapp.stt.decode.compile_decode`) when no `compile` argument says otherwise.
+COMPILE_ENV = "CHATAPP_COMPILE"
 
 _REBUILD_HINT = "run `make train-tiny` to rebuild the shipped tiny model"
 
@@ -64,24 +66,29 @@ def load_engine(
     device: str | None = None,
     *,
     dtype: str | torch.dtype | None = None,
+    compile: bool | None = None,
     **engine_options: Any,
 ) -> Engine:
     """An `Engine` over a model: a registered name (`tiny`, `default`), a model directory, or `None` for the default
     model. `engine_options` go to `Engine` (e.g. `context_size`, `fast_forward`)."""
     from chatapp.engine.engine import Engine
 
-    loaded = load_model(model, device, dtype)
+    loaded = load_model(model, device, dtype, compile=compile)
     return Engine(loaded.model, loaded.tokenizer, loaded.chat_format, **engine_options)
 
 
 def load_model(
-    model: str | Path | None = None, device: str | None = None, dtype: str | torch.dtype | None = None
+    model: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    *,
+    compile: bool | None = None,
 ) -> LoadedModel:
     """Load a model: a registered name (`tiny`, `default`), a model directory, or `None` for the default model.
 
     `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16" or "int8"; None or "auto" takes
     `$CHATAPP_DTYPE` when set, else the per-device default (`weight_format_for`). The weights are read as float32
-    and converted once, here.
+    and converted once, here. `compile` (None: `$CHATAPP_COMPILE`) compiles the decode step (`compile_decode`).
     """
     import torch
 
@@ -116,7 +123,33 @@ def load_model(
     if resolved.type == "cpu":
         configure_threads(model)
     model.eval()
+    if compile if compile is not None else _env_flag(COMPILE_ENV):
+        _compile_decode(model, model_dir)
     return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ModelDirError(f"{name}={os.environ[name]!r} is not a yes/no value", hint=f"set {name}=1 or {name}=0")
+
+
+def _compile_decode(model: STTForCausalLM, model_dir: Path) -> None:
+    """Compile the decode step, or say why it cannot be and how to go on without it."""
+    from chatapp.stt.decode import compile_decode
+
+    try:
+        compile_decode(model)
+    except Exception as err:  # torch.compile's failures have no common type (compiler missing, backend errors)
+        model.compiled_block_step = None
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelDirError(
+            f"compiling the decode step of {model_dir} failed: {first_line[:300]}",
+            hint=f"on a CPU torch.compile needs a C++ compiler (g++); or run without --compile / {COMPILE_ENV}=1",
+        ) from None
 
 
 def weight_format_for(model: STTForCausalLM, device: torch.device) -> str:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from chatapp.errors import ChatappError
-from chatapp.models.loader import DTYPE_ENV, THREADS_ENV, load_model
+from chatapp.models.loader import COMPILE_ENV, DTYPE_ENV, THREADS_ENV, load_model
 from chatapp.stt.weights import weight_format
 
 
@@ -37,3 +38,43 @@ def test_load_model_sets_cpu_threads(tiny_model_dir: Path, monkeypatch) -> None:
             load_model(tiny_model_dir, device="cpu")
     finally:
         torch.set_num_threads(before)
+
+
+def greedy_replies(engine, prompt: str) -> list[int]:
+    from chatapp.settings import GenerationSettings
+
+    settings = GenerationSettings(max_tokens=24, routing="student")
+    return [e.token for step in engine.generate([prompt, prompt + "?"], settings) for e in step.tokens]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile needs g++")
+def test_compiled_decode_gives_the_eager_tokens(tiny_model_dir: Path, monkeypatch) -> None:
+    """`compile=True` runs the decode block step through torch.compile: same tokens as eager, student routing on
+    (a routed subset of rows is a shape of its own), in batch and alone."""
+    from chatapp.models import load_engine
+
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    eager = load_engine(tiny_model_dir, "cpu")
+    compiled = load_engine(tiny_model_dir, "cpu", compile=True)
+    assert getattr(eager.model, "compiled_block_step", None) is None
+    assert compiled.model.compiled_block_step is not None
+    for prompt in ("What is 12 times 7?", "How many r's are in strawberry?"):
+        assert greedy_replies(compiled, prompt) == greedy_replies(eager, prompt)
+
+
+def test_compile_env_and_failures_are_clear(tiny_model_dir: Path, monkeypatch) -> None:
+    import chatapp.stt.decode as decode
+
+    monkeypatch.setenv(COMPILE_ENV, "perhaps")
+    with pytest.raises(ChatappError, match="CHATAPP_COMPILE='perhaps' is not a yes/no value"):
+        load_model(tiny_model_dir, device="cpu")
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert getattr(load_model(tiny_model_dir, device="cpu").model, "compiled_block_step", None) is None
+
+    def no_compiler(model) -> None:
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(decode, "compile_decode", no_compiler)
+    with pytest.raises(ChatappError, match="No working C\\+\\+ compiler found") as info:
+        load_model(tiny_model_dir, device="cpu", compile=True)
+    assert "without --compile" in info.value.hint
