@@ -181,6 +181,10 @@ class ScriptedBackend(BackendState):
         # A test can make the next generating call refuse (as a session does when the context is full).
         self.refuse: ChatappError | None = None
         self.held = threading.Event()
+        # A test can compile program files for real (the TTFA compiler and its budget) against this tokenizer.
+        self.tokenizer = None
+        self.compile_seconds = 10.0
+        self.compiles: list[tuple[str | None, bool]] = []  # (program, cancelled) per switch_program call
         self._info = INFO
         self._settings = GenerationSettings()
         self._constraint: str | None = None
@@ -214,11 +218,26 @@ class ScriptedBackend(BackendState):
         self.messages[-1] = {"role": "user", "content": text}
         return self._stream()
 
-    def switch_program(self, name_or_path: str | None) -> ProgramInfo | None:
+    def switch_program(
+        self, name_or_path: str | None, cancel: threading.Event | None = None
+    ) -> ProgramInfo | None:
         if name_or_path is None:
             self._program = None
         elif name_or_path in PROGRAMS:
             self._program = ProgramInfo(name_or_path, PROGRAMS[name_or_path])
+        elif self.tokenizer is not None:
+            from chatapp.ttfa import load_program
+            from chatapp.ttfa.compiler import ProgramBudget, ProgramCancelled
+
+            try:
+                program = load_program(
+                    name_or_path, self.tokenizer, budget=ProgramBudget(self.compile_seconds, cancel)
+                )
+            except ProgramCancelled:
+                self.compiles.append((name_or_path, True))
+                raise
+            self.compiles.append((name_or_path, False))
+            self._program = ProgramInfo(name_or_path, tuple(program.tag_names))
         else:
             self._program = ProgramInfo(name_or_path, _load_program_file(Path(name_or_path)))
         return self._program
