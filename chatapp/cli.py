@@ -274,6 +274,8 @@ def run(
         chat.run()
     finally:
         close_backend(chat.backend)
+    if chat.return_code:  # the app stopped on an error it showed (a bug: user errors are notifications)
+        raise typer.Exit(chat.return_code)
 
 
 @app.command()

@@ -181,6 +181,10 @@ class ScriptedBackend(BackendState):
         # A test can make the next generating call refuse (as a session does when the context is full).
         self.refuse: ChatappError | None = None
         self.held = threading.Event()
+        # A test can make the stream fail after its last step (the engine process killed after the answer ended),
+        # and make every later call fail as a dead engine process's would.
+        self.fail_after: ChatappError | None = None
+        self.dead: ChatappError | None = None
         # A test can compile program files for real (the TTFA compiler and its budget) against this tokenizer.
         self.tokenizer = None
         self.compile_seconds = 10.0
@@ -194,6 +198,8 @@ class ScriptedBackend(BackendState):
         return tuple(PROGRAMS)
 
     def new_session(self, history: Sequence[Message] = ()) -> None:
+        if self.dead is not None:
+            raise self.dead
         self.messages = [dict(m) for m in history]
         self.sessions.append(list(self.messages))
 
@@ -255,6 +261,8 @@ class ScriptedBackend(BackendState):
         stream.close()
 
     def _check_refusal(self) -> None:
+        if self.dead is not None:
+            raise self.dead
         if self.refuse is not None:
             error, self.refuse = self.refuse, None
             raise error
@@ -271,6 +279,9 @@ class ScriptedBackend(BackendState):
                     time.sleep(self.delay)
                 emitted.extend(step.tokens)
                 yield step
+            if self.fail_after is not None:
+                self.dead, self.fail_after = self.fail_after, None
+                raise self.dead
         finally:
             self.messages.append({"role": "assistant", "content": message_content(emitted)})
 

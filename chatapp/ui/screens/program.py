@@ -98,6 +98,10 @@ class ProgramScreen(ModalScreen[ProgramChoice | None]):
         except ChatappError as err:
             self.post_message(self.Compiled(cancel, None, err))
             return
+        except Exception as err:  # a bug: reported in the dialog rather than leaving it "compiling" for ever
+            failure = ChatappError(f"loading {name_or_path} failed: {type(err).__name__}: {err}")
+            self.post_message(self.Compiled(cancel, None, failure))
+            return
         self.post_message(self.Compiled(cancel, program, None))
 
     @on(Compiled)
