@@ -58,6 +58,10 @@ class ChatApp(App[None]):
     """Chat with a model and watch it think."""
 
     CSS_PATH = ["app.tcss", "screens.tcss"]
+    # Small terminals (app.tcss): the transcript and the input always keep the room; the side panels narrow, then
+    # hide below 60 columns; below 16 rows the header and the lower side panels go.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (60, "-medium"), (110, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (16, "-tall")]
     TITLE = "chatapp"
     COMMANDS = App.COMMANDS | {ChatCommands}
     BINDINGS = [
