@@ -272,3 +272,69 @@ def test_cli_convert_of_a_plain_file_says_it_is_a_file(tmp_path: Path) -> None:
 
 def test_no_chatapp_error_is_swallowed() -> None:
     assert issubclass(HistoryError, ChatappError)
+
+
+# --- `chatapp run`: every value is checked before the TUI starts ---------------------------------------------------
+
+@pytest.fixture
+def no_tui(monkeypatch):
+    """`run` must refuse before the app starts: starting it is a test failure, not a hang."""
+    from chatapp.ui.app import ChatApp
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("the TUI started")
+
+    monkeypatch.setattr(ChatApp, "run", refuse)
+
+
+def _run_refuses(args: list[str], *messages: str, code: int = 1) -> str:
+    result = runner.invoke(app, ["run", *args])
+    assert result.exit_code == code, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    for message in messages:
+        assert message in result.output, result.output
+    return result.output
+
+
+def test_run_with_a_bad_program_file_names_it_before_loading_the_model(tmp_path: Path, no_tui, monkeypatch) -> None:
+    import chatapp.ui
+
+    def no_model(**kwargs):
+        raise AssertionError("the model was loaded first")
+
+    monkeypatch.setattr(chatapp.ui, "make_app", no_model)
+    bad = tmp_path / "BAD.toml"
+    bad.write_bytes(b'name = "x\xff"\n[[zones]]\nlabel = "a"\n')
+    _run_refuses(["--program", str(bad)], str(bad), "not valid UTF-8", "fix: save the program as UTF-8")
+    _run_refuses(["--program", str(tmp_path / "missing.toml")], "missing.toml does not exist", "fix:")
+    _run_refuses(["--program", "nosuchbuiltin"], "no built-in program named 'nosuchbuiltin'", "fix:")
+    (tmp_path / "syntax.toml").write_text("zones = [[[")
+    _run_refuses(["--program", str(tmp_path / "syntax.toml")], "syntax.toml", "fix:")
+
+
+def test_run_with_a_program_that_does_not_compile_says_why(tmp_path: Path, no_tui) -> None:
+    """Compiling needs the model's tokenizer: the engine's error comes back whole (not "engine process stopped")."""
+    bad = tmp_path / "BAD.toml"
+    bad.write_text('name = "x"\n[[zones]]\nlabel = "a"\nuntil = "no such token here"\n')
+    output = _run_refuses(
+        ["--program", str(bad), "--in-process", "--db", str(tmp_path / "h.sqlite3")],
+        f"{bad}:4: zone 'a': until 'no such token here' is not a single token", "fix: trigger on",
+    )
+    assert "engine process stopped" not in output
+
+
+def test_run_refuses_bad_model_device_and_db_values(tmp_path: Path, no_tui) -> None:
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    _run_refuses(["--model", str(tmp_path / "nowhere")], "nowhere does not exist", "fix:")
+    _run_refuses(["--model", str(plain)], "is a file, not a model directory", "fix:")
+    (tmp_path / "empty").mkdir()
+    _run_refuses(["--model", str(tmp_path / "empty")], "has no config.json", "fix:")
+    _run_refuses(["--device", "toaster"], "unknown device 'toaster'", "fix:")
+    _run_refuses(["--db", str(tmp_path)], "directory", "fix:")
+
+
+def test_run_has_no_constraint_options_and_says_so(no_tui) -> None:
+    """Constraints are set in the TUI (F2); `run --regex` is a usage error, not a traceback."""
+    _run_refuses(["--regex", "a{99999}"], "No such option", code=2)
