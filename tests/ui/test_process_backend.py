@@ -121,7 +121,7 @@ def test_a_program_compile_in_the_engine_process_can_be_cancelled(remote: Proces
     cancel = threading.Event()
     threading.Timer(0.3, cancel.set).start()
     started = time.monotonic()
-    with pytest.raises(ProgramCancelled, match="slow.toml was cancelled"):
+    with pytest.raises(ProgramCancelled, match=r"slow\.toml was cancelled"):
         remote.switch_program(str(slow_program(tmp_path / "slow.toml")), cancel)
     assert time.monotonic() - started < 30  # the compile alone takes minutes
     assert remote.program is not None and remote.program.name == "chat"
