@@ -338,3 +338,25 @@ def test_run_refuses_bad_model_device_and_db_values(tmp_path: Path, no_tui) -> N
 def test_run_has_no_constraint_options_and_says_so(no_tui) -> None:
     """Constraints are set in the TUI (F2); `run --regex` is a usage error, not a traceback."""
     _run_refuses(["--regex", "a{99999}"], "No such option", code=2)
+
+
+def test_the_context_overflow_hint_names_what_the_chat_offers() -> None:
+    """The TUI shows this hint when a turn does not fit: every key it names is a binding of the chat app, and it
+    names no setting the settings screen (F2) lacks (it once said to change `context_policy`)."""
+    import re
+
+    from chatapp.errors import ContextOverflowError
+    from chatapp.models import load_engine
+    from chatapp.ui.app import ChatApp
+    from chatapp.ui.screens.settings import _FIELDS
+
+    engine = load_engine("tiny", "cpu")
+    session = engine.session()
+    with pytest.raises(ContextOverflowError) as caught:
+        session.send("word " * (engine.context_size + 10), GenerationSettings(max_tokens=4))
+    hint = caught.value.hint or ""
+    keys = re.findall(r"\b(?:ctrl|shift|alt)\+\w+|\bf\d+\b", hint)
+    bindings = {binding.key for binding in ChatApp.BINDINGS}
+    assert keys and set(keys) <= bindings, (hint, bindings)
+    settings_named = set(re.findall(r"\b[a-z]+_[a-z_]+\b", hint))  # snake_case words name settings
+    assert settings_named <= {spec.name for spec in _FIELDS}, hint
