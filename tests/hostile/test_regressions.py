@@ -360,3 +360,117 @@ def test_the_context_overflow_hint_names_what_the_chat_offers() -> None:
     assert keys and set(keys) <= bindings, (hint, bindings)
     settings_named = set(re.findall(r"\b[a-z]+_[a-z_]+\b", hint))  # snake_case words name settings
     assert settings_named <= {spec.name for spec in _FIELDS}, hint
+
+
+# --- the rest of the issue's list, end to end -----------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_copy(tmp_path: Path) -> Path:
+    """A copy of the shipped tiny model directory, to damage."""
+    import shutil
+
+    from chatapp.models.registry import tiny_model_dir
+
+    return Path(shutil.copytree(tiny_model_dir(), tmp_path / "tiny"))
+
+
+def _edit_config(model_dir: Path, **changes) -> None:
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+        ({"max_position_embeddings": -5}, "max_position_embeddings must be a positive integer"),
+    ],
+    ids=["heads-0", "context-0", "context-negative"],
+)
+def test_a_model_dir_with_an_impossible_config_is_a_clean_cli_error(tiny_copy: Path, changes, message) -> None:
+    _edit_config(tiny_copy, **changes)
+    result = runner.invoke(app, ["generate", "hi", "--model", str(tiny_copy)])
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_shape_mismatch_message_stays_short(tiny_copy: Path) -> None:
+    """Every MLP of the model mismatches: the message shows three and counts the rest (it was 17.9 KB)."""
+    from chatapp.errors import ModelDirError
+    from chatapp.models.loader import load_model
+
+    _edit_config(tiny_copy, intermediate_size=584)
+    with pytest.raises(ModelDirError, match=r"wrong shapes .*\(and \d+ more\)") as caught:
+        load_model(tiny_copy, "cpu")
+    assert len(str(caught.value)) < 1000
+
+
+def test_nan_weights_are_refused_not_answered_with_silence(tiny_copy: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from chatapp.errors import ModelDirError
+    from chatapp.models.loader import load_model
+
+    weights = tiny_copy / "model.safetensors"
+    state = load_file(str(weights))
+    name = next(n for n in sorted(state) if n.endswith("mlp.down_proj.weight"))
+    state[name][0, 0] = float("nan")
+    save_file(state, str(weights))
+    with pytest.raises(ModelDirError, match=r"NaN or infinite values"):
+        load_model(tiny_copy, "cpu")
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tiny_copy: Path) -> None:
+    """Prompting with the extra token would index past the embedding: the directory is refused when loaded."""
+    from tokenizers import Tokenizer
+
+    from chatapp.errors import ModelDirError
+    from chatapp.models.loader import load_model
+
+    tokenizer = Tokenizer.from_file(str(tiny_copy / "tokenizer.json"))
+    tokenizer.add_tokens(["<extra-token>"])
+    tokenizer.save(str(tiny_copy / "tokenizer.json"))
+    with pytest.raises(ModelDirError, match=r"token ids up to \d+, but the model's vocabulary"):
+        load_model(tiny_copy, "cpu")
+
+
+def test_program_check_on_invalid_utf8_names_the_file(tmp_path: Path) -> None:
+    from chatapp.models.registry import tiny_model_dir
+
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b'name = "x\xff"\n[[zones]]\nlabel = "a"\n')
+    result = runner.invoke(app, ["program", "check", str(bad), "--tokenizer", str(tiny_model_dir())])
+    assert result.exit_code == 1 and f"{bad}:1: not valid UTF-8" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_train_init_with_hidden_size_0_is_a_clean_error(tmp_path: Path) -> None:
+    from chatapp.models.registry import tiny_model_dir
+
+    config = json.loads((tiny_model_dir() / "config.json").read_text())
+    init = tmp_path / "init.json"
+    init.write_text(json.dumps({**config, "hidden_size": 0}))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world " * 200)
+    result = runner.invoke(
+        app,
+        ["train", str(corpus), "--out", str(tmp_path / "out"), "--init", str(init), "--tokenizer", str(tiny_model_dir())],
+    )
+    assert result.exit_code == 1 and "hidden_size must be a positive integer" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_cli_temperature_must_be_finite(value: str) -> None:
+    result = runner.invoke(app, ["generate", "hi", "--temperature", value])
+    assert result.exit_code == 1 and "finite" in result.output, result.output
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_quick_and_batch_refuse_a_seed_with_the_same_rule(seed: int) -> None:
+    """One validation (GenerationSettings) for `generate --seed` and a batch line's "seed"."""
+    quick = runner.invoke(app, ["generate", "hi", "--seed", str(seed)])
+    batch = _error(json.dumps({"id": 1, "prompt": "hi", "seed": seed}))
+    assert quick.exit_code == 1
+    assert "seed must be between" in quick.output and "seed must be between" in batch
