@@ -123,7 +123,7 @@ def test_a_program_compile_in_the_engine_process_can_be_cancelled(remote: Proces
     started = time.monotonic()
     with pytest.raises(ProgramCancelled, match=r"slow\.toml was cancelled"):
         remote.switch_program(str(slow_program(tmp_path / "slow.toml")), cancel)
-    assert time.monotonic() - started < 30  # the compile alone takes minutes
+    assert time.monotonic() - started < 120  # a hang guard: the compile alone takes minutes (its budget: 10 s CPU)
     assert remote.program is not None and remote.program.name == "chat"
     assert remote.switch_program(None) is None  # the stray "cancel" was skipped; calls line up again
     remote.configure(GREEDY, None)
