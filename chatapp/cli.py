@@ -255,12 +255,23 @@ def run(
     """Open the chat TUI: streamed tokens (sampled vs forced), zone tags, routing heatmap, tool calls, history."""
     from pathlib import Path
 
+    from chatapp.models.loader import check_model_dir, resolve_device
     from chatapp.models.registry import is_registered, resolve_model
+    from chatapp.ttfa.loader import load_program_source_by_name
     from chatapp.ui import make_app
     from chatapp.ui.app import close_backend
 
+    # Every value the user typed is checked here, before seconds of model loading in the engine process (whose
+    # errors would otherwise arrive only after it): the program file is read and parsed (compiling it needs the
+    # tokenizer, so that part is the engine's, and its error comes back as this one does), the device is resolved,
+    # the model directory is looked at.
+    if program is not None:
+        load_program_source_by_name(program)
+    if device is not None:
+        resolve_device(device)
     if is_registered(model):  # here, not in the engine process: the first use prepares the default model, with a bar
         model = str(resolve_model(model))
+    check_model_dir(resolve_model(model))
     chat = make_app(
         model_dir=model,
         program=program,
@@ -274,6 +285,8 @@ def run(
         chat.run()
     finally:
         close_backend(chat.backend)
+    if chat.return_code:  # the app stopped on an error it showed (a bug: user errors are notifications)
+        raise typer.Exit(chat.return_code)
 
 
 @app.command()

@@ -20,7 +20,10 @@ semantics leave to the compiler:
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
@@ -33,11 +36,49 @@ DEFAULT_PAD = "<|assistant_end|>"
 HALT = "halt"
 
 
+@dataclass(frozen=True)
+class ProgramBudget:
+    """Limits of one program compile. A program file may hold thousands of zones (up to `MAX_PROGRAM_BYTES`), and
+    forced text after forced-only zones is tokenized together with all the text before it, so a hostile file could
+    cost minutes: the compile stops after `seconds` of its thread's CPU time, or as soon as `cancel` is set (the
+    TUI's esc, or quitting while a program compiles)."""
+
+    seconds: float = 10.0
+    cancel: threading.Event | None = None
+
+
+DEFAULT_PROGRAM_BUDGET = ProgramBudget()
+
+
+class ProgramCancelled(ProgramError):
+    """The compile was cancelled by its caller (not the program's fault)."""
+
+
 class _Compiler:
-    def __init__(self, source: ProgramSource, tokenizer: Tokenizer, aliases: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        source: ProgramSource,
+        tokenizer: Tokenizer,
+        aliases: Mapping[str, str] | None = None,
+        budget: ProgramBudget = DEFAULT_PROGRAM_BUDGET,
+    ) -> None:
         self.source = source
         self.vocab = TokenVocab(tokenizer, aliases)
         self.warnings: list[str] = []
+        self.budget = budget
+        self.deadline = time.thread_time() + budget.seconds
+
+    def check_budget(self) -> None:
+        """Stop the compile if it was cancelled or has used up its time (called between zones and tokenizations)."""
+        name = self.source.file or self.source.name
+        if self.budget.cancel is not None and self.budget.cancel.is_set():
+            raise ProgramCancelled(f"compiling program {name} was cancelled")
+        if time.thread_time() > self.deadline:
+            raise self.error(
+                f"the program took more than {self.budget.seconds:g} s of CPU time to compile (the limit)",
+                hint="use fewer zones and shorter forced text (forced text after forced-only zones is tokenized "
+                "together with all the text before it)",
+            )
 
     def error(self, message: str, zone: ZoneSource | None = None, key: str | None = None, hint: str | None = None):
         if zone is None:
@@ -72,6 +113,7 @@ class _Compiler:
         zones = []
         context = ""
         for source_zone in source.zones:
+            self.check_budget()
             zone = self.zone(source_zone, labels, context)
             zones.append(zone)
             # Forced text continues the previous zone's only when no model text comes between: after a
@@ -251,7 +293,9 @@ class _Compiler:
             return []
         tokens = self.vocab.encode(text)
         if context:
+            self.check_budget()
             context_tokens = self.vocab.encode(context)
+            self.check_budget()
             together = self.vocab.encode(context + text)
             if together[: len(context_tokens)] == context_tokens:
                 tokens = together[len(context_tokens) :]
@@ -283,7 +327,12 @@ class _Compiler:
         return [c for c in continuations if self.vocab.encode(text + c)[: len(tokens)] != tokens]
 
 
-def compile_program(source: ProgramSource, tokenizer: Tokenizer, aliases: Mapping[str, str] | None = None) -> Program:
-    """Compile `source` for `tokenizer` (token names through `aliases`, see `TokenVocab`); raises `ProgramError`
-    naming the file, line and zone at fault."""
-    return _Compiler(source, tokenizer, aliases).compile()
+def compile_program(
+    source: ProgramSource,
+    tokenizer: Tokenizer,
+    aliases: Mapping[str, str] | None = None,
+    budget: ProgramBudget | None = None,
+) -> Program:
+    """Compile `source` for `tokenizer` (token names through `aliases`, see `TokenVocab`) within `budget` (the
+    default when None); raises `ProgramError` naming the file, line and zone at fault."""
+    return _Compiler(source, tokenizer, aliases, budget or DEFAULT_PROGRAM_BUDGET).compile()

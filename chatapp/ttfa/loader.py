@@ -8,7 +8,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from chatapp.errors import ProgramError
-from chatapp.ttfa.compiler import compile_program
+from chatapp.ttfa.compiler import ProgramBudget, compile_program
 from chatapp.ttfa.program import Program
 from chatapp.ttfa.source import ProgramSource, load_program_source
 
@@ -36,7 +36,12 @@ def load_program_source_by_name(name_or_path: str | Path) -> ProgramSource:
     return load_program_source(program_path(name_or_path))
 
 
-def load_program(name_or_path: str | Path, tokenizer: Tokenizer, aliases: Mapping[str, str] | None = None) -> Program:
-    """Load a built-in program by name (chat, think, calc, json) or a `.toml` file, compiled for `tokenizer`; a chat
-    format's `program_aliases` let a program written with nanochat's token names run on its model."""
-    return compile_program(load_program_source_by_name(name_or_path), tokenizer, aliases)
+def load_program(
+    name_or_path: str | Path,
+    tokenizer: Tokenizer,
+    aliases: Mapping[str, str] | None = None,
+    budget: ProgramBudget | None = None,
+) -> Program:
+    """Load a built-in program by name (chat, think, calc, json) or a `.toml` file, compiled for `tokenizer` within
+    `budget`; a chat format's `program_aliases` let a program written with nanochat's token names run on its model."""
+    return compile_program(load_program_source_by_name(name_or_path), tokenizer, aliases, budget)

@@ -31,7 +31,9 @@ class TokenVocab:
         """Canonical tokenization; special-token names in `text` (aliases applied) become their special tokens."""
         for name, token in self.aliases.items():
             text = text.replace(name, token)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # `encode_batch` releases the interpreter lock while it works (`encode` holds it): a program compiling in a
+        # worker thread must not freeze the UI thread for the length of a long forced text's tokenization.
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def token(self, name: str) -> int | None:
         """The one token whose text is `name`: a special/added token by name, else the ordinary token."""

@@ -29,7 +29,7 @@ from chatapp.settings import config_dir, data_dir, engine_log_path, history_db_p
 from chatapp.ui.backend import ChatBackend, StepStream
 from chatapp.ui.commands import ChatCommands
 from chatapp.ui.export import export_conversation
-from chatapp.ui.history import HistoryStore, open_history
+from chatapp.ui.history import HistoryStore, answer_finished, open_history
 from chatapp.ui.screens.help import WIDGET_KEYS, HelpFacts, HelpScreen, binding_keys
 from chatapp.ui.screens.history import HistoryScreen, ResumeChoice
 from chatapp.ui.screens.program import ProgramChoice, ProgramScreen
@@ -58,6 +58,10 @@ class ChatApp(App[None]):
     """Chat with a model and watch it think."""
 
     CSS_PATH = ["app.tcss", "screens.tcss"]
+    # Small terminals (app.tcss): the transcript and the input always keep the room; the side panels narrow, then
+    # hide below 60 columns; below 16 rows the header and the lower side panels go.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (60, "-medium"), (110, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (16, "-tall")]
     TITLE = "chatapp"
     COMMANDS = App.COMMANDS | {ChatCommands}
     BINDINGS = [
@@ -274,10 +278,15 @@ class ChatApp(App[None]):
             last = answer.events[-1]
         if last is not None and last.finish_reason == "error":
             outcome, detail = "error", last.error
+        elif answer_finished(answer.events):
+            # The answer ended by itself: an esc or an engine failure after its last token did not cut it short.
+            if outcome == "error" and detail:
+                self.notify(detail, title="After the answer", severity="error", timeout=15)
+            outcome, detail = "complete", None
+            if last is not None and last.finish_reason in ("length", "context"):
+                detail = "stopped at max tokens" if last.finish_reason == "length" else "context is full"
         elif last is not None and last.finish_reason == "cancelled":
             outcome = "interrupted"
-        elif outcome == "complete" and last is not None and last.finish_reason in ("length", "context"):
-            detail = "stopped at max tokens" if last.finish_reason == "length" else "context is full"
         self.store.finish_message(
             generation.message_id,
             "complete" if outcome == "complete" else "interrupted",
@@ -349,9 +358,20 @@ class ChatApp(App[None]):
         with contextlib.suppress(WorkerCancelled, WorkerFailed):
             await worker.wait()
 
+    def _new_session(self, history: list[dict] | None = None) -> bool:
+        """Start the backend's next conversation; a backend that cannot (its engine process has stopped) is reported
+        and the screen is left as it is."""
+        try:
+            self.backend.new_session(history or [])
+        except ChatappError as err:
+            self.notify(str(err), title="Cannot start the conversation", severity="error", timeout=15)
+            return False
+        return True
+
     async def action_new_chat(self) -> None:
         await self._stop_and_wait()
-        self.backend.new_session()
+        if not self._new_session():
+            return
         self.conversation_id = None
         self.generation = None
         self.editing = False
@@ -408,6 +428,10 @@ class ChatApp(App[None]):
             widget.remove()
 
     def action_settings(self) -> None:
+        if self.is_generating:  # the settings apply to the next answer; the engine is busy with this one
+            self.notify("Still answering: press Esc to stop first.", severity="warning")
+            return
+
         def applied(choice: SettingsChoice | None) -> None:
             if choice is not None:
                 self.notify("Settings saved for the next answer.")
@@ -415,6 +439,10 @@ class ChatApp(App[None]):
         self.push_screen(SettingsScreen(self.backend), applied)
 
     def action_switch_program(self) -> None:
+        if self.is_generating:
+            self.notify("Still answering: press Esc to stop first.", severity="warning")
+            return
+
         def switched(choice: ProgramChoice | None) -> None:
             if choice is None:
                 return
@@ -433,7 +461,8 @@ class ChatApp(App[None]):
             return
         await self._stop_and_wait()
         conversation = self.store.load(choice.conversation_id)
-        self.backend.new_session([m.chat_message() for m in conversation.messages])
+        if not self._new_session([m.chat_message() for m in conversation.messages]):
+            return
         self.conversation_id = conversation.summary.id
         self.generation = None
         self.editing = False

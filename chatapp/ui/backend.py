@@ -11,6 +11,7 @@ be closed while another thread is inside it), so `cancel` is only ever called by
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,10 +86,14 @@ class ChatBackend(Protocol):
         """Replace the last user message (dropping the answer to it) and stream a new answer."""
         ...
 
-    def switch_program(self, name_or_path: str | None) -> ProgramInfo | None:
+    def switch_program(
+        self, name_or_path: str | None, cancel: threading.Event | None = None
+    ) -> ProgramInfo | None:
         """Use a built-in program, a `.toml` program file, or none (`None`) from the next answer on.
 
-        Raises `ProgramError` (naming the file and the fix) when it does not load; the old program stays active.
+        Raises `ProgramError` (naming the file and the fix) when it does not load, within the compile budget; the
+        old program stays active. Setting `cancel` (from another thread: the compile may take seconds, so the UI
+        calls this in a worker) stops the compile and raises `ProgramCancelled`, unless it had already finished.
         """
         ...
 
@@ -183,13 +188,21 @@ class EngineBackend(BackendState):
     def edit_last(self, text: str) -> StepStream:
         return self._session.edit_last(text, self._settings, **self._options())
 
-    def switch_program(self, name_or_path: str | None) -> ProgramInfo | None:
+    def switch_program(
+        self, name_or_path: str | None, cancel: threading.Event | None = None
+    ) -> ProgramInfo | None:
         if name_or_path is None:
             self._program, self._program_object = None, None
             return None
         from chatapp.ttfa import load_program
+        from chatapp.ttfa.compiler import ProgramBudget
 
-        program = load_program(name_or_path, self._engine.tokenizer, self._engine.chat_format.program_aliases)
+        program = load_program(
+            name_or_path,
+            self._engine.tokenizer,
+            self._engine.chat_format.program_aliases,
+            ProgramBudget(cancel=cancel),
+        )
         self._program_object = program
         self._program = ProgramInfo(name=name_or_path, tags=tuple(program.tag_names))
         return self._program

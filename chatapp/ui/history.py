@@ -2,7 +2,8 @@
 
 Written incrementally: an assistant message is created as `streaming` before its first token and its tokens are
 appended batch by batch as the UI shows them, so a crash or a kill mid-answer loses nothing that was on screen.
-A message still marked `streaming` when read back was cut off and is reported as `interrupted`. WAL mode keeps
+A message still marked `streaming` when read back was cut off and is reported as `interrupted`, unless its last
+stored token ends the answer (`answer_finished`: only the status write was lost). WAL mode keeps
 those small frequent commits cheap and lets a second instance read while one writes.
 """
 
@@ -20,6 +21,15 @@ from chatapp.engine.events import TokenEvent, ToolEvent
 from chatapp.errors import HistoryError
 
 MessageStatus = Literal["complete", "streaming", "interrupted"]
+
+FINISHED_REASONS = frozenset({"stop", "length", "program", "context"})
+"""Finish reasons of an answer that ended by itself: whatever happened after its last token (the engine process
+killed, the app closed, esc pressed too late) did not cut it short."""
+
+
+def answer_finished(events: Sequence[TokenEvent]) -> bool:
+    """Whether an answer's tokens end it (its last token carries a finish reason other than cancelled / error)."""
+    return bool(events) and events[-1].finish_reason in FINISHED_REASONS
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -156,18 +166,19 @@ class HistoryStore:
         ).fetchone()
         if row is None:
             raise KeyError(conversation_id)
-        messages = [
-            StoredMessage(
-                id=m["id"],
-                role=m["role"],
-                content=json.loads(m["content"]),
-                status="interrupted" if m["status"] == "streaming" else m["status"],
-                tokens=self._tokens(m["id"]),
+        messages = []
+        for m in self._db.execute(
+            "SELECT * FROM messages WHERE conversation_id = ? ORDER BY position", (conversation_id,)
+        ).fetchall():
+            tokens = self._tokens(m["id"])
+            status = m["status"]
+            if status == "streaming":
+                status = "complete" if answer_finished(tokens) else "interrupted"
+            messages.append(
+                StoredMessage(
+                    id=m["id"], role=m["role"], content=json.loads(m["content"]), status=status, tokens=tokens
+                )
             )
-            for m in self._db.execute(
-                "SELECT * FROM messages WHERE conversation_id = ? ORDER BY position", (conversation_id,)
-            )
-        ]
         return Conversation(self._summary(row), messages)
 
     def recent_prompts(self, limit: int = 200) -> list[str]:

@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -78,6 +79,9 @@ class ProcessBackend(BackendState):
         self._streaming = False
         self._cancelling = False
         self._stream_gen: StepStream | None = None
+        # One call at a time on the pipe: a program compiles in a UI worker thread while the UI thread may make the
+        # next call (after esc cancelled that compile, before its reply is in); that call waits for the reply.
+        self._lock = threading.RLock()
         if not self._conn.poll(start_timeout):
             self.close()
             raise ModelDirError(f"the engine process did not load {model_dir} within {start_timeout:.0f}s")
@@ -100,8 +104,23 @@ class ProcessBackend(BackendState):
     def new_session(self, history: Sequence[Message] = ()) -> None:
         self._call("new_session", [dict(message) for message in history])
 
-    def switch_program(self, name_or_path: str | None) -> ProgramInfo | None:
-        self._program = self._call("switch_program", name_or_path)
+    def switch_program(
+        self, name_or_path: str | None, cancel: threading.Event | None = None
+    ) -> ProgramInfo | None:
+        """Compile and switch in the engine process (it has the tokenizer). While it compiles, setting `cancel`
+        sends ("cancel", ()), which stops the child's compile at its next check; the reply says what happened."""
+        with self._lock:
+            self._request("switch_program", (name_or_path,))
+            sent_cancel = False
+            while not self._conn.poll(0.05):
+                if cancel is not None and cancel.is_set() and not sent_cancel:
+                    sent_cancel = True
+                    with contextlib.suppress(BrokenPipeError, OSError):  # a dead child: the read below says so
+                        self._conn.send(("cancel", ()))
+            kind, payload = self._receive()
+        if kind == "error":
+            raise payload
+        self._program = payload
         return self._program
 
     def configure(self, settings: GenerationSettings, constraint: str | None) -> None:
@@ -177,8 +196,9 @@ class ProcessBackend(BackendState):
         )
 
     def _call(self, method: str, *args: Any) -> Any:
-        self._request(method, args)
-        kind, payload = self._receive()
+        with self._lock:
+            self._request(method, args)
+            kind, payload = self._receive()
         if kind == "error":
             raise payload
         return payload
@@ -249,15 +269,46 @@ def serve(conn: Connection, model_dir: str, device: str | None, log_path: str | 
             conn.send(("error", ChatappError(f"unknown engine request {method!r}")))
             continue
         try:
-            result = getattr(backend, method)(*args)
+            if method == "switch_program":
+                result = _switch_program(conn, backend, *args)
+            else:
+                result = getattr(backend, method)(*args)
         except ChatappError as err:
             conn.send(("error", err))
+            continue
+        except Exception as err:  # an engine bug refuses this call; it does not stop the process
+            conn.send(("error", ChatappError(f"the engine failed: {type(err).__name__}: {err}")))
             continue
         if method in _CALLS:
             conn.send(("ok", result))
         else:
             conn.send(("open", None))
             _pump(conn, backend, result)
+
+
+def _switch_program(conn: Connection, backend: Any, name_or_path: str | None) -> Any:
+    """Compile and switch while a watcher thread turns any message from the parent (its "cancel", or "close" when
+    the app quits) into the compile's cancel flag. The message itself stays in the pipe for the request loop."""
+    cancel = threading.Event()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            try:
+                if conn.poll(0.05):
+                    cancel.set()
+                    return
+            except (EOFError, OSError):
+                cancel.set()
+                return
+
+    watcher = threading.Thread(target=watch, name="chatapp-compile-watch", daemon=True)
+    watcher.start()
+    try:
+        return backend.switch_program(name_or_path, cancel)
+    finally:
+        done.set()
+        watcher.join()
 
 
 def _pump(conn: Connection, backend: Any, stream: StepStream) -> None:

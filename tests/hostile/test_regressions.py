@@ -272,3 +272,205 @@ def test_cli_convert_of_a_plain_file_says_it_is_a_file(tmp_path: Path) -> None:
 
 def test_no_chatapp_error_is_swallowed() -> None:
     assert issubclass(HistoryError, ChatappError)
+
+
+# --- `chatapp run`: every value is checked before the TUI starts ---------------------------------------------------
+
+@pytest.fixture
+def no_tui(monkeypatch):
+    """`run` must refuse before the app starts: starting it is a test failure, not a hang."""
+    from chatapp.ui.app import ChatApp
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("the TUI started")
+
+    monkeypatch.setattr(ChatApp, "run", refuse)
+
+
+def _run_refuses(args: list[str], *messages: str, code: int = 1) -> str:
+    result = runner.invoke(app, ["run", *args])
+    assert result.exit_code == code, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    for message in messages:
+        assert message in result.output, result.output
+    return result.output
+
+
+def test_run_with_a_bad_program_file_names_it_before_loading_the_model(tmp_path: Path, no_tui, monkeypatch) -> None:
+    import chatapp.ui
+
+    def no_model(**kwargs):
+        raise AssertionError("the model was loaded first")
+
+    monkeypatch.setattr(chatapp.ui, "make_app", no_model)
+    bad = tmp_path / "BAD.toml"
+    bad.write_bytes(b'name = "x\xff"\n[[zones]]\nlabel = "a"\n')
+    _run_refuses(["--program", str(bad)], str(bad), "not valid UTF-8", "fix: save the program as UTF-8")
+    _run_refuses(["--program", str(tmp_path / "missing.toml")], "missing.toml does not exist", "fix:")
+    _run_refuses(["--program", "nosuchbuiltin"], "no built-in program named 'nosuchbuiltin'", "fix:")
+    (tmp_path / "syntax.toml").write_text("zones = [[[")
+    _run_refuses(["--program", str(tmp_path / "syntax.toml")], "syntax.toml", "fix:")
+
+
+def test_run_with_a_program_that_does_not_compile_says_why(tmp_path: Path, no_tui) -> None:
+    """Compiling needs the model's tokenizer: the engine's error comes back whole (not "engine process stopped")."""
+    bad = tmp_path / "BAD.toml"
+    bad.write_text('name = "x"\n[[zones]]\nlabel = "a"\nuntil = "no such token here"\n')
+    output = _run_refuses(
+        ["--program", str(bad), "--in-process", "--db", str(tmp_path / "h.sqlite3")],
+        f"{bad}:4: zone 'a': until 'no such token here' is not a single token", "fix: trigger on",
+    )
+    assert "engine process stopped" not in output
+
+
+def test_run_refuses_bad_model_device_and_db_values(tmp_path: Path, no_tui) -> None:
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    _run_refuses(["--model", str(tmp_path / "nowhere")], "nowhere does not exist", "fix:")
+    _run_refuses(["--model", str(plain)], "is a file, not a model directory", "fix:")
+    (tmp_path / "empty").mkdir()
+    _run_refuses(["--model", str(tmp_path / "empty")], "has no config.json", "fix:")
+    _run_refuses(["--device", "toaster"], "unknown device 'toaster'", "fix:")
+    _run_refuses(["--db", str(tmp_path)], "directory", "fix:")
+
+
+def test_run_has_no_constraint_options_and_says_so(no_tui) -> None:
+    """Constraints are set in the TUI (F2); `run --regex` is a usage error, not a traceback."""
+    _run_refuses(["--regex", "a{99999}"], "No such option", code=2)
+
+
+def test_the_context_overflow_hint_names_what_the_chat_offers() -> None:
+    """The TUI shows this hint when a turn does not fit: every key it names is a binding of the chat app, and it
+    names no setting the settings screen (F2) lacks (it once said to change `context_policy`)."""
+    import re
+
+    from chatapp.errors import ContextOverflowError
+    from chatapp.models import load_engine
+    from chatapp.ui.app import ChatApp
+    from chatapp.ui.screens.settings import _FIELDS
+
+    engine = load_engine("tiny", "cpu")
+    session = engine.session()
+    with pytest.raises(ContextOverflowError) as caught:
+        session.send("word " * (engine.context_size + 10), GenerationSettings(max_tokens=4))
+    hint = caught.value.hint or ""
+    keys = re.findall(r"\b(?:ctrl|shift|alt)\+\w+|\bf\d+\b", hint)
+    bindings = {binding.key for binding in ChatApp.BINDINGS}
+    assert keys and set(keys) <= bindings, (hint, bindings)
+    settings_named = set(re.findall(r"\b[a-z]+_[a-z_]+\b", hint))  # snake_case words name settings
+    assert settings_named <= {spec.name for spec in _FIELDS}, hint
+
+
+# --- the rest of the issue's list, end to end -----------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_copy(tmp_path: Path) -> Path:
+    """A copy of the shipped tiny model directory, to damage."""
+    import shutil
+
+    from chatapp.models.registry import tiny_model_dir
+
+    return Path(shutil.copytree(tiny_model_dir(), tmp_path / "tiny"))
+
+
+def _edit_config(model_dir: Path, **changes) -> None:
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+        ({"max_position_embeddings": -5}, "max_position_embeddings must be a positive integer"),
+    ],
+    ids=["heads-0", "context-0", "context-negative"],
+)
+def test_a_model_dir_with_an_impossible_config_is_a_clean_cli_error(tiny_copy: Path, changes, message) -> None:
+    _edit_config(tiny_copy, **changes)
+    result = runner.invoke(app, ["generate", "hi", "--model", str(tiny_copy)])
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_shape_mismatch_message_stays_short(tiny_copy: Path) -> None:
+    """Every MLP of the model mismatches: the message shows three and counts the rest (it was 17.9 KB)."""
+    from chatapp.errors import ModelDirError
+    from chatapp.models.loader import load_model
+
+    _edit_config(tiny_copy, intermediate_size=584)
+    with pytest.raises(ModelDirError, match=r"wrong shapes .*\(and \d+ more\)") as caught:
+        load_model(tiny_copy, "cpu")
+    assert len(str(caught.value)) < 1000
+
+
+def test_nan_weights_are_refused_not_answered_with_silence(tiny_copy: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from chatapp.errors import ModelDirError
+    from chatapp.models.loader import load_model
+
+    weights = tiny_copy / "model.safetensors"
+    state = load_file(str(weights))
+    name = next(n for n in sorted(state) if n.endswith("mlp.down_proj.weight"))
+    state[name][0, 0] = float("nan")
+    save_file(state, str(weights))
+    with pytest.raises(ModelDirError, match=r"NaN or infinite values"):
+        load_model(tiny_copy, "cpu")
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tiny_copy: Path) -> None:
+    """Prompting with the extra token would index past the embedding: the directory is refused when loaded."""
+    from tokenizers import Tokenizer
+
+    from chatapp.errors import ModelDirError
+    from chatapp.models.loader import load_model
+
+    tokenizer = Tokenizer.from_file(str(tiny_copy / "tokenizer.json"))
+    tokenizer.add_tokens(["<extra-token>"])
+    tokenizer.save(str(tiny_copy / "tokenizer.json"))
+    with pytest.raises(ModelDirError, match=r"token ids up to \d+, but the model's vocabulary"):
+        load_model(tiny_copy, "cpu")
+
+
+def test_program_check_on_invalid_utf8_names_the_file(tmp_path: Path) -> None:
+    from chatapp.models.registry import tiny_model_dir
+
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b'name = "x\xff"\n[[zones]]\nlabel = "a"\n')
+    result = runner.invoke(app, ["program", "check", str(bad), "--tokenizer", str(tiny_model_dir())])
+    assert result.exit_code == 1 and f"{bad}:1: not valid UTF-8" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_train_init_with_hidden_size_0_is_a_clean_error(tmp_path: Path) -> None:
+    from chatapp.models.registry import tiny_model_dir
+
+    config = json.loads((tiny_model_dir() / "config.json").read_text())
+    init = tmp_path / "init.json"
+    init.write_text(json.dumps({**config, "hidden_size": 0}))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world " * 200)
+    result = runner.invoke(
+        app,
+        ["train", str(corpus), "--out", str(tmp_path / "out"), "--init", str(init), "--tokenizer", str(tiny_model_dir())],
+    )
+    assert result.exit_code == 1 and "hidden_size must be a positive integer" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_cli_temperature_must_be_finite(value: str) -> None:
+    result = runner.invoke(app, ["generate", "hi", "--temperature", value])
+    assert result.exit_code == 1 and "finite" in result.output, result.output
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_quick_and_batch_refuse_a_seed_with_the_same_rule(seed: int) -> None:
+    """One validation (GenerationSettings) for `generate --seed` and a batch line's "seed"."""
+    quick = runner.invoke(app, ["generate", "hi", "--seed", str(seed)])
+    batch = _error(json.dumps({"id": 1, "prompt": "hi", "seed": seed}))
+    assert quick.exit_code == 1
+    assert "seed must be between" in quick.output and "seed must be between" in batch

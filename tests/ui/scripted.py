@@ -181,6 +181,14 @@ class ScriptedBackend(BackendState):
         # A test can make the next generating call refuse (as a session does when the context is full).
         self.refuse: ChatappError | None = None
         self.held = threading.Event()
+        # A test can make the stream fail after its last step (the engine process killed after the answer ended),
+        # and make every later call fail as a dead engine process's would.
+        self.fail_after: ChatappError | None = None
+        self.dead: ChatappError | None = None
+        # A test can compile program files for real (the TTFA compiler and its budget) against this tokenizer.
+        self.tokenizer = None
+        self.compile_seconds = 10.0
+        self.compiles: list[tuple[str | None, bool]] = []  # (program, cancelled) per switch_program call
         self._info = INFO
         self._settings = GenerationSettings()
         self._constraint: str | None = None
@@ -190,6 +198,8 @@ class ScriptedBackend(BackendState):
         return tuple(PROGRAMS)
 
     def new_session(self, history: Sequence[Message] = ()) -> None:
+        if self.dead is not None:
+            raise self.dead
         self.messages = [dict(m) for m in history]
         self.sessions.append(list(self.messages))
 
@@ -214,11 +224,26 @@ class ScriptedBackend(BackendState):
         self.messages[-1] = {"role": "user", "content": text}
         return self._stream()
 
-    def switch_program(self, name_or_path: str | None) -> ProgramInfo | None:
+    def switch_program(
+        self, name_or_path: str | None, cancel: threading.Event | None = None
+    ) -> ProgramInfo | None:
         if name_or_path is None:
             self._program = None
         elif name_or_path in PROGRAMS:
             self._program = ProgramInfo(name_or_path, PROGRAMS[name_or_path])
+        elif self.tokenizer is not None:
+            from chatapp.ttfa import load_program
+            from chatapp.ttfa.compiler import ProgramBudget, ProgramCancelled
+
+            try:
+                program = load_program(
+                    name_or_path, self.tokenizer, budget=ProgramBudget(self.compile_seconds, cancel)
+                )
+            except ProgramCancelled:
+                self.compiles.append((name_or_path, True))
+                raise
+            self.compiles.append((name_or_path, False))
+            self._program = ProgramInfo(name_or_path, tuple(program.tag_names))
         else:
             self._program = ProgramInfo(name_or_path, _load_program_file(Path(name_or_path)))
         return self._program
@@ -236,6 +261,8 @@ class ScriptedBackend(BackendState):
         stream.close()
 
     def _check_refusal(self) -> None:
+        if self.dead is not None:
+            raise self.dead
         if self.refuse is not None:
             error, self.refuse = self.refuse, None
             raise error
@@ -252,6 +279,9 @@ class ScriptedBackend(BackendState):
                     time.sleep(self.delay)
                 emitted.extend(step.tokens)
                 yield step
+            if self.fail_after is not None:
+                self.dead, self.fail_after = self.fail_after, None
+                raise self.dead
         finally:
             self.messages.append({"role": "assistant", "content": message_content(emitted)})
 

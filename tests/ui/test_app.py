@@ -272,7 +272,8 @@ async def test_bad_program_file_shows_error_and_keeps_program(build_app, tmp_pat
         await pilot.click("#program-path")
         await pilot.press(*str(bad), "enter")
         error = app.screen.query_one("#error")
-        assert error.display and "is not valid TOML" in str(error.render())
+        await wait_until(pilot, lambda: "is not valid TOML" in str(error.render()), what="the compile's error")
+        assert error.display
         assert isinstance(app.screen, ProgramScreen)
         assert backend.program.name == "calc"
 

@@ -109,6 +109,27 @@ def test_user_errors_cross_the_process_boundary_with_their_type_and_leave_state_
     assert _events(remote.send("Hi"))  # still serving
 
 
+def test_a_program_compile_in_the_engine_process_can_be_cancelled(remote: ProcessBackend, tmp_path: Path) -> None:
+    """Issue 17: esc in F3 (or quitting) stops a long compile in the engine process; the old program stays and the
+    process goes on serving."""
+    import threading
+
+    from chatapp.ttfa.compiler import ProgramCancelled
+    from tests.ui.test_program_compile import slow_program
+
+    remote.switch_program("chat")
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    started = time.monotonic()
+    with pytest.raises(ProgramCancelled, match=r"slow\.toml was cancelled"):
+        remote.switch_program(str(slow_program(tmp_path / "slow.toml")), cancel)
+    assert time.monotonic() - started < 120  # a hang guard: the compile alone takes minutes (its budget: 10 s CPU)
+    assert remote.program is not None and remote.program.name == "chat"
+    assert remote.switch_program(None) is None  # the stray "cancel" was skipped; calls line up again
+    remote.configure(GREEDY, None)
+    assert _events(remote.send("Hi"))
+
+
 def test_a_second_request_while_streaming_is_refused(remote: ProcessBackend) -> None:
     remote.new_session()
     remote.configure(GREEDY, None)

@@ -107,7 +107,9 @@ def test_bad_program_file_error(snap_compare, build_app, tmp_path, monkeypatch):
         await wait_until(pilot, lambda: pilot.app.screen.query("#program-path"))
         await pilot.click("#program-path")
         await pilot.press(*"bad.toml", "enter")
-        await wait_until(pilot, lambda: pilot.app.screen.query_one("#error").display)
+        error = pilot.app.screen.query_one("#error")
+        await wait_until(pilot, lambda: "not valid TOML" in str(error.render()), what="the compile's error")
+        pilot.app.clear_notifications()  # the same error's toast (tested in test_program_compile): no toasts here
 
     assert snap_compare(build_app(), terminal_size=SIZE, run_before=run_before)
 
@@ -124,3 +126,21 @@ def test_interrupted_answer(snap_compare, build_app):
         await wait_until(pilot, lambda: not pilot.app.is_generating)
 
     assert snap_compare(build_app(backend), terminal_size=SIZE, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [(40, 12), (80, 24)], ids=["40x12", "80x24"])
+def test_small_terminal_keeps_transcript_and_input(snap_compare, build_app, size):
+    """Issue 17: at 40x12 the side panels hide (and the header goes) so the transcript and the input stay; at 80x24
+    the side panels narrow beside them."""
+    backend = ScriptedBackend([greeting()])
+
+    async def run_before(pilot) -> None:
+        await send_and_wait(pilot, "hi")
+        app = pilot.app
+        for selector in ("#transcript", "#prompt"):
+            region = app.query_one(selector).region
+            assert region.width >= size[0] // 2 and region.height >= 3, (selector, region)
+        assert app.query_one("#side").display == (size[0] >= 60)
+        assert app.transcript.answers()[-1].region.height >= 3  # the answer itself is on screen
+
+    assert snap_compare(build_app(backend), terminal_size=size, run_before=run_before)

@@ -1,19 +1,26 @@
 """Switch the TTFA program: a built-in from the list, none, or a `.toml` file. A program that fails to load
-shows its error here and leaves the active program unchanged."""
+shows its error here (and as a notification) and leaves the active program unchanged.
+
+A program compiles against the model's tokenizer, which can take seconds for a large file (within the compiler's
+budget): it compiles in a thread worker, never on the UI thread, with a "compiling" line; esc cancels it (and so
+does quitting), and the dialog closes once the backend has answered, so what it reports is what is active.
+"""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from chatapp.errors import ProgramError
+from chatapp.errors import ChatappError
 from chatapp.ui.backend import ChatBackend, ProgramInfo
 from chatapp.ui.screens import match_cursor_blink
 
@@ -30,9 +37,19 @@ class ProgramScreen(ModalScreen[ProgramChoice | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
+    class Compiled(Message):
+        """The worker's answer: the switched-to program, or the error that refused it (`cancel`: its flag)."""
+
+        def __init__(
+            self, cancel: threading.Event, program: ProgramInfo | None, error: ChatappError | None
+        ) -> None:
+            super().__init__()
+            self.cancel, self.program, self.error = cancel, program, error
+
     def __init__(self, backend: ChatBackend) -> None:
         super().__init__()
         self._backend = backend
+        self._cancel: threading.Event | None = None  # set while a program compiles in the worker
 
     def compose(self) -> ComposeResult:
         current = self._backend.program.name if self._backend.program else _NONE
@@ -63,15 +80,61 @@ class ProgramScreen(ModalScreen[ProgramChoice | None]):
         if path := event.value.strip():
             self._load(path)
 
+    @property
+    def compiling(self) -> bool:
+        return self._cancel is not None
+
     def _load(self, name_or_path: str | None) -> None:
+        if self._cancel is not None:
+            return  # one compile at a time
+        self._cancel = threading.Event()
+        self._show(f"compiling {name_or_path or 'no program'}... (esc cancels)", error=False)
+        self._compile(name_or_path, self._cancel)
+
+    @work(thread=True, exclusive=True, group="compile-program", exit_on_error=False)
+    def _compile(self, name_or_path: str | None, cancel: threading.Event) -> None:
         try:
-            program = self._backend.switch_program(name_or_path)
-        except ProgramError as err:
-            error = self.query_one("#error", Static)
-            error.update(str(err))
-            error.display = True
+            program = self._backend.switch_program(name_or_path, cancel)
+        except ChatappError as err:
+            self.post_message(self.Compiled(cancel, None, err))
             return
-        self.dismiss(ProgramChoice(program))
+        except Exception as err:  # a bug: reported in the dialog rather than leaving it "compiling" for ever
+            failure = ChatappError(f"loading {name_or_path} failed: {type(err).__name__}: {err}")
+            self.post_message(self.Compiled(cancel, None, failure))
+            return
+        self.post_message(self.Compiled(cancel, program, None))
+
+    @on(Compiled)
+    def _compiled(self, message: Compiled) -> None:
+        if message.cancel is not self._cancel:
+            return  # not the compile this screen is waiting for
+        cancelled = message.cancel.is_set()
+        self._cancel = None
+        if message.error is None:
+            # Switched, even if esc came too late to stop it: the dialog reports what is active.
+            self.dismiss(ProgramChoice(message.program))
+        elif cancelled:
+            self.dismiss(None)
+        else:
+            self._show(str(message.error), error=True)
+            self.app.notify(str(message.error), title="Program not loaded", severity="error", timeout=10)
+
+    def _show(self, text: str, *, error: bool) -> None:
+        line = self.query_one("#error", Static)
+        line.update(text)
+        line.set_class(error, "error")
+        line.set_class(not error, "status")
+        line.display = True
 
     def action_cancel(self) -> None:
+        """Esc: stop a running compile (the dialog closes when the backend confirms), or close the dialog."""
+        if self._cancel is not None:
+            self._cancel.set()
+            self._show("cancelling...", error=False)
+            return
         self.dismiss(None)
+
+    def on_unmount(self) -> None:
+        # Quitting (ctrl+q) while a program compiles: stop the compile, or the app's exit would wait for it.
+        if self._cancel is not None:
+            self._cancel.set()

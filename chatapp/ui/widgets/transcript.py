@@ -339,6 +339,7 @@ class AssistantMessage(Vertical, can_focus=True):
         self._views: dict[int, TokenRun | ToolCallBlock] = {}
         self._first_run = TokenRun(self, 0, 0, growing=status == "streaming")
         self._status_text = ""
+        self._status_detail: str | None = None  # kept for `on_mount`: a stream may end before the widget mounts
         self._status_line = Static(classes="status")
         self._status_line.display = False
         self._initial = list(events)
@@ -352,7 +353,7 @@ class AssistantMessage(Vertical, can_focus=True):
     def on_mount(self) -> None:
         if self._initial:
             self.extend(self._initial)
-        self.set_status(self.status)
+        self.set_status(self.status, self._status_detail)
 
     def extend(self, new_events: Sequence[TokenEvent]) -> None:
         """Append streamed tokens and redraw only the segments they touched."""
@@ -377,7 +378,7 @@ class AssistantMessage(Vertical, can_focus=True):
                 view.refresh_tokens()
 
     def set_status(self, status: str, detail: str | None = None) -> None:
-        self.status = status
+        self.status, self._status_detail = status, detail
         text = _STATUS_TEXT.get(status, status)
         if detail:
             text = f"{text}: {detail}" if text else detail
