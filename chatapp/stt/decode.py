@@ -186,7 +186,10 @@ def router_probs(layer: STTLayer, x: torch.Tensor, previous: torch.Tensor) -> to
     router = layer.causal_router
     if router is None:
         return torch.ones(x.shape[0], device=x.device)
-    features = torch.cat((rms_norm(router.norm_current, x), rms_norm(router.norm_previous, previous)), dim=-1)
+    dtype = router.up.weight.dtype
+    features = torch.cat(
+        (rms_norm(router.norm_current, x.to(dtype)), rms_norm(router.norm_previous, previous.to(dtype))), dim=-1
+    )
     hidden = F.silu(torch.addmm(router.up.bias, features, router.up.weight.t()))
     return torch.sigmoid(torch.addmm(router.out.bias, hidden, router.out.weight.t()).float()).squeeze(1)
 

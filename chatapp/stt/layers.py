@@ -193,8 +193,10 @@ class CausalRouter(nn.Module):
         nn.init.constant_(self.out.bias, float(torch.logit(torch.tensor(rate))))
 
     def forward(self, current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T) from current (B, T, D) and previous (B, T, D) layer inputs."""
-        features = torch.cat((self.norm_current(current), self.norm_previous(previous)), dim=-1)
+        """Logits (B, T) from current (B, T, D) and previous (B, T, D) layer inputs, in the router's own dtype
+        (float32 under every weight format: see `chatapp.stt.weights.prepare_weights`)."""
+        dtype = self.up.weight.dtype
+        features = torch.cat((self.norm_current(current.to(dtype)), self.norm_previous(previous.to(dtype))), dim=-1)
         return self.out(F.silu(self.up(features))).squeeze(-1)
 
 

@@ -152,7 +152,7 @@ def test_int8_replaces_every_projection_and_the_tied_head() -> None:
     assert isinstance(model.lm_head, Int8Linear)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     router = model.model.layers[model.stt_layer_indices[0]].causal_router
-    assert isinstance(router.up, torch.nn.Linear)  # routers stay dense
+    assert isinstance(router.up, torch.nn.Linear) and router.up.weight.dtype == torch.float32  # routers stay float32
 
 
 def test_int4_replaces_every_projection_and_the_tied_head() -> None:
