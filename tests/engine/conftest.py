@@ -72,11 +72,14 @@ class ScriptedModel:
     def extend(self, ids: torch.Tensor, lengths: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
         self.calls.append(tuple(ids.shape))
         out = self._model.extend(ids, lengths, cache, **kwargs)
+        every_position = kwargs.get("all_logits", False)
         for row, position in enumerate(cache.seen.tolist()):
             token = self.script.get(position)
             if token is not None:
-                out.logits[row] = float("-inf")
-                out.logits[row, token] = 0.0
+                # The logits after the row's last new token (every position's with all_logits: the last one's).
+                target = out.logits[row, max(int(lengths[row]) - 1, 0)] if every_position else out.logits[row]
+                target.fill_(float("-inf"))
+                target[token] = 0.0
         return out
 
     def decode(self, ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
