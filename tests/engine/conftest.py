@@ -115,3 +115,23 @@ def routed_model(chat_tokenizer) -> STTForCausalLM:
 
     config = STTConfig(vocab_size=chat_tokenizer.get_vocab_size(), routing_trained=True, **TINY)
     return random_routed_model(config, seed=3)
+
+
+@pytest.fixture
+def ids(chat_format):
+    """Token ids by name, and helpers to write scripts."""
+
+    class Ids:
+        start, end = chat_format.python_start_id, chat_format.python_end_id
+        out_start, out_end = chat_format.output_start_id, chat_format.output_end_id
+        stop = chat_format.assistant_end_id
+
+        @staticmethod
+        def text(s: str) -> list[int]:
+            return chat_format.encode_text(s)
+
+        @staticmethod
+        def prompt(s: str = "What is 3*4?") -> list[int]:
+            return chat_format.render_for_completion([{"role": "user", "content": s}])
+
+    return Ids
