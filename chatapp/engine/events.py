@@ -60,6 +60,7 @@ class TokenLogprobs:
     """
 
     logprob: float  # of the emitted token under the model's distribution
+    piece: bytes  # the emitted token's own bytes (its text may come out with a later token's)
     entropy: float  # of the model's distribution, in nats: within [0, log V]
     top: tuple[Alternative, ...]  # the model's N most likely tokens, most likely first
     sampling_logprob: float | None = None  # of the emitted token under the sampling distribution (None: forced)

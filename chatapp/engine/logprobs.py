@@ -97,10 +97,10 @@ class HostLogprobs:
         )
 
     def token(
-        self, row: int, position: int, top_n: int, drawn: bool, piece: Callable[[int], bytes]
+        self, row: int, position: int, token: int, top_n: int, drawn: bool, piece: Callable[[int], bytes]
     ) -> TokenLogprobs:
-        """The numbers of the token at `position` of device row `row`, with that row's own `top_n` alternatives;
-        `drawn`: the token was sampled (not forced), so the sampling distribution's numbers apply."""
+        """The numbers of `token`, emitted at `position` of device row `row`, with that row's own `top_n`
+        alternatives; `drawn`: it was sampled (not forced), so the sampling distribution's numbers apply."""
 
         def alternatives(ids: list[int], logprobs: list[float]) -> tuple[Alternative, ...]:
             return tuple(
@@ -112,6 +112,7 @@ class HostLogprobs:
         sampled = drawn and position == 0
         return TokenLogprobs(
             logprob=self.chosen[row][position],
+            piece=piece(token),
             # Rounding can leave a hair below 0 for a near-certain distribution.
             entropy=max(self.entropy[row][position], 0.0),
             top=alternatives(self.top_ids[row][position], self.top_logprobs[row][position]),

@@ -623,7 +623,7 @@ class DecodeLoop:
         if host.logprobs is None or not row.settings.logprobs:
             return None
         drawn = item.source == "model"
-        return host.logprobs.token(slot, position, row.settings.logprobs, drawn, row.detok.token_bytes)
+        return host.logprobs.token(slot, position, item.token, row.settings.logprobs, drawn, row.detok.token_bytes)
 
     def _maybe_compact(self, batch: DeviceBatch) -> None:
         """Drop finished rows from the device batch once they are at least a quarter of it (see module doc)."""
