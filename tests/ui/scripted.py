@@ -164,7 +164,7 @@ def think_answer() -> list[TokenEvent]:
     )
 
 
-def calculator_answer(expression: str = "37*45", result: str = "1665") -> list[TokenEvent]:
+def calculator_answer(expression: str = "37*45", result: str = "1665", with_logprobs: bool = False) -> list[TokenEvent]:
     call = ToolEvent("call", "calculator", expression)
     outcome = ToolEvent("result", "calculator", expression, result)
     return answer(
@@ -176,6 +176,7 @@ def calculator_answer(expression: str = "37*45", result: str = "1665") -> list[T
         tok(result, forced=True),
         tok("<|output_end|>", forced=True, special=True),
         f" {expression}", " is", f" {result}", ".",
+        with_logprobs=with_logprobs,
     )  # fmt: skip
 
 

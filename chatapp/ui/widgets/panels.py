@@ -186,7 +186,7 @@ class StatsPanel(LiveStatic):
             ("context", context),
         ]
         if stats.mean_surprise is not None:
-            rows.append(("surprise", f"{stats.mean_surprise:.2f} nats/token (mean -log p)"))
+            rows.append(("surprise", f"{stats.mean_surprise:.2f} nats/token"))
         parts: list[str | tuple[str, str]] = []
         for i, (name, value) in enumerate(rows):
             parts += ["\n" if i else "", (f"{name:<14}", "dim"), value]
@@ -199,7 +199,7 @@ def _layer_surprise_parts(stats: Reply) -> list[str | tuple[str, str]]:
     layers = stats.layer_surprise()
     if not layers:
         return []
-    parts: list[str | tuple[str, str]] = ["\n", ("surprise by STT layer: computed / skipped", "dim")]
+    parts: list[str | tuple[str, str]] = ["\n", ("mean -log p    computed / skipped", "dim")]
     for layer, surprise in layers.items():
 
         def mean(value: float | None, count: int) -> str:
