@@ -11,6 +11,11 @@ the engine's own per-step time (`Step.seconds`: forward, sampling, log-probs, th
 every step of every round; tokens are checked identical on both sides (log-probs must not change what is emitted).
 Greedy and sampled (temperature 0.8, top-p 0.9) decoding, batch 1 and 8; routing as shipped (student).
 
+Step medians on a shared 2-core box move by several percent between runs, more than the cost measured, so the
+table also times the added device work alone ("ops"): on the model's (B, V) logits, `sample` (off) against the
+log-softmax, `sample_with_log_probs` and `logprobs.measure` (on), 200 repeats, median; that difference over the
+step median is the "ops share" column.
+
 Run: .venv/bin/python benchmarks/logprobs_cost.py [--model NAME|DIR] [--rounds 5] [--new-tokens 48] [--top 5]
      [--batches 1,8]
 """
@@ -71,6 +76,37 @@ def measure(engine: Engine, batch: int, settings: GenerationSettings, top: int, 
     return statistics.median(times["off"]), statistics.median(times["on"])
 
 
+def ops_seconds(batch: int, vocab: int, settings: GenerationSettings, top: int, device: torch.device) -> float:
+    """Median seconds the log-prob work adds to sampling, on random logits of the model's shape."""
+    import time
+
+    from chatapp.engine.logprobs import measure as measure_logprobs
+    from chatapp.engine.logprobs import model_log_probs
+    from chatapp.engine.sampling import SamplingParams, sample, sample_with_log_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(batch, vocab, device=device) * 3
+    params = SamplingParams.build([settings] * batch, [0] * batch, device)
+    counters = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def off() -> None:
+        sample(logits, params, counters)
+
+    def on() -> None:
+        model = model_log_probs(logits)
+        tokens, sampling = sample_with_log_probs(logits, params, counters)
+        measure_logprobs(model[:, None], tokens[:, None], sampling, top)
+
+    samples: dict[str, list[float]] = {"off": [], "on": []}
+    with torch.inference_mode():
+        for _ in range(200):
+            for name, fn in (("off", off), ("on", on)):
+                start = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - start)
+    return statistics.median(samples["on"]) - statistics.median(samples["off"])
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -103,15 +139,16 @@ def main() -> None:
           f"vocabulary {config.vocab_size}) on {engine.device}")
     print(f"machine: {machine()}")
     print(f"{args.rounds} interleaved rounds, {args.new_tokens} new tokens, logprobs={args.top}; median ms per step\n")
-    print("| batch | decoding | logprobs off (ms/step) | on (ms/step) | on / off | cost |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| batch | decoding | logprobs off (ms/step) | on (ms/step) | on / off | step cost | ops (ms) | ops share |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     greedy = GenerationSettings(max_tokens=args.new_tokens)
     sampled = greedy.with_(temperature=0.8, top_p=0.9, seed=1)
     for batch in args.batches:
         for name, settings in (("greedy", greedy), ("sampled", sampled)):
             off, on = measure(engine, batch, settings, args.top, args.rounds)
-            print(f"| {batch} | {name} | {off * 1e3:.2f} | {on * 1e3:.2f} | {on / off:.3f} | {on / off - 1:+.1%} |",
-                  flush=True)
+            ops = ops_seconds(batch, config.vocab_size, settings, args.top, engine.device)
+            print(f"| {batch} | {name} | {off * 1e3:.2f} | {on * 1e3:.2f} | {on / off:.3f} | {on / off - 1:+.1%} "
+                  f"| {ops * 1e3:.2f} | {ops / off:.1%} |", flush=True)
     print(f"\nmachine at the end: {machine()}")
 
 

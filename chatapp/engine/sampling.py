@@ -173,7 +173,8 @@ def _draw(
     tokens = torch.where(is_greedy, greedy, drawn)
     if not with_log_probs:
         return tokens, None
-    log_probs = torch.where(is_greedy[:, None], _point_mass(greedy, logits), torch.log_softmax(masked, dim=-1))
+    # The log of the probabilities just drawn from (one pass; masked tokens give log 0 = -inf).
+    log_probs = torch.where(is_greedy[:, None], _point_mass(greedy, logits), probs.log())
     return tokens, log_probs
 
 
