@@ -59,12 +59,11 @@ def measure(
     `sampling` (B, V): the log-probs token 0 was drawn with; `top_n` alternatives per token."""
     top = model.topk(min(top_n, model.shape[-1]), dim=-1)
     sampling_top = sampling.topk(min(top_n, sampling.shape[-1]), dim=-1)
-    # -sum p log p from the log-probs already at hand (one exp, no second log); a logit of -inf (p = 0) would give
-    # 0 * -inf = nan, so log p is clamped to the most negative finite float first.
-    finite = model.clamp(min=torch.finfo(model.dtype).min)
     return LogprobTensors(
         chosen=model.gather(-1, fed[..., None]).squeeze(-1),
-        entropy=-(model.exp() * finite).sum(dim=-1),
+        # -sum p log p from the log-probs at hand (one exp, no second log). A logit of -inf gives 0 * -inf = nan,
+        # which nansum counts as 0: the limit of p log p at p = 0.
+        entropy=-torch.nansum(model.exp() * model, dim=-1),
         top_logprobs=top.values,
         top_ids=top.indices,
         sampling_chosen=sampling.gather(-1, fed[:, :1]).squeeze(-1),

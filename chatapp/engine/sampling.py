@@ -87,6 +87,7 @@ class SamplingPlan:
     data-dependent branches: rows that do not need a stage pass through it unchanged."""
 
     any_sampling: bool  # some row has temperature > 0 (otherwise pure argmax)
+    any_greedy: bool  # some row has temperature 0
     max_top_k: int  # largest top_k of a sampling row (0: no row uses top-k)
     any_top_p: bool  # some sampling row has top_p < 1
     top_p_within_top_k: bool  # every top-p row also has top-k, so the nucleus is found among max_top_k candidates
@@ -111,6 +112,7 @@ class SamplingParams:
         top_p_rows = [s for s in sampling if s.top_p < 1]
         plan = SamplingPlan(
             any_sampling=bool(sampling),
+            any_greedy=len(sampling) < len(settings),
             max_top_k=max((s.top_k for s in sampling), default=0),
             any_top_p=bool(top_p_rows),
             top_p_within_top_k=all(s.top_k > 0 for s in top_p_rows),
@@ -174,7 +176,9 @@ def _draw(
     if not with_log_probs:
         return tokens, None
     # The log of the probabilities just drawn from (one pass; masked tokens give log 0 = -inf).
-    log_probs = torch.where(is_greedy[:, None], _point_mass(greedy, logits), probs.log())
+    log_probs = probs.log()
+    if params.plan.any_greedy:
+        log_probs = torch.where(is_greedy[:, None], _point_mass(greedy, logits), log_probs)
     return tokens, log_probs
 
 
