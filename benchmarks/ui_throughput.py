@@ -20,6 +20,11 @@ into its wait for the first token (engine: first step out of the session; TUI: f
 after it, whose rate ("streaming tokens/s": tokens after each turn's first over the time after it) is the speed a
 reader sees text arrive at. The goal: the TUI keeps >= 90% of the engine's tokens/s.
 
+The log-probability views are on, as in `chatapp run`: every side asks for `--logprobs` alternatives per token
+(default 5, the TUI's own default; so the bare engine does the same device work and the ratio is the UI's cost),
+the heatmap draws its surprise row and the stats their per-layer surprise, and the transcript colours tokens by
+probability (`--no-colours` turns that off).
+
 Torch runs single-threaded by default on both sides (`--threads`): on a small shared CPU, spinning intra-op workers
 only add noise, and it leaves the TUI's own thread a core, as on any machine with more cores than torch uses.
 
@@ -151,12 +156,15 @@ def engine_run(engine: Engine, settings: GenerationSettings, turns: Sequence[str
     return Run(tokens, time.perf_counter() - started, first_token, first_count)
 
 
-async def tui_run(backend: ChatBackend, settings: GenerationSettings, turns: Sequence[str], db: Path) -> Run:
+async def tui_run(
+    backend: ChatBackend, settings: GenerationSettings, turns: Sequence[str], db: Path, colours: bool = True
+) -> Run:
     """The turns through the headless TUI on a fresh session of `backend`, each sent once the previous answer is
-    drawn."""
+    drawn; `colours`: the transcript colours tokens by probability (f6)."""
     backend.new_session()
     backend.configure(settings, None)
     app = TimedChatApp(backend, HistoryStore(db), cursor_blink=False)
+    app.probability_colours = colours
     first_token, first_count = 0.0, 0
     async with app.run_test(size=(120, 36)) as pilot:
         # The app finishes starting up (footer keys, first paints) before the user types: not part of an answer.
@@ -183,16 +191,17 @@ async def tui_run(backend: ChatBackend, settings: GenerationSettings, turns: Seq
 def compare(label: str, model_dir: Path, turns: Sequence[str], args: argparse.Namespace, tmp: Path) -> None:
     """Warm up, run the sides interleaved, print the table."""
     engine = load_engine(model_dir, device="cpu")
-    settings = GenerationSettings(max_tokens=args.max_tokens)
+    settings = GenerationSettings(max_tokens=args.max_tokens, logprobs=args.logprobs)
+    colours = not args.no_colours
     in_process = EngineBackend(engine, model_dir=model_dir)
     with ProcessBackend(model_dir, device="cpu") as remote:  # started (model loaded) before any clock runs
         sides: dict[str, Callable[[int], Run]] = {
             "bare engine (ChatSession)": lambda i: engine_run(engine, settings, turns),
             "TUI, engine process (chatapp run)": lambda i: asyncio.run(
-                tui_run(remote, settings, turns, tmp / f"{label}-p{i}.sqlite3")
+                tui_run(remote, settings, turns, tmp / f"{label}-p{i}.sqlite3", colours)
             ),
             "TUI, in-process (--in-process)": lambda i: asyncio.run(
-                tui_run(in_process, settings, turns, tmp / f"{label}-t{i}.sqlite3")
+                tui_run(in_process, settings, turns, tmp / f"{label}-t{i}.sqlite3", colours)
             ),
         }
         for run in sides.values():  # warm-up (allocator, kernels, the child's first forward)
@@ -205,7 +214,8 @@ def compare(label: str, model_dir: Path, turns: Sequence[str], args: argparse.Na
 
     engine_runs = results["bare engine (ChatSession)"]
     same = all(run.tokens == engine_runs[0].tokens for runs in results.values() for run in runs)
-    print(f"model: {label}; {len(turns)} turn(s), greedy, max_tokens {args.max_tokens}")
+    views = f"logprobs {args.logprobs}, probability colours {'off' if args.no_colours else 'on'}"
+    print(f"model: {label}; {len(turns)} turn(s), greedy, max_tokens {args.max_tokens}; {views}")
     print(
         f"device cpu ({os.cpu_count()} cores), torch {torch.get_num_threads()} thread(s) in each process; "
         f"{args.repeats} runs per side"
@@ -237,6 +247,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on both sides")
+    parser.add_argument("--logprobs", type=int, default=5, help="alternatives per token on every side (0 = off)")
+    parser.add_argument("--no-colours", action="store_true", help="leave the probability colouring off")
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: embedded and random)")
     # The UI's cost is per frame and per answer, so its share depends on the engine's speed: a bigger random model
     # (e.g. --hidden 512 --layers 8) measures the TUI against a slower engine.

@@ -69,6 +69,9 @@ TopKOption = Annotated[int, typer.Option("--top-k", help="Keep the k most likely
 TopPOption = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")]
 MaxTokensOption = Annotated[int, typer.Option("--max-tokens", help="Most sampled tokens (forced ones are free).")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Random seed for sampling.")]
+LogprobsOption = Annotated[
+    int, typer.Option("--logprobs", help="Per token: log-probability, entropy and N alternatives (0-20; 0 = off).")
+]
 
 
 def _version_callback(value: bool) -> None:
@@ -309,6 +312,7 @@ def generate(
         typer.Option("--json-schema", help="Constrain the reply to JSON matching this schema (inline JSON or a .json file)."),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timing: tokens/s, forced %, ...")] = False,
+    logprobs: LogprobsOption = 0,
 ) -> None:
     """Stream a reply to PROMPT: sampled tokens plain, forced tokens (tool output) in italic cyan. Into a pipe or
     a file it writes exactly the reply's text (timing and errors go to stderr)."""
@@ -318,7 +322,9 @@ def generate(
     from chatapp.validation import check_prompt_chars, check_text, longest_token_chars
 
     check_text("the prompt", prompt)
-    settings = GenerationSettings(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    settings = GenerationSettings(
+        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=logprobs
+    )
     if regex is not None and json_schema is not None:
         raise SettingsError("--regex and --json-schema both constrain the reply", hint="pass one of them")
     schema = _json_schema(json_schema) if json_schema is not None else None
@@ -378,6 +384,7 @@ def batch(
         bool, typer.Option("--resume", help="Keep the (id, sample) records already in --output, add the rest.")
     ] = False,
     fsync: Annotated[bool, typer.Option("--fsync", help="fsync every record (survives power loss).")] = False,
+    logprobs: LogprobsOption = 0,
 ) -> None:
     """Generate every line of a JSONL file in device batches: one JSON record per (id, sample), an error record per
     bad line (exit code 1 if any), a summary on stderr. The sampling options are the defaults a line may override."""
@@ -386,7 +393,9 @@ def batch(
     from chatapp.batch.runner import BatchOptions
     from chatapp.settings import GenerationSettings
 
-    settings = GenerationSettings(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    settings = GenerationSettings(
+        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=logprobs
+    )
     summary = run_batch_command(
         input,
         output=output,

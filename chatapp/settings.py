@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from chatapp.errors import SettingsError
+from chatapp.validation import check_logprobs
 
 ContextPolicy = Literal["error", "drop_oldest"]
 
@@ -43,6 +44,9 @@ class GenerationSettings:
     # Push known runs of forced tokens through the model in one forward. Token-identical to step-by-step.
     fast_forward: bool = True
     stop_tokens: tuple[int, ...] = field(default_factory=tuple)
+    # Per emitted token, report its log-probability, the entropy and this many most likely alternatives
+    # (`TokenEvent.logprobs`); 0 = off, and off costs nothing.
+    logprobs: int = 0
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, hint="use 0 for greedy decoding")
@@ -50,6 +54,7 @@ class GenerationSettings:
         _check_number("top_p", self.top_p, hint="use 1.0 to disable top-p")
         _check_int("max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS)
         _check_int("seed", self.seed, 0, MAX_SEED, hint="use a seed between 0 and 2**63-1")
+        check_logprobs(self.logprobs)
         if self.temperature < 0:
             raise SettingsError(f"temperature must be >= 0, got {self.temperature}", hint="use 0 for greedy decoding")
         if not 0 < self.top_p <= 1:

@@ -27,6 +27,9 @@ MAX_SCHEMA_CHARS = 100_000
 MAX_SCHEMA_DEPTH = 32
 """Deepest nesting of objects and arrays in a JSON-schema constraint."""
 
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask to see per token (`logprobs`): OpenAI's `top_logprobs` bound."""
+
 
 def find_lone_surrogate(text: str) -> int | None:
     """Index of the first lone surrogate in `text` (None if it is proper Unicode).
@@ -84,6 +87,17 @@ def json_depth(value: Any) -> int:
         deepest = max(deepest, depth + 1)
         stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+def check_logprobs(value: object) -> None:
+    """`logprobs` is how many alternatives each token reports, 0 (off) to `MAX_LOGPROBS`: an integer, not a flag, so
+    `true` (an `int` to Python) is refused rather than read as 1."""
+    hint = f"use 0 for none, or up to {MAX_LOGPROBS} alternatives per token"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SettingsError(f"logprobs must be an integer, got {value!r}", hint=hint)
+    if not 0 <= value <= MAX_LOGPROBS:
+        shown = str(value) if len(str(value)) <= 30 else f"a {len(str(value))}-digit number"
+        raise SettingsError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {shown}", hint=hint)
 
 
 def check_samples(samples: int, name: str = "samples") -> None:

@@ -63,3 +63,43 @@ async def test_cli_batch_and_tui_report_the_same_answer_alike(routed_model_dir: 
     assert re.search(rf"tokens\s+{tokens}\s", panel)
     assert re.search(rf"forced\s+{forced / tokens:.0%}", panel)
     assert re.search(rf"compute saved\s+{saved:.0%}", panel)
+
+
+@pytest.mark.asyncio
+async def test_cli_batch_and_tui_report_the_same_logprobs(routed_model_dir: Path, tmp_path: Path) -> None:
+    """Log-probabilities, surprise and alternatives come through the one fold: the `--logprobs` table, the batch
+    record's OpenAI-shaped `logprobs` and the TUI's events carry the same numbers for the same answer."""
+    model, n = str(routed_model_dir), 3
+    args = ["generate", PROMPT, "--model", model, "--max-tokens", str(MAX_TOKENS), "--logprobs", str(n)]
+    quick = CliRunner().invoke(cli, args)
+    assert quick.exit_code == 0, quick.output
+    line = json.dumps({"id": "a", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "logprobs": n})
+    batch = CliRunner().invoke(cli, ["batch", "-", "--model", model], input=line + "\n")
+    assert batch.exit_code == 0, batch.output
+    (record,) = [json.loads(text) for text in batch.stdout.splitlines() if text]
+
+    backend = EngineBackend.load(routed_model_dir, device="cpu")
+    backend.configure(GenerationSettings(max_tokens=MAX_TOKENS, logprobs=n), None)
+    tui = make_app(backend=backend, db_path=tmp_path / "h.sqlite3", clock=FixedClock(), cursor_blink=False)
+    async with tui.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, PROMPT)
+        events = tui.transcript.answers()[-1].events
+        panel = str(tui.query_one(StatsPanel).render())
+
+    content = record["logprobs"]["content"]
+    reply_events = events[: len(content)]
+    assert [e.token for e in events] == record["tokens"]
+    for event, entry in zip(reply_events, content, strict=True):
+        assert event.logprobs is not None
+        assert event.logprobs.logprob == pytest.approx(entry["logprob"], abs=1e-5)
+        assert [list(a.piece) for a in event.logprobs.top] == [alt["bytes"] for alt in entry["top_logprobs"]]
+        assert [a.logprob for a in event.logprobs.top] == pytest.approx(
+            [alt["logprob"] for alt in entry["top_logprobs"]], abs=1e-5
+        )
+    # The table prints each emitted token's logprob to 3 decimals, in order.
+    printed = re.findall(r"^\s*(\d+)\s.*?\s(-?\d+\.\d{3})\s+(\d\.\d{3})\s", quick.stderr, re.MULTILINE)
+    assert [float(value) for _, value, _ in printed][: len(content)] == pytest.approx(
+        [round(entry["logprob"], 3) for entry in content], abs=1.1e-3
+    )
+    surprise = sum(-e.logprobs.logprob for e in events) / len(events)
+    assert re.search(rf"surprise\s+{surprise:.2f}", panel)

@@ -34,4 +34,6 @@ def row_record(reply: Reply, request_id: RequestId, sample: int) -> dict[str, An
     }
     if reply.error is not None:
         record["error"] = reply.error
+    if (content := reply.logprobs_content()) is not None:  # the line asked for `logprobs`: OpenAI's shape
+        record["logprobs"] = {"content": content}
     return record

@@ -29,7 +29,7 @@ RequestId = str | int
 
 # Settings a line may override, with the JSON type each must have. `bool` is excluded explicitly because it is an
 # `int` to Python but never what a user means by a number.
-_INT_SETTINGS = ("top_k", "max_tokens", "seed")
+_INT_SETTINGS = ("top_k", "max_tokens", "seed", "logprobs")
 _FLOAT_SETTINGS = ("temperature", "top_p")
 KNOWN_FIELDS = frozenset(
     {"id", "prompt", "messages", "samples", "program", "regex", "json_schema", *_INT_SETTINGS, *_FLOAT_SETTINGS}

@@ -102,6 +102,7 @@ class Detokenizer:
 
     def __init__(self, token_bytes: TokenBytes) -> None:
         self._bytes = token_bytes
+        self.token_bytes = token_bytes  # the vocabulary's bytes, for alternatives' pieces
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> tuple[str, bool]:

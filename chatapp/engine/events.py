@@ -9,6 +9,7 @@ call, which never changes even when finished rows are dropped from the device ba
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,6 +28,52 @@ class ToolEvent:
     tool: str
     expression: str
     output: str | None = None  # the result text, or the refusal reason
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """A token the model could have emitted at a position, with its log-probability (natural log)."""
+
+    token: int
+    piece: bytes  # the token's own bytes (a special token's name): what OpenAI's `bytes` lists
+    logprob: float
+
+    @property
+    def text(self) -> str:
+        return self.piece.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """What the model thought of one emitted token (requested with `GenerationSettings.logprobs = N`).
+
+    Two distributions are reported, because they answer different questions:
+    - the model's: softmax of the raw logits at temperature 1, before any mask (top-k/top-p, grammar). `logprob`,
+      `entropy` and `top` are about it: how surprised the model was, how unsure, what else it nearly said. This
+      is what OpenAI's `logprobs` / `top_logprobs` report, so `top` is what the batch records' `top_logprobs` list.
+      Forced tokens (tool output, program feeds, grammar-forced tokens) get it too: the model produced logits for
+      their position, fast-forwarded runs included (the run's forward computes every position's logits).
+    - the sampling distribution actually drawn from: temperature, top-k, top-p and the grammar mask applied.
+      `sampling_logprob` / `sampling_top` are about it; forbidden tokens never appear in `sampling_top`. A greedy
+      row's sampling distribution is the argmax alone (log-probability 0). Forced tokens were not drawn, so they
+      have None / () here.
+    """
+
+    logprob: float  # of the emitted token under the model's distribution
+    piece: bytes  # the emitted token's own bytes (its text may come out with a later token's)
+    entropy: float  # of the model's distribution, in nats: within [0, log V]
+    top: tuple[Alternative, ...]  # the model's N most likely tokens, most likely first
+    sampling_logprob: float | None = None  # of the emitted token under the sampling distribution (None: forced)
+    sampling_top: tuple[Alternative, ...] = ()  # that distribution's N most likely tokens with probability > 0
+
+    @property
+    def surprise(self) -> float:
+        """-log p under the model, in nats: 0 for a certain token, large for a surprising one."""
+        return -self.logprob
+
+    @property
+    def probability(self) -> float:
+        return math.exp(self.logprob)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +98,8 @@ class TokenEvent:
     tool: ToolEvent | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # With `GenerationSettings.logprobs` > 0: the token's log-probability, entropy and alternatives.
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@
              ─► known tokens replace samples: a tool's queued output, tokens the grammar forces
              ─► the TTFA automaton steps (`programs.py`): feeds / timeouts replace tokens, zone tags
              ─► model.decode (or a ragged `extend` when some row fast-forwards a known run)
-             ─► ONE device→host copy (tokens, routing, program state) ─► per-row host bookkeeping
+             ─► log-probs, entropy, top-N alternatives when a row asks (`logprobs.py`)
+             ─► ONE device→host copy (tokens, routing, program state, log-probs) ─► per-row host bookkeeping
                 (detokenize, stop / length / context / program checks, tool machine, grammar) ─► Step event
 
 The request front (`engine.py`) validates a call and builds the rows; this module runs them. What it does
@@ -50,10 +51,11 @@ import torch
 
 from chatapp.engine.constraints import apply_masks
 from chatapp.engine.detok import Detokenizer
-from chatapp.engine.events import FinishReason, PromptInfo, Step, TokenEvent, ToolEvent
+from chatapp.engine.events import FinishReason, PromptInfo, Step, TokenEvent, TokenLogprobs, ToolEvent
+from chatapp.engine.logprobs import HostLogprobs, LogprobTensors, measure, model_log_probs
 from chatapp.engine.programs import ProgramRunner
 from chatapp.engine.protocols import ConstraintLike, ForwardOutput, KVCacheLike, ModelLike
-from chatapp.engine.sampling import SamplingParams, sample
+from chatapp.engine.sampling import SamplingParams, sample, sample_with_log_probs
 from chatapp.engine.tools import ForcedToken, ToolMachine
 from chatapp.errors import ChatappError
 from chatapp.settings import GenerationSettings
@@ -166,6 +168,19 @@ class HostStep:
     router_probs: list[list[list[float]]] | None = None  # [row][position][stt layer], with routing reported
     computed: list[list[list[bool]]] | None = None
     program: HostProgram | None = None
+    logprobs: HostLogprobs | None = None  # with log-probs asked by some row
+
+
+@dataclass(frozen=True)
+class Fed:
+    """What a step fed the model and what came back: the fed tokens (B, W) — exactly the tokens the rows emit —,
+    the forward's output with each row's last logits (B, V), and, for a fast-forward step with log-probs on,
+    every position's logits (B, W, V) (None otherwise)."""
+
+    ids: torch.Tensor
+    out: ForwardOutput
+    logits: torch.Tensor
+    position_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -183,6 +198,7 @@ class DeviceBatch:
     program: ProgramRunner | None = None  # the TTFA automaton when any row runs a program
     pending: list[int] | None = None  # host copy of the program's pending feed per row (from the last step)
     finished: int = 0  # rows finished but still occupying a device slot
+    top_n: int = 0  # alternatives to measure per token: the most any row asks for (0: no log-probs at all)
 
     @property
     def active(self) -> int:
@@ -236,6 +252,7 @@ class DecodeLoop:
             routing=call_settings.routing,
             threshold=call_settings.routing_threshold,
             may_compact=may_compact,
+            top_n=max(r.settings.logprobs for r in rows),
         )
         if programs and any(p is not None for p in programs):
             batch.program = ProgramRunner(programs, self.device)
@@ -310,9 +327,14 @@ class DecodeLoop:
         update rows, build events."""
         started = time.perf_counter()
         rows, program = batch.rows, batch.program
+        # The model's own view of the next token, taken before the grammar masks the logits in place.
+        head_log_probs = model_log_probs(batch.logits) if batch.top_n else None
         if any(row.constraint is not None and not row.finished for row in rows):
             apply_masks(batch.logits, [None if r.finished else r.constraint for r in rows], batch.logits.shape[-1])
-        sampled = sample(batch.logits, batch.params, batch.counters)
+        if batch.top_n:
+            sampled, sampling_log_probs = sample_with_log_probs(batch.logits, batch.params, batch.counters)
+        else:
+            sampled, sampling_log_probs = sample(batch.logits, batch.params, batch.counters), None
         fast = self.fast_forward == "always" or batch.active == 1 or self.device.type == "cuda"
         # Tool output is fast-forwarded only without a program: with one, every tool token must pass the automaton.
         runs = {
@@ -338,10 +360,14 @@ class DecodeLoop:
         if width == 1 and not batch.finished:  # the common case: every row feeds one token
             out = self.model.decode(heads, batch.cache, routing=batch.routing, threshold=batch.threshold)
             batch.counters += 1
+            fed = Fed(heads[:, None], out, out.logits)
         else:
-            out = self._feed_ragged(batch, heads, runs, feed_counts, width, known, peek)
-        batch.logits = out.logits
-        host = self._to_host(heads, out, batch.routing != "off", outputs, peek, program)
+            fed = self._feed_ragged(batch, heads, runs, feed_counts, width, known, peek)
+        batch.logits = fed.logits
+        logprobs = None
+        if head_log_probs is not None and sampling_log_probs is not None:
+            logprobs = measure(self._emitted_log_probs(head_log_probs, fed), fed.ids, sampling_log_probs, batch.top_n)
+        host = self._to_host(heads, fed.out, batch.routing != "off", outputs, peek, program, logprobs)
         batch.pending = host.program.pending if host.program is not None else None
 
         events: list[TokenEvent] = []
@@ -353,6 +379,14 @@ class DecodeLoop:
             if row.finished:
                 batch.finished += 1
         return Step(index, tuple(events), time.perf_counter() - started, batch.active)
+
+    @staticmethod
+    def _emitted_log_probs(head: torch.Tensor, fed: Fed) -> torch.Tensor:
+        """(B, W, V) the model's log-probs for each token the rows emitted this step: token 0 from the logits the
+        last step left (`head`, unmasked), token j of a fast-forwarded run from the run's own position j - 1."""
+        if fed.position_logits is None or fed.ids.shape[1] == 1:
+            return head[:, None]
+        return torch.cat([head[:, None], model_log_probs(fed.position_logits[:, :-1])], dim=1)
 
     def _feed_counts(self, batch: DeviceBatch, runs: dict[int, KnownRun]) -> dict[int, int]:
         """Rows that fast-forward their program's pending feed this step, and how many feed tokens each emits.
@@ -388,9 +422,10 @@ class DecodeLoop:
         width: int,
         known: tuple[torch.Tensor, torch.Tensor] | None,
         peek: FeedPeek | None,
-    ) -> ForwardOutput:
+    ) -> Fed:
         """Feed a step where some rows fast-forward a known run or a program feed, or are finished (length 0):
-        one `extend` call; every other row feeds its one token of `heads`."""
+        one `extend` call; every other row feeds its one token of `heads`. With log-probs on, the call returns every
+        position's logits (one LM-head product per fed token, only on these rare steps)."""
         lengths = [0 if row.finished else 1 for row in batch.rows]
         for i, run in runs.items():
             lengths[i] = len(run.items)
@@ -404,9 +439,15 @@ class DecodeLoop:
             k = peek.ids.shape[1]
             feeding = torch.tensor([i in feed_counts for i in range(len(batch.rows))], device=device)
             ids[:, :k] = torch.where(feeding[:, None], peek.ids, ids[:, :k])
-        out = self.model.extend(ids, lengths_t, batch.cache, routing=batch.routing, threshold=batch.threshold)
+        every_position = bool(batch.top_n)
+        out = self.model.extend(
+            ids, lengths_t, batch.cache, routing=batch.routing, threshold=batch.threshold, all_logits=every_position
+        )
         batch.counters += lengths_t
-        return out
+        if not every_position:
+            return Fed(ids, out, out.logits)
+        last = out.logits[torch.arange(len(batch.rows), device=device), (lengths_t - 1).clamp(min=0)]
+        return Fed(ids, out, last, out.logits)
 
     def _known_run(self, row: RowState, fast: bool) -> KnownRun | None:
         """The tokens a row will emit next that are already known: its tool's queued output, else the tokens its
@@ -466,10 +507,11 @@ class DecodeLoop:
         outputs: ProgramOutputs | None,
         peek: FeedPeek | None,
         program: ProgramRunner | None,
+        logprobs: LogprobTensors | None = None,
     ) -> HostStep:
         """The step's one device→host copy: tokens; routing (L_stt, B, T) when it is reported; the program's
-        outputs when a program runs, and the fast-forwarded feeds. Everything is packed into one float64 tensor
-        (exact for token ids, flags and float32 probabilities)."""
+        outputs when a program runs, and the fast-forwarded feeds; log-probs when asked. Everything is packed into
+        one float64 tensor (exact for token ids, flags and float32 probabilities, -inf included)."""
         size = heads.shape[0]
         parts = [heads.double()]
         if with_routing:
@@ -478,6 +520,8 @@ class DecodeLoop:
             parts += [t.double().flatten() for t in outputs.tensors()]
         if peek is not None:
             parts += [t.double().flatten() for t in peek.tensors()]
+        if logprobs is not None:
+            parts += [t.double().flatten() for t in logprobs.tensors()]
         packed = parts[0].cpu() if len(parts) == 1 else torch.cat(parts).cpu()
         host = HostStep(tokens=packed[:size].long().tolist())
         offset = size
@@ -511,6 +555,9 @@ class DecodeLoop:
                     HostFeed(tokens[b], [program.tag_tuple(f) for f in tags[b]], program.zone_labels(zones[b]))
                     for b in range(size)
                 ]
+        if logprobs is not None:
+            _, width, top_n = logprobs.top_ids.shape
+            host.logprobs = HostLogprobs.unpack(take, size, width, top_n)
         return host
 
     def _advance_row(self, row: RowState, emitted: list[Emitted], slot: int, host: HostStep) -> list[TokenEvent]:
@@ -545,6 +592,7 @@ class DecodeLoop:
                     "router_probs": None if host.router_probs is None else tuple(host.router_probs[slot][position]),
                     "computed": None if host.computed is None else tuple(host.computed[slot][position]),
                     "tool": tool_event,
+                    "logprobs": self._token_logprobs(row, slot, position, item, host),
                 }
             )
         row.seen += len(emitted)
@@ -566,6 +614,16 @@ class DecodeLoop:
             if finish != "stop" and row.tools is not None:
                 last["tool"] = last["tool"] or row.tools.interrupt(_UNFINISHED_CALL[finish])
         return [TokenEvent(row=row.index, **piece) for piece in pieces]
+
+    @staticmethod
+    def _token_logprobs(
+        row: RowState, slot: int, position: int, item: Emitted, host: HostStep
+    ) -> TokenLogprobs | None:
+        """The token's `TokenLogprobs` when its row asked for them (None otherwise)."""
+        if host.logprobs is None or not row.settings.logprobs:
+            return None
+        drawn = item.source == "model"
+        return host.logprobs.token(slot, position, item.token, row.settings.logprobs, drawn, row.detok.token_bytes)
 
     def _maybe_compact(self, batch: DeviceBatch) -> None:
         """Drop finished rows from the device batch once they are at least a quarter of it (see module doc)."""

@@ -32,7 +32,7 @@ class ChatFormatLike(Protocol):
 class ForwardOutput(Protocol):
     """One `extend` / `decode` call's results, all on the model's device."""
 
-    logits: torch.Tensor  # (B, V) after each row's last new token
+    logits: torch.Tensor  # (B, V) after each row's last new token; (B, T, V) from `extend(all_logits=True)`
     router_probs: torch.Tensor  # (L_stt, B, T) causal-router probabilities
     selected: torch.Tensor  # (L_stt, B, T) bool: the STT layer computed this token
 
@@ -74,6 +74,7 @@ class ModelLike(Protocol):
         *,
         routing: str = "student",
         threshold: float | None = None,
+        all_logits: bool = False,
     ) -> ForwardOutput: ...
     def decode(
         self, ids: torch.Tensor, cache: KVCacheLike, *, routing: str = "student", threshold: float | None = None

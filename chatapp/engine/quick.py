@@ -7,15 +7,18 @@ On a terminal, sampled text prints plain; forced text (tool output) prints itali
 colour too; special tokens print dim; a refused tool call also prints its reason in red; a TTFA zone the reply
 enters is announced as a dim `[label]`. Into a pipe or file the reply's text is written exactly as the tokens
 decode (no styling, wrapping or tab expansion, no zone labels), and the error and `--verbose` block go to stderr.
-`--verbose` adds a timing block in the spirit of `ollama run --verbose`.
+`--verbose` adds a timing block in the spirit of `ollama run --verbose`; `--logprobs N` a table of every reply
+token's probability, the model's entropy and its N most likely alternatives (on stderr too when piped).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, TextIO
 
 from rich.console import Console
+from rich.table import Table
 from rich.text import Text
 
 from chatapp.engine.engine import Engine
@@ -48,6 +51,30 @@ def render_stats(reply: Reply, total_seconds: float) -> Text:
     ]
     width = max(len(name) for name, _ in rows) + 2
     return Text("\n".join(f"{name + ':':<{width}}{value}" for name, value in rows), style="dim")
+
+
+def render_logprobs(reply: Reply) -> Table:
+    """The `--logprobs N` table: per reply token, its probability under the model, the model's surprise and
+    entropy, and the alternatives it weighed (forced tokens marked: the model did not choose them)."""
+    table = Table(box=None, pad_edge=False, header_style="dim", title_style="dim", title_justify="left")
+    table.title = f"log-probabilities (natural log; mean surprise {reply.mean_surprise or 0:.2f} nats)"
+    for name, justify in (("#", "right"), ("token", "left"), ("", "left"), ("logprob", "right"), ("p", "right"),
+                          ("entropy", "right"), ("alternatives (p)", "left")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for index, (event, logprobs) in enumerate(zip(reply.events, reply.logprobs, strict=False)):
+        if logprobs is None:
+            continue
+        alternatives = "  ".join(f"{a.text!r} {math.exp(a.logprob):.2f}" for a in logprobs.top)
+        table.add_row(
+            str(index),
+            Text(repr(logprobs.piece.decode("utf-8", errors="replace")), style=FORCED_STYLE if event.forced else ""),
+            "forced" if event.forced else "",
+            f"{logprobs.logprob:.3f}",
+            f"{logprobs.probability:.3f}",
+            f"{logprobs.entropy:.2f}",
+            alternatives,
+        )
+    return table
 
 
 def stream_reply(
@@ -94,6 +121,8 @@ def stream_reply(
         console.print(Text(reply.error, style=REFUSAL_STYLE))
     if verbose:
         console.print(render_stats(reply, total_seconds))
+    if settings.logprobs:
+        console.print(render_logprobs(reply))
     return reply
 
 

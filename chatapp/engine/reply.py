@@ -20,15 +20,24 @@ The statistics, each with one definition:
   over the emitted tokens that went through the model. The prompt is left out: this is what the answer cost.
 - `stt_skipped_fraction`: the same skipped blocks over the STT layers' blocks only.
 - `layer_computed`: per STT layer, the fraction of those tokens the layer computed.
+- `mean_surprise`: mean -log p (nats, under the model's distribution) of the emitted tokens that carry log-probs
+  (`GenerationSettings.logprobs` > 0), forced ones included: the model's surprise is defined for every token it
+  produced logits for.
+- `layer_surprise`: per STT layer, the mean surprise of the routed tokens it computed and of those it skipped —
+  does a layer spend its compute on the tokens the model found surprising?
+
+`logprobs_content()` is the reply's log-probs in the shape of OpenAI's chat completions (`logprobs.content`): one
+entry per reply token (the final stop token is not content, as in OpenAI's), `top_logprobs` the model's own
+alternatives (`TokenLogprobs` explains the two distributions).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from chatapp.engine.events import FinishReason, PromptInfo, Step, TokenEvent, ToolEvent
+from chatapp.engine.events import Alternative, FinishReason, PromptInfo, Step, TokenEvent, TokenLogprobs, ToolEvent
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 
 PartType = Literal["text", "python", "python_output"]
@@ -73,6 +82,10 @@ class Reply:
     forced_count: int = 0
     routed_tokens: int = 0  # emitted tokens that went through the model with routing reported
     computed_per_layer: list[int] = field(default_factory=list)  # per STT layer: how many of those it computed
+    surprise_total: float = 0.0  # sum of -log p over the tokens with log-probs
+    surprise_count: int = 0
+    # Per STT layer, over routed tokens with log-probs: [surprise sum, count] of the computed, then of the skipped.
+    layer_surprise_sums: list[list[float]] = field(default_factory=list)
 
     # ------------------------------------------------------------------------------------------------ folding
     def start(self, prompt: PromptInfo) -> None:
@@ -94,6 +107,8 @@ class Reply:
             self.routed_tokens += 1
             for layer, computed in enumerate(event.computed):
                 self.computed_per_layer[layer] += bool(computed)
+        if event.logprobs is not None:
+            self._add_surprise(event.logprobs.surprise, event.computed)
         # Every emitted token but a final stop token that was never fed now occupies the context.
         if event.finish_reason is None or event.computed is not None:
             self.context_used += 1
@@ -115,6 +130,18 @@ class Reply:
             self.start(step.prompt)
         self.decode_seconds += step.seconds
         return "".join(self.add(event) for event in step.tokens if event.row == self.row)
+
+    def _add_surprise(self, surprise: float, computed: tuple[bool, ...] | None) -> None:
+        self.surprise_total += surprise
+        self.surprise_count += 1
+        if computed is None:
+            return
+        if not self.layer_surprise_sums:
+            self.layer_surprise_sums = [[0.0, 0, 0.0, 0] for _ in computed]
+        for sums, was_computed in zip(self.layer_surprise_sums, computed, strict=True):
+            at = 0 if was_computed else 2
+            sums[at] += surprise
+            sums[at + 1] += 1
 
     @property
     def finished(self) -> bool:
@@ -217,6 +244,63 @@ class Reply:
             layer: count / self.routed_tokens
             for layer, count in zip(self.stt_layers, self.computed_per_layer, strict=True)
         }
+
+
+    # ------------------------------------------------------------------------------------------------- log-probs
+    @property
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """Per reply token: what the model thought of it (None where the row did not ask)."""
+        return [event.logprobs for event in self._reply_events()]
+
+    @property
+    def mean_surprise(self) -> float | None:
+        """Mean -log p of the emitted tokens with log-probs (None: none asked)."""
+        return self.surprise_total / self.surprise_count if self.surprise_count else None
+
+    def layer_surprise(self) -> dict[int, LayerSurprise]:
+        """Per STT layer index: the mean surprise of the tokens it computed and of those it skipped ({} without
+        routing or log-probs)."""
+        return {
+            layer: LayerSurprise(
+                computed=computed_sum / computed_count if computed_count else None,
+                skipped=skipped_sum / skipped_count if skipped_count else None,
+                computed_tokens=int(computed_count),
+                skipped_tokens=int(skipped_count),
+            )
+            for layer, (computed_sum, computed_count, skipped_sum, skipped_count) in zip(
+                self.stt_layers, self.layer_surprise_sums, strict=False
+            )
+        }
+
+    def logprobs_content(self) -> list[dict[str, Any]] | None:
+        """OpenAI's `logprobs.content` for the reply's tokens (None when the row did not ask for log-probs)."""
+        events = self._reply_events()
+        if not events or any(event.logprobs is None for event in events):
+            return None
+        return [_openai_entry(event.logprobs, _own(event)) for event in events if event.logprobs is not None]
+
+
+@dataclass(frozen=True)
+class LayerSurprise:
+    """One STT layer's share of the reply's surprise: mean -log p of the tokens it computed vs skipped."""
+
+    computed: float | None
+    skipped: float | None
+    computed_tokens: int
+    skipped_tokens: int
+
+
+def _own(event: TokenEvent) -> Alternative:
+    """The emitted token as an alternative of its own position (for OpenAI's `token` / `bytes` / `logprob`)."""
+    assert event.logprobs is not None
+    return Alternative(event.token, event.logprobs.piece, event.logprobs.logprob)
+
+
+def _openai_entry(logprobs: TokenLogprobs, own: Alternative) -> dict[str, Any]:
+    def entry(alternative: Alternative) -> dict[str, Any]:
+        return {"token": alternative.text, "logprob": alternative.logprob, "bytes": list(alternative.piece)}
+
+    return {**entry(own), "top_logprobs": [entry(a) for a in logprobs.top]}
 
 
 def fold_replies(

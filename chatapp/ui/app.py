@@ -28,8 +28,10 @@ from chatapp.errors import ChatappError
 from chatapp.settings import config_dir, data_dir, engine_log_path, history_db_path
 from chatapp.ui.backend import ChatBackend, StepStream
 from chatapp.ui.commands import ChatCommands
+from chatapp.ui.compare import Comparison
 from chatapp.ui.export import export_conversation
 from chatapp.ui.history import HistoryStore, answer_finished, open_history
+from chatapp.ui.screens.compare import CompareScreen
 from chatapp.ui.screens.help import WIDGET_KEYS, HelpFacts, HelpScreen, binding_keys
 from chatapp.ui.screens.history import HistoryScreen, ResumeChoice
 from chatapp.ui.screens.program import ProgramChoice, ProgramScreen
@@ -38,8 +40,9 @@ from chatapp.ui.streaming import BATCH_INTERVAL, FirstTokens, Generation, Genera
 from chatapp.ui.tokens import message_content, plain_text
 from chatapp.ui.widgets.heatmap import RoutingHeatmap
 from chatapp.ui.widgets.panels import StatsPanel, TokenInspector, ZonePills
+from chatapp.ui.widgets.probability import LEGEND
 from chatapp.ui.widgets.prompt import PromptInput
-from chatapp.ui.widgets.transcript import AssistantMessage, Transcript, UserMessage
+from chatapp.ui.widgets.transcript import AssistantMessage, TokenRun, Transcript, UserMessage
 
 _TITLE_LENGTH = 48
 
@@ -75,7 +78,10 @@ class ChatApp(App[None]):
         Binding("ctrl+s", "export", "Export", show=False),
         Binding("ctrl+y", "copy_answer", "Copy answer", show=False, priority=True),
         Binding("f1", "help", "Help"),
+        Binding("f5", "compare", "Compare with routing off", show=False),
+        Binding("f6", "toggle_probabilities", "Colour tokens by probability", show=False),
     ]
+    probability_colours = False  # the transcript colours sampled tokens by probability (f6)
 
     def __init__(
         self,
@@ -93,6 +99,7 @@ class ChatApp(App[None]):
         self.generation: Generation | None = None
         self.editing = False
         self._worker: Worker[None] | None = None
+        self._comparing = False  # a routing-off answer is being generated for the compare screen
         self.cursor_blink = self.animation_level != "none" if cursor_blink is None else cursor_blink
         self.sub_title = self._sub_title()
 
@@ -153,7 +160,7 @@ class ChatApp(App[None]):
 
     @property
     def is_generating(self) -> bool:
-        return self.generation is not None
+        return self.generation is not None or self._comparing
 
     # --- sending --------------------------------------------------------------------------------------------------
     @on(PromptInput.Submitted)
@@ -508,6 +515,44 @@ class ChatApp(App[None]):
     def _last_answer(self) -> AssistantMessage | None:
         answers = self.transcript.answers()
         return answers[-1] if answers else None
+
+    def action_toggle_probabilities(self) -> None:
+        """f6: colour sampled tokens by their probability under the model (forced tokens keep their style)."""
+        self.probability_colours = not self.probability_colours
+        for run in self.transcript.query(TokenRun):
+            run.refresh()  # the run sees the new flag in its render key and restyles its tokens
+        shown = f"on · {LEGEND}" if self.probability_colours else "off"
+        self.notify(f"Probability colours {shown}.")
+
+    def action_compare(self) -> None:
+        """f5: regenerate the last answer with STT routing off (same seed and settings) and show where it diverges."""
+        if self.is_generating:
+            self.notify("Still answering: press Esc to stop first.", severity="warning")
+            return
+        answer = self._last_answer()
+        if answer is None or not answer.events:
+            self.notify("No answer to compare yet.", severity="warning")
+            return
+        if (stream := self._open(self.backend.compare_last)) is None:
+            return
+        self._comparing = True
+        self.notify("Answering again with routing off…")
+        self._compare(tuple(answer.events), stream)
+
+    @work(thread=True, exclusive=True, group="compare", exit_on_error=False)
+    def _compare(self, routed: tuple[TokenEvent, ...], stream: StepStream) -> None:
+        """Run the routing-off answer to its end in this thread, then show the comparison."""
+        unrouted: list[TokenEvent] = []
+        try:
+            for step in stream:
+                unrouted.extend(event for event in step.tokens if event.row == 0)
+        except ChatappError as err:
+            self.call_from_thread(self.notify, str(err), title="Cannot compare", severity="error")
+            return
+        finally:
+            stream.close()
+            self.call_from_thread(setattr, self, "_comparing", False)
+        self.call_from_thread(self.push_screen, CompareScreen(Comparison.of(routed, unrouted)))
 
     def action_help(self) -> None:
         facts = HelpFacts(

@@ -12,14 +12,19 @@ be closed while another thread is inside it), so `cancel` is only ever called by
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from chatapp.engine.events import Step
+from chatapp.errors import ConversationError
 from chatapp.settings import GenerationSettings
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
+
+# The settings a chat starts with: the TUI shows what the model weighed for each token, so it asks for log-probs
+# (5 alternatives; their cost is a few percent of a step, see benchmarks/logprobs_cost.py).
+TUI_SETTINGS = GenerationSettings(logprobs=5)
 
 StepStream = Generator[Step, None, None]
 """A generating call's events. Stopping early (`close()`) cancels it; the partial answer stays in the session."""
@@ -86,6 +91,11 @@ class ChatBackend(Protocol):
         """Replace the last user message (dropping the answer to it) and stream a new answer."""
         ...
 
+    def compare_last(self) -> StepStream:
+        """Answer the last user message again with STT routing off, same seed, settings, program and constraint,
+        leaving the conversation as it is (the answer is for comparison, not a new turn)."""
+        ...
+
     def switch_program(
         self, name_or_path: str | None, cancel: threading.Event | None = None
     ) -> ProgramInfo | None:
@@ -141,7 +151,7 @@ class EngineBackend(BackendState):
     def __init__(self, engine: Any, *, model_dir: Path, settings: GenerationSettings | None = None) -> None:
         self._engine = engine
         self._model_dir = model_dir
-        self._settings = settings or GenerationSettings()
+        self._settings = settings or TUI_SETTINGS
         self._constraint: str | None = None
         self._program: ProgramInfo | None = None
         self._program_object: Any = None
@@ -188,6 +198,21 @@ class EngineBackend(BackendState):
     def edit_last(self, text: str) -> StepStream:
         return self._session.edit_last(text, self._settings, **self._options())
 
+    def compare_last(self) -> StepStream:
+        messages = self._session.messages
+        users = [i for i, message in enumerate(messages) if message["role"] == "user"]
+        if not users:
+            raise ConversationError("there is no answer to compare yet", hint="send a message first")
+        prompt = self._engine.chat_format.render_for_completion(messages[: users[-1] + 1])
+        options = self._options()
+        steps = self._engine.generate(
+            [prompt],
+            self._settings.with_(routing="off"),
+            programs=None if options["program"] is None else [options["program"]],
+            constraints=None if options["constraint"] is None else [options["constraint"]],
+        )
+        return _closing(steps)
+
     def switch_program(
         self, name_or_path: str | None, cancel: threading.Event | None = None
     ) -> ProgramInfo | None:
@@ -225,3 +250,13 @@ class EngineBackend(BackendState):
 
     def _options(self) -> dict[str, Any]:
         return {"program": self._program_object, "constraint": self._constraint}
+
+
+def _closing(steps: Iterator[Step]) -> StepStream:
+    """`steps` as a `StepStream` whose `close()` also closes the engine's stream (freeing its batch at once)."""
+    try:
+        yield from steps
+    finally:
+        close = getattr(steps, "close", None)
+        if close is not None:
+            close()

@@ -16,6 +16,8 @@ CHAT_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("History", "Resume, rename or delete saved conversations", "history"),
     ("Export chat", "Write the conversation as Markdown and JSON to the data directory", "export"),
     ("Copy last answer", "Copy the last answer to the clipboard", "copy_answer"),
+    ("Colour tokens by probability", "Toggle: sampled tokens tinted by their probability under the model", "toggle_probabilities"),
+    ("Compare with routing off", "Answer the last message again with STT routing off and mark where it diverges", "compare"),
     ("Stop generation", "Stop the answer being generated", "stop"),
     ("Help", "Keys, and where the database and config live", "help"),
 )

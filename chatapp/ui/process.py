@@ -41,7 +41,7 @@ from chatapp.settings import GenerationSettings
 from chatapp.ui.backend import BackendState, Message, ProgramInfo, StepStream
 
 # EngineBackend methods that return a StepStream.
-_GENERATING = frozenset({"send", "regenerate", "edit_last"})
+_GENERATING = frozenset({"send", "regenerate", "edit_last", "compare_last"})
 # And those that answer once.
 _CALLS = frozenset({"new_session", "switch_program", "configure", "configure_checked"})
 # Seconds between two batches of steps sent to the UI process (it draws at 30 Hz; see `_pump`).
@@ -141,6 +141,9 @@ class ProcessBackend(BackendState):
 
     def edit_last(self, text: str) -> StepStream:
         return self._open("edit_last", text)
+
+    def compare_last(self) -> StepStream:
+        return self._open("compare_last")
 
     def cancel(self, stream: StepStream) -> None:
         """Ask the child to stop at its next step. The stream then yields the steps the child had already sent

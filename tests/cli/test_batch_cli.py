@@ -308,3 +308,35 @@ def test_resume_after_kill_9_yields_every_pair_exactly_once(model_dir: Path, tmp
     again = CliRunner().invoke(app, [*args, "--resume"])
     assert again.exit_code == 0 and "10 skipped" in again.stderr
     assert out.read_text().splitlines() == lines
+
+
+def test_logprobs_lines_get_openai_shaped_logprobs(model_dir: Path) -> None:
+    """`logprobs: N` adds OpenAI's `logprobs.content` (token, logprob, bytes, top_logprobs) for the reply's tokens;
+    a line without it gets no such field, and its tokens are the same."""
+    stdin = _lines(2, logprobs=3) + json.dumps({"id": "plain", "prompt": "What is 37*45?", "seed": 0}) + "\n"
+    result = _batch(model_dir, "-", "--max-tokens", "6", input=stdin)
+    assert result.exit_code == 0, result.output
+    records = {r["id"]: r for r in _records(result.stdout)}
+    assert "logprobs" not in records["plain"]
+    assert records["plain"]["tokens"] == records["q0"]["tokens"]
+    for record in (records["q0"], records["q1"]):
+        content = record["logprobs"]["content"]
+        stop = record["finish_reason"] == "stop"
+        assert len(content) == len(record["tokens"]) - stop  # the reply's tokens: a final stop token is not content
+        assert "".join(bytes(entry["bytes"]).decode("utf-8", "replace") for entry in content) == record["text"]
+        for entry in content:
+            assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+            assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
+            tops = [alt["logprob"] for alt in entry["top_logprobs"]]
+            assert tops == sorted(tops, reverse=True)
+            assert all(set(alt) == {"token", "logprob", "bytes"} for alt in entry["top_logprobs"])
+            assert bytes(entry["bytes"]).decode("utf-8", "replace") == entry["token"]
+
+
+def test_a_bad_logprobs_value_is_an_error_record(model_dir: Path) -> None:
+    stdin = json.dumps({"id": "x", "prompt": "Hi", "logprobs": 50}) + "\n"
+    result = _batch(model_dir, "-", input=stdin)
+    assert result.exit_code == 1
+    (record,) = _records(result.stdout)
+    assert record == {"id": "x", "line": 1, "error": "logprobs must be between 0 and 20, got 50"}
+    assert "Traceback" not in result.output

@@ -78,6 +78,11 @@ def test_line_fields_override_the_defaults() -> None:
         ('{"id": 1, "prompt": "a", "top_p": 0}', 1, "top_p must be in (0, 1]"),
         ('{"id": 1, "prompt": "a", "seed": -1}', 1, 'seed must be between 0 and 9223372036854775807'),
         ('{"id": 1, "prompt": "a", "program": 3}', 1, '"program" must be a string'),
+        ('{"id": 1, "prompt": "a", "logprobs": 21}', 1, "logprobs must be between 0 and 20, got 21"),
+        ('{"id": 1, "prompt": "a", "logprobs": -1}', 1, "logprobs must be between 0 and 20"),
+        ('{"id": 1, "prompt": "a", "logprobs": true}', 1, '"logprobs" must be an integer, got a boolean'),
+        ('{"id": 1, "prompt": "a", "logprobs": 2.5}', 1, '"logprobs" must be an integer, got a number'),
+        ('{"id": 1, "prompt": "a", "logprobs": "5"}', 1, '"logprobs" must be an integer, got a string'),
         ('{"id": 1, "prompt": "a", "regex": ["x"]}', 1, '"regex" must be a string'),
         ('{"id": 1, "prompt": "a", "json_schema": "obj"}', 1, '"json_schema" must be an object'),
         ('{"id": 1, "prompt": "a", "regex": "x", "json_schema": {}}', 1, 'at most one of "regex" or "json_schema"'),
@@ -132,6 +137,7 @@ _valid_lines = st.fixed_dictionaries(
         "top_p": st.floats(0.01, 1.0),
         "max_tokens": st.integers(1, 4096),
         "seed": st.integers(0, 2**63 - 1),
+        "logprobs": st.integers(0, 20),
         "program": st.sampled_from(["chat", "think", "calc", "json", "x.toml"]),
         "regex": st.text(max_size=10),
     },
@@ -145,7 +151,7 @@ def test_valid_lines_round_trip_through_json(line: dict) -> None:
     assert request.id == line["id"]
     assert request.prompt == line["prompt"]
     assert request.samples == line.get("samples", DEFAULTS.samples)
-    for name in ("temperature", "top_k", "top_p", "max_tokens", "seed"):
+    for name in ("temperature", "top_k", "top_p", "max_tokens", "seed", "logprobs"):
         assert getattr(request.settings, name) == line.get(name, getattr(DEFAULTS.settings, name))
     assert request.program == line.get("program", DEFAULTS.program)
     assert request.regex == line.get("regex")

@@ -72,11 +72,14 @@ class ScriptedModel:
     def extend(self, ids: torch.Tensor, lengths: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
         self.calls.append(tuple(ids.shape))
         out = self._model.extend(ids, lengths, cache, **kwargs)
+        every_position = kwargs.get("all_logits", False)
         for row, position in enumerate(cache.seen.tolist()):
             token = self.script.get(position)
             if token is not None:
-                out.logits[row] = float("-inf")
-                out.logits[row, token] = 0.0
+                # The logits after the row's last new token (every position's with all_logits: the last one's).
+                target = out.logits[row, max(int(lengths[row]) - 1, 0)] if every_position else out.logits[row]
+                target.fill_(float("-inf"))
+                target[token] = 0.0
         return out
 
     def decode(self, ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
@@ -112,3 +115,23 @@ def routed_model(chat_tokenizer) -> STTForCausalLM:
 
     config = STTConfig(vocab_size=chat_tokenizer.get_vocab_size(), routing_trained=True, **TINY)
     return random_routed_model(config, seed=3)
+
+
+@pytest.fixture
+def ids(chat_format):
+    """Token ids by name, and helpers to write scripts."""
+
+    class Ids:
+        start, end = chat_format.python_start_id, chat_format.python_end_id
+        out_start, out_end = chat_format.output_start_id, chat_format.output_end_id
+        stop = chat_format.assistant_end_id
+
+        @staticmethod
+        def text(s: str) -> list[int]:
+            return chat_format.encode_text(s)
+
+        @staticmethod
+        def prompt(s: str = "What is 3*4?") -> list[int]:
+            return chat_format.render_for_completion([{"role": "user", "content": s}])
+
+    return Ids

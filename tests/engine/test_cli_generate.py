@@ -85,3 +85,13 @@ def test_generate_names_a_bad_constraint(model_dir) -> None:
 def test_model_accepts_a_registered_name() -> None:
     result = CliRunner().invoke(app, ["generate", "What is 2+3?", "--model", "tiny", "--max-tokens", "4"])
     assert result.exit_code == 0, result.output
+
+
+def test_generate_logprobs_prints_a_table(model_dir) -> None:
+    args = ["generate", "Hello", "--model", str(model_dir), "--max-tokens", "4", "--logprobs", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "log-probabilities" in result.stderr and "entropy" in result.stderr
+    bad = CliRunner().invoke(app, [*args[:-1], "99"])
+    assert bad.exit_code == 1 and "logprobs must be between 0 and 20" in bad.output
+    assert "Traceback" not in bad.output

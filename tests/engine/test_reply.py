@@ -94,3 +94,41 @@ def test_the_fold_imports_no_torch() -> None:
     root = str(Path(chatapp.__file__).resolve().parent.parent)
     code = "import sys, chatapp.engine.reply; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_surprise_is_folded_per_stt_layer_and_logprobs_take_openai_shape() -> None:
+    """Mean -log p over the tokens with log-probs; per STT layer, over the tokens it computed vs skipped; and the
+    reply's tokens (not the final stop token) as OpenAI `logprobs.content` entries."""
+    import math
+
+    from chatapp.engine.events import Alternative, TokenEvent, TokenLogprobs
+    from chatapp.engine.reply import Reply
+
+    def event(token: int, text: str, p: float, computed: tuple[bool, ...], **kwargs) -> TokenEvent:
+        alternative = Alternative(token, text.encode(), math.log(p))
+        logprobs = TokenLogprobs(math.log(p), text.encode(), 0.5, (alternative,))
+        return TokenEvent(0, token, False, text, router_probs=(0.5, 0.5), computed=computed, logprobs=logprobs, **kwargs)
+
+    reply = Reply(0, 4, (1, 3))
+    for item in (
+        event(10, "a", 0.5, (True, False)),
+        event(11, "b", 0.25, (True, True)),
+        event(12, "<|assistant_end|>", 1.0, (False, True), special=True, finish_reason="stop"),
+    ):
+        reply.add(item)
+    assert reply.mean_surprise == (math.log(2) + math.log(4) + 0) / 3
+    layers = reply.layer_surprise()
+    assert layers[1].computed == (math.log(2) + math.log(4)) / 2 and layers[1].skipped == 0
+    assert layers[3].computed == math.log(4) / 2 and layers[3].skipped == math.log(2)
+    assert (layers[3].computed_tokens, layers[3].skipped_tokens) == (2, 1)
+    content = reply.logprobs_content()
+    assert content is not None and [entry["token"] for entry in content] == ["a", "b"]
+    assert content[0] == {
+        "token": "a",
+        "logprob": math.log(0.5),
+        "bytes": [97],
+        "top_logprobs": [{"token": "a", "logprob": math.log(0.5), "bytes": [97]}],
+    }
+    plain = Reply()
+    plain.add(TokenEvent(0, 10, False, "a"))
+    assert plain.logprobs_content() is None and plain.mean_surprise is None and plain.layer_surprise() == {}

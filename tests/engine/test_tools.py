@@ -10,26 +10,6 @@ from chatapp.settings import GenerationSettings
 GREEDY = GenerationSettings(max_tokens=40, routing="off")
 
 
-@pytest.fixture
-def ids(chat_format):
-    """Token ids by name, and helpers to write scripts."""
-
-    class Ids:
-        start, end = chat_format.python_start_id, chat_format.python_end_id
-        out_start, out_end = chat_format.output_start_id, chat_format.output_end_id
-        stop = chat_format.assistant_end_id
-
-        @staticmethod
-        def text(s: str) -> list[int]:
-            return chat_format.encode_text(s)
-
-        @staticmethod
-        def prompt(s: str = "What is 3*4?") -> list[int]:
-            return chat_format.render_for_completion([{"role": "user", "content": s}])
-
-    return Ids
-
-
 def script_at(position: int, *runs: list[int] | None) -> dict[int, int]:
     """Tokens the model writes from `position` on; a `None` run is a gap the engine fills (forced output) of the
     given length, written as `[None] * n`."""

@@ -29,7 +29,7 @@ from chatapp.validation import check_prompt_chars, prompt_chars
 from tests.cli.test_batch_runner import ListSink, ScriptedEngine
 
 FIELDS = ("id", "prompt", "messages", "samples", "program", "regex", "json_schema", "top_k", "max_tokens", "seed",
-          "temperature", "top_p")
+          "temperature", "top_p", "logprobs")
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),

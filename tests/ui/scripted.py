@@ -6,6 +6,7 @@ constraint that can fail to compile, cancellation) and records what the app aske
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -14,7 +15,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from chatapp.engine.events import PromptInfo, Step, TokenEvent, ToolEvent
+from chatapp.engine.events import Alternative, PromptInfo, Step, TokenEvent, TokenLogprobs, ToolEvent
 from chatapp.errors import ChatappError, ConstraintError, ProgramError
 from chatapp.settings import GenerationSettings
 from chatapp.ui.backend import BackendState, Message, ModelInfo, ProgramInfo, StepStream
@@ -81,20 +82,40 @@ def tok(
     )
 
 
-def answer(*pieces: str | TokenEvent, end: bool = True) -> list[TokenEvent]:
-    """Tokens from pieces (a str is a sampled token), positions filled in, ending in a sampled stop token."""
+def answer(*pieces: str | TokenEvent, end: bool = True, with_logprobs: bool = False) -> list[TokenEvent]:
+    """Tokens from pieces (a str is a sampled token), positions filled in, ending in a sampled stop token; with
+    scripted log-probs (`logprobs`) if asked."""
     events = [piece if isinstance(piece, TokenEvent) else tok(piece) for piece in pieces]
     if end:  # the stop token is emitted in the zone of the token before it
         last = events[-1] if events else tok("")
         events.append(tok("<|assistant_end|>", special=True, fed=False, finish="stop", tags=last.tags, zone=last.zone))
-    return [_at(event, i) for i, event in enumerate(events)]
+    return [_at(event, i, with_logprobs) for i, event in enumerate(events)]
 
 
-def _at(event: TokenEvent, position: int) -> TokenEvent:
-    if event.router_probs is None:
-        return event
-    probs, computed = routing(position)
-    return TokenEvent(**{**_fields(event), "router_probs": probs, "computed": computed})
+def _at(event: TokenEvent, position: int, with_logprobs: bool = False) -> TokenEvent:
+    fields = {**_fields(event), "logprobs": logprobs(event, position) if with_logprobs else event.logprobs}
+    if event.router_probs is not None:
+        fields["router_probs"], fields["computed"] = routing(position)
+    return TokenEvent(**fields)
+
+
+def logprobs(event: TokenEvent, position: int) -> TokenLogprobs:
+    """Deterministic log-probs for a token position: the token's probability cycles through likely and surprising
+    values; two made-up alternatives share the rest of the mass (0.6 / 0.3 of it)."""
+    p = (0.97, 0.6, 0.15, 0.85, 0.03, 0.4, 0.99)[position % 7]
+    own = Alternative(event.token, event.text.encode(), math.log(p))
+    rest = [Alternative(token_id(t, False), t.encode(), math.log((1 - p) * share)) for t, share in ((" the", 0.6), (" a", 0.3))]
+    top = tuple(sorted([own, *rest], key=lambda a: -a.logprob))
+    entropy = -sum(math.exp(a.logprob) * a.logprob for a in top)
+    drawn = not event.forced
+    return TokenLogprobs(
+        logprob=own.logprob,
+        piece=own.piece,
+        entropy=entropy,
+        top=top,
+        sampling_logprob=own.logprob if drawn else None,
+        sampling_top=top if drawn else (),
+    )
 
 
 def _fields(event: TokenEvent) -> dict[str, object]:
@@ -119,8 +140,8 @@ def steps(events: Sequence[TokenEvent], *, prompt_tokens: int = 12, seconds: flo
 
 
 # --- canned answers ----------------------------------------------------------------------------------------------
-def greeting() -> list[TokenEvent]:
-    return answer("Hello", "!", " How", " can", " I", " help", " you", " today", "?")
+def greeting(with_logprobs: bool = False) -> list[TokenEvent]:
+    return answer("Hello", "!", " How", " can", " I", " help", " you", " today", "?", with_logprobs=with_logprobs)
 
 
 def think_answer() -> list[TokenEvent]:
@@ -143,7 +164,7 @@ def think_answer() -> list[TokenEvent]:
     )
 
 
-def calculator_answer(expression: str = "37*45", result: str = "1665") -> list[TokenEvent]:
+def calculator_answer(expression: str = "37*45", result: str = "1665", with_logprobs: bool = False) -> list[TokenEvent]:
     call = ToolEvent("call", "calculator", expression)
     outcome = ToolEvent("result", "calculator", expression, result)
     return answer(
@@ -155,6 +176,7 @@ def calculator_answer(expression: str = "37*45", result: str = "1665") -> list[T
         tok(result, forced=True),
         tok("<|output_end|>", forced=True, special=True),
         f" {expression}", " is", f" {result}", ".",
+        with_logprobs=with_logprobs,
     )  # fmt: skip
 
 
@@ -189,6 +211,9 @@ class ScriptedBackend(BackendState):
         self.tokenizer = None
         self.compile_seconds = 10.0
         self.compiles: list[tuple[str | None, bool]] = []  # (program, cancelled) per switch_program call
+        # What `compare_last` answers (routing off): None repeats the last answer streamed (identical).
+        self.compare_answer: list[TokenEvent] | None = None
+        self._last_answer: list[TokenEvent] = []
         self._info = INFO
         self._settings = GenerationSettings()
         self._constraint: str | None = None
@@ -223,6 +248,12 @@ class ScriptedBackend(BackendState):
             self.messages.pop()
         self.messages[-1] = {"role": "user", "content": text}
         return self._stream()
+
+    def compare_last(self) -> StepStream:
+        self._check_refusal()
+        self.calls.append(("compare_last", None))
+        events = self.compare_answer if self.compare_answer is not None else self._last_answer
+        yield from steps(events, seconds=self.seconds)
 
     def switch_program(
         self, name_or_path: str | None, cancel: threading.Event | None = None
@@ -269,6 +300,7 @@ class ScriptedBackend(BackendState):
 
     def _stream(self) -> StepStream:
         events = self.answers.pop(0) if len(self.answers) > 1 else list(self.answers[0])
+        self._last_answer = events
         emitted: list[TokenEvent] = []
         try:
             for i, step in enumerate(steps(events, seconds=self.seconds)):

@@ -149,3 +149,19 @@ async def test_default_model_answers_headless(tmp_path):
     assert answer.status == "complete"
     assert answer.events and message_content(answer.events)
     assert answer.events == _bare_engine_answer(DEFAULT_MODEL, "What is the capital of France?")[: len(answer.events)]
+
+
+def test_compare_last_regenerates_with_routing_off_and_keeps_the_session(tiny_model_dir) -> None:
+    """The routing-off answer is what a fresh routing-off generation of the same turn gives, and the session's
+    conversation is untouched; with routing already off the two answers are identical."""
+    backend = EngineBackend.load(tiny_model_dir, device="cpu")
+    backend.configure(GenerationSettings(max_tokens=8, logprobs=2), None)
+    routed = [e for step in backend.send("What is 37*45?") for e in step.tokens]
+    messages = [dict(m) for m in backend._session.messages]
+    unrouted = [e for step in backend.compare_last() for e in step.tokens]
+    assert backend._session.messages == messages
+    assert unrouted and all(e.computed is None and e.logprobs is not None for e in unrouted)
+    assert all(e.computed is not None for e in routed[:-1])
+    backend.configure(GenerationSettings(max_tokens=8, routing="off"), None)
+    first = [e.token for step in backend.regenerate() for e in step.tokens]
+    assert [e.token for step in backend.compare_last() for e in step.tokens] == first

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from chatapp.ui.history import HistoryStore
+from chatapp.ui.screens.compare import CompareScreen
 from chatapp.ui.tokens import message_content
 from chatapp.ui.widgets.transcript import AssistantMessage
 from tests.ui.conftest import SIZE, FixedClock, ready, send_and_wait, submit, wait_until
-from tests.ui.scripted import ScriptedBackend, calculator_answer, greeting, think_answer
+from tests.ui.scripted import ScriptedBackend, answer, calculator_answer, greeting, think_answer
 
 
 @pytest.fixture
@@ -144,3 +145,47 @@ def test_small_terminal_keeps_transcript_and_input(snap_compare, build_app, size
         assert app.transcript.answers()[-1].region.height >= 3  # the answer itself is on screen
 
     assert snap_compare(build_app(backend), terminal_size=size, run_before=run_before)
+
+
+TALL = (120, 52)  # room for the inspector's alternatives under the heatmap
+
+
+def test_inspector_alternatives_and_surprise_row(snap_compare, build_app):
+    """The inspector lists the selected token's alternatives with bars, log p, p and entropy; the heatmap's
+    surprise row shades every column by -log p (forced tokens underlined); the stats split surprise by layer."""
+    backend = ScriptedBackend([calculator_answer(with_logprobs=True)])
+
+    async def run_before(pilot) -> None:
+        await send_and_wait(pilot, "What is 37*45?")
+        answer = _answer(pilot)
+        answer.focus()
+        await pilot.press("home", *["right"] * 4)  # ' that' (p 0.03 in the script): a surprising token
+
+    assert snap_compare(build_app(backend), terminal_size=TALL, run_before=run_before)
+
+
+def test_probability_colouring(snap_compare, build_app):
+    """f6 tints sampled tokens by probability; forced tokens (the tool's output) keep their underlined style."""
+    backend = ScriptedBackend([calculator_answer(with_logprobs=True)])
+
+    async def run_before(pilot) -> None:
+        await send_and_wait(pilot, "What is 37*45?")
+        await pilot.click("ToolCallBlock CollapsibleTitle")
+        await wait_until(pilot, lambda: not pilot.app.query_one("ToolCallBlock").collapsed)
+        await pilot.press("f6")
+        await wait_until(pilot, lambda: pilot.app.probability_colours)
+
+    assert snap_compare(build_app(backend), terminal_size=SIZE, run_before=run_before)
+
+
+def test_compare_with_routing_off(snap_compare, build_app):
+    """f5 answers again with routing off and marks the first token where the answers part."""
+    backend = ScriptedBackend([greeting(with_logprobs=True)])
+    backend.compare_answer = answer("Hello", "!", " How", " can", " I", " assist", " you", "?")
+
+    async def run_before(pilot) -> None:
+        await send_and_wait(pilot, "hi")
+        await pilot.press("f5")
+        await wait_until(pilot, lambda: isinstance(pilot.app.screen, CompareScreen), what="the compare screen")
+
+    assert snap_compare(build_app(backend), terminal_size=SIZE, run_before=run_before)

@@ -27,7 +27,7 @@ WIDGET_KEYS = (
     ("ctrl+j", "new line in the message"),
     ("up / down", "previous / next prompt (from the first / last line)"),
     ("shift+tab", "focus the last answer; ←/→ move the token cursor"),
-    ("click a token", "inspect it: id, forced or sampled, zone tags, routing"),
+    ("click a token", "inspect it: id, forced or sampled, zone tags, routing, probability and alternatives"),
 )
 
 

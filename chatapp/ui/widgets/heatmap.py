@@ -3,9 +3,11 @@
 Two layers share a row through the upper half block: `▀` draws the upper layer in the foreground and the lower
 layer in the background. A layer that skipped a token leaves its half empty (`▄` when only the lower layer
 computed, `·` when both skipped), so "computed or skipped" reads from the shape alone and colour only adds the
-probability. Tokens that never went through the model (the final stop token) are blank. It is a `ScrollView`
-that renders only the visible lines, follows new tokens while scrolled to the right end, and marks the selected
-token's column with `▲` under the grid.
+probability. Tokens that never went through the model (the final stop token) are blank. Under the layers, the
+surprise row shades each token's column by -log p under the model (` ░▒▓█`, see `probability.py`; forced tokens
+underlined; blank without log-probs), so a column reads as "which layers computed it, and how surprised the model
+was". It is a `ScrollView` that renders only the visible lines, follows new tokens while scrolled to the right end,
+and marks the selected token's column with `▲` under the grid.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from chatapp.engine.events import TokenEvent
+from chatapp.ui.widgets.probability import surprise_colour, surprise_shade
 
 # A perceptual ramp (viridis' end points and middle) for router probability 0 → 1.
 _RAMP = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
 _CHUNK = 32  # columns added to the virtual width at a time
 Column = tuple[tuple[float, ...], tuple[bool, ...]] | None
+SURPRISE_LABEL = "-log p"
 
 
 def probability_colour(p: float) -> str:
@@ -61,30 +65,37 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         self.columns: list[Column] = []
         # Each row's cells, rendered once when their token arrives: a column never changes afterwards, so a
         # repaint only slices these lists (streaming repaints ~30 times a second).
-        self._cells: list[list[Segment]] = [[] for _ in range(self.rows)]
+        self._cells: list[list[Segment]] = [[] for _ in range(self.grid_rows)]
         self._painted: list[list[Segment]] = []  # `_cells` on the widget's style, made as they are first drawn
         self._painted_on: Style | None = None  # the widget style `_painted` was made with
         self.selected: int | None = None
         self._room = 0  # columns the virtual width keeps for the answer being streamed
-        self._gutter = max((len(self._label(r)) for r in range(self.rows)), default=0) + 1
+        self._gutter = max(len(self._label(r)) for r in range(self.grid_rows)) + 1
 
     def on_mount(self) -> None:
         # Exactly the grid, the ruler and the horizontal scrollbar: the layer count is fixed for a model.
-        self.styles.height = self.rows + 1 + self.styles.scrollbar_size_horizontal + self.styles.gutter.height
+        self.styles.height = self.grid_rows + 1 + self.styles.scrollbar_size_horizontal + self.styles.gutter.height
 
     @property
     def rows(self) -> int:
-        """Grid rows: two layers per row, plus the selection ruler."""
+        """Layer rows: two layers per row."""
         return (len(self.stt_layers) + 1) // 2
 
+    @property
+    def grid_rows(self) -> int:
+        """Rows drawn from the columns: the layer rows, then the surprise row (the selection ruler follows)."""
+        return self.rows + 1
+
     def _label(self, row: int) -> str:
+        if row == self.rows:
+            return SURPRISE_LABEL
         layers = self.stt_layers[2 * row : 2 * row + 2]
         return "/".join(f"L{layer}" for layer in layers)
 
     def set_tokens(self, events: Sequence[TokenEvent], selected: int | None = None) -> None:
         """Show a whole answer (e.g. a resumed one, or the answer whose token was selected)."""
         self.columns = []
-        self._cells = [[] for _ in range(self.rows)]
+        self._cells = [[] for _ in range(self.grid_rows)]
         self._painted_on = None
         self._append(events)
         self.selected = selected
@@ -140,11 +151,13 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         return max(len(self.columns) - self._visible_columns, 0)
 
     def _append(self, events: Sequence[TokenEvent]) -> None:
+        surprise = self._cells[self.rows]
         for event in events:
             column = self._column(event)
             self.columns.append(column)
-            for row, cells in enumerate(self._cells):
+            for row, cells in enumerate(self._cells[: self.rows]):
                 cells.append(_cell_segment(column, row))
+            surprise.append(_surprise_segment(event))
 
     def select(self, index: int | None) -> None:
         self.selected = index
@@ -162,14 +175,14 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         second would cost the UI thread far more than drawing the new cells does."""
         width = self._gutter + -(-columns // _CHUNK) * _CHUNK
         if width != self.virtual_size.width:
-            self.virtual_size = Size(width, self.rows + 1)
+            self.virtual_size = Size(width, self.grid_rows + 1)
 
     def _refresh_columns(self, start: int, end: int) -> None:
         """Repaint the grid cells of columns `start:end` (where in view); the labels and ruler stay."""
         left = max(start, int(self.scroll_x))
         right = min(end, int(self.scroll_x) + self._visible_columns)
         if left < right:
-            self.refresh(Region(self._gutter + left - int(self.scroll_x), 0, right - left, self.rows))
+            self.refresh(Region(self._gutter + left - int(self.scroll_x), 0, right - left, self.grid_rows))
 
     @staticmethod
     def _column(event: TokenEvent) -> Column:
@@ -184,15 +197,15 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         visible = max(width - self._gutter, 0)
         columns = range(scroll_x, min(scroll_x + visible, len(self.columns)))
         base = self.rich_style  # the widget's colours under the cells' own
-        if row == self.rows:
+        if row == self.grid_rows:
             ruler = "".join("▲" if i == self.selected else " " for i in columns)
             segments = [Segment(" " * self._gutter, base), Segment(ruler, base + Style(bold=True))]
-        elif row < self.rows:
+        elif row < self.grid_rows:
             segments = [Segment(self._label(row).ljust(self._gutter), base + Style(dim=True))]
             segments += self._painted_cells(row, base)[columns.start : columns.stop]
         else:
             segments = []
-        used = self._gutter + len(columns) if row <= self.rows else 0
+        used = self._gutter + len(columns) if row <= self.grid_rows else 0
         if used < width:
             segments.append(Segment(" " * (width - used), base))
         return Strip(segments, max(width, used))
@@ -200,7 +213,7 @@ class RoutingHeatmap(ScrollView, can_focus=True):
     def _painted_cells(self, row: int, base: Style) -> list[Segment]:
         """The row's cells on the widget's style, combined once per cell (the grid repaints ~30 times a second)."""
         if base != self._painted_on:
-            self._painted_on, self._painted = base, [[] for _ in range(self.rows)]
+            self._painted_on, self._painted = base, [[] for _ in range(self.grid_rows)]
         painted, cells = self._painted[row], self._cells[row]
         painted += [Segment(cell.text, base + cell.style) for cell in cells[len(painted) :]]
         return painted
@@ -215,6 +228,19 @@ def _cell_segment(column: Column, row: int) -> Segment:
     lower = (probs[2 * row + 1], computed[2 * row + 1]) if 2 * row + 1 < len(probs) else None
     glyph, fg, bg = cell(upper, lower)
     return Segment(glyph, _cell_style(fg, bg, glyph == "·"))
+
+
+def _surprise_segment(event: TokenEvent) -> Segment:
+    """The token's cell in the surprise row: shaded by -log p, underlined when forced (a cue beyond colour)."""
+    if event.logprobs is None:
+        return Segment(" ")
+    surprise = event.logprobs.surprise
+    return Segment(surprise_shade(surprise), _surprise_style(surprise_colour(surprise), event.forced))
+
+
+@lru_cache(maxsize=64)
+def _surprise_style(colour: str | None, forced: bool) -> Style:
+    return Style(color=colour or "#b0b0b0", underline=forced)
 
 
 @lru_cache(maxsize=4096)

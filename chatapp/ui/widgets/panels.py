@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -14,6 +15,7 @@ from chatapp.ui.backend import ProgramInfo
 from chatapp.ui.tokens import display_text
 from chatapp.ui.widgets.heatmap import probability_colour
 from chatapp.ui.widgets.live import LiveStatic
+from chatapp.ui.widgets.probability import bar
 
 
 class ZonePills(LiveStatic):
@@ -59,7 +61,8 @@ class ZonePills(LiveStatic):
 
 
 class TokenInspector(LiveStatic):
-    """Everything known about the selected token: id, forced or sampled, zone tags, per-layer routing."""
+    """Everything known about the selected token: id, forced or sampled, zone tags, per-layer routing, and what the
+    model weighed: its probability, surprise and entropy, and the alternatives with bars."""
 
     def __init__(self, stt_layers: Sequence[int] = (), *, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -97,7 +100,50 @@ class TokenInspector(LiveStatic):
                 # The glyph matches the heatmap's cell: coloured block when computed, dot when skipped.
                 glyph = ("█", probability_colour(p)) if computed else ("·", "dim")
                 parts += ["\n", (f"L{layer:<3}", "dim"), f"{p:5.2f} ", glyph, " computed" if computed else " skipped"]
+        if event.logprobs is not None:
+            parts += _logprob_parts(event)
         self.show_content(Content.assemble(*parts))
+
+
+ALTERNATIVE_BAR = 12  # cells of an alternative's probability bar
+_ALTERNATIVE_TEXT = 12  # characters of an alternative's text
+
+
+def _logprob_parts(event: TokenEvent) -> list[str | tuple[str, str]]:
+    """The model's view of the token: log p, p, surprise and entropy, then its alternatives with bars (the
+    emitted one marked ◀; one the sampling distribution could not draw — masked by top-k/p or the grammar — dim)."""
+    logprobs = event.logprobs
+    assert logprobs is not None
+    parts: list[str | tuple[str, str]] = [
+        "\n",
+        ("log p ", "dim"),
+        f"{logprobs.logprob:.3f}",
+        ("  p ", "dim"),
+        f"{logprobs.probability:.3f}",
+        ("  entropy ", "dim"),
+        f"{logprobs.entropy:.2f}",
+        "\n",
+        ("surprise ", "dim"),
+        f"{logprobs.surprise:.2f} nats",
+    ]
+    if logprobs.sampling_logprob is not None:
+        parts += [("  sampled p ", "dim"), f"{math.exp(logprobs.sampling_logprob):.3f}"]
+    elif event.forced:
+        parts += [("  forced: not drawn", "dim")]
+    drawable = {a.token for a in logprobs.sampling_top} if logprobs.sampling_top else None
+    for alternative in logprobs.top:
+        p = math.exp(alternative.logprob)
+        shown = repr(alternative.text)[1:-1][:_ALTERNATIVE_TEXT]
+        masked = drawable is not None and alternative.token not in drawable and len(drawable) < len(logprobs.top)
+        style = "dim" if masked else ""
+        parts += [
+            "\n",
+            (f"{shown:<{_ALTERNATIVE_TEXT}} ", "bold" if alternative.token == event.token else style),
+            (bar(p, ALTERNATIVE_BAR), "$accent" if not masked else "dim"),
+            (f" {p:5.3f}", style),
+            (" ◀" if alternative.token == event.token else "", "bold"),
+        ]
+    return parts
 
 
 STATS_INTERVAL = 0.25  # seconds between live updates of the stats text: readable, and cheap next to ~30 batches/s
@@ -139,7 +185,31 @@ class StatsPanel(LiveStatic):
             ("compute saved", f"{stats.compute_saved:.0%}  (STT skip {stats.stt_skipped_fraction:.0%})"),
             ("context", context),
         ]
+        if stats.mean_surprise is not None:
+            rows.append(("surprise", f"{stats.mean_surprise:.2f} nats/token"))
         parts: list[str | tuple[str, str]] = []
         for i, (name, value) in enumerate(rows):
             parts += ["\n" if i else "", (f"{name:<14}", "dim"), value]
+        parts += _layer_surprise_parts(stats)
         self.show_content(Content.assemble(*parts))
+
+
+def _layer_surprise_parts(stats: Reply) -> list[str | tuple[str, str]]:
+    """Per STT layer: mean surprise of the tokens it computed vs skipped (does routing follow surprise?)."""
+    layers = stats.layer_surprise()
+    if not layers:
+        return []
+    parts: list[str | tuple[str, str]] = ["\n", ("mean -log p    computed / skipped", "dim")]
+    for layer, surprise in layers.items():
+
+        def mean(value: float | None, count: int) -> str:
+            return f"{value:5.2f} ({count})" if value is not None else f"{'—':>5} (0)"
+
+        parts += [
+            "\n",
+            (f"  L{layer:<3}", "dim"),
+            mean(surprise.computed, surprise.computed_tokens),
+            (" / ", "dim"),
+            mean(surprise.skipped, surprise.skipped_tokens),
+        ]
+    return parts

@@ -5,17 +5,23 @@ An assistant answer owns its token events and a token cursor. It shows them as s
 AND underlined (a cue that survives a colour-blind reader or a monochrome terminal); special tokens are readable
 markers like ⟨python⟩. Every token span carries its index as style meta, so a click resolves to a token without
 any layout arithmetic; the keyboard cursor (←/→ while the answer is focused) does the same.
+
+With the app's probability colouring on (`ChatApp.probability_colours`, ctrl+o), sampled tokens get a background by
+their probability under the model (`probability.py`: likely tokens stay plain, unlikely ones warm up); forced tokens
+keep their own style, whose underline tells them apart without colour.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
+from functools import lru_cache
 
 from rich.segment import Segment
 from rich.style import Style as RichStyle
 from textual import events
 from textual.binding import Binding
+from textual.color import Color
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.geometry import Region, Size
@@ -31,6 +37,7 @@ from chatapp.engine.events import TokenEvent
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 from chatapp.ui.tokens import Segment as TokenSegment
 from chatapp.ui.tokens import Segmenter, display_text
+from chatapp.ui.widgets.probability import probability_background
 from chatapp.ui.wrap import WrappedText
 
 _STATUS_TEXT = {
@@ -88,7 +95,8 @@ class TokenRun(Widget):
         self._token_styles: list[RichStyle | None] = []  # each token's rendered style, made when first drawn
         self._strips: dict[int, Strip] = {}  # rendered lines
         self._cursor: int | None = None  # the token (run-relative) drawn reversed
-        self._base: tuple[Style, str] | None = None  # the widget style and theme the caches were rendered with
+        # The widget style, theme and probability colouring the caches were rendered with.
+        self._base: tuple[Style, str, bool] | None = None
         self._kind_styles: dict[tuple[bool, bool], Style] = {}  # (special, forced) -> style, theme resolved
 
     @property
@@ -161,8 +169,8 @@ class TokenRun(Widget):
     def render_line(self, y: int) -> Strip:
         width = self.content_size.width
         self._wrap_at(width)
-        base = (self.visual_style, self.app.theme)
-        if base != self._base:  # a new theme, or CSS that changed this widget's colours
+        base = (self.visual_style, self.app.theme, self._probability_colours)
+        if base != self._base:  # a new theme, CSS that changed this widget's colours, or colouring toggled
             self._base = base
             self._token_styles = [None] * len(self._token_styles)
             self._kind_styles.clear()  # theme variables ($accent) may have changed with it
@@ -222,10 +230,16 @@ class TokenRun(Widget):
             index = self.start + token
             event = self._answer.events[index]
             visual = self.visual_style + self._kind_style(event.special, event.forced)
+            if self._probability_colours and not event.forced and not event.special and event.logprobs is not None:
+                visual += _probability_style(event.logprobs.probability)
             if token == self._cursor:
                 visual += Style(reverse=True)
             style = self._token_styles[token] = (visual + Style.from_meta({"token": index})).rich_style
         return style
+
+    @property
+    def _probability_colours(self) -> bool:
+        return bool(getattr(self.app, "probability_colours", False))
 
     def _kind_style(self, special: bool, forced: bool) -> Style:
         style = self._kind_styles.get((special, forced))
@@ -248,6 +262,16 @@ _KIND_STYLES = {
     (True, False): "bold $primary",
     (True, True): "bold underline $accent",
 }
+
+def _probability_style(p: float) -> Style:
+    background = probability_background(p)
+    return _background_style(background) if background else Style()
+
+
+@lru_cache(maxsize=16)
+def _background_style(colour: str) -> Style:
+    return Style(background=Color.parse(colour))
+
 
 # Control characters would move the terminal's cursor: tabs become spaces, the rest are dropped (as Content does).
 _CONTROL = {code: None for code in (*range(0x09), *range(0x0B, 0x20), 0x7F)} | {0x09: "    "}
