@@ -61,6 +61,13 @@ DtypeOption = Annotated[
     str | None,
     typer.Option("--dtype", help="Weight format: auto (default; $CHATAPP_DTYPE), float32, bfloat16, int8 or int4."),
 ]
+CompileOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--compile/--no-compile",
+        help="Compile the decode step with torch.compile (needs g++; seconds at start; default $CHATAPP_COMPILE).",
+    ),
+]
 ProgramOption = Annotated[
     str | None, typer.Option("--program", help="TTFA program: a built-in name (chat, think, calc, json) or a .toml file.")
 ]
@@ -303,6 +310,7 @@ def generate(
     seed: SeedOption = 0,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
+    compile: CompileOption = None,
     program: ProgramOption = None,
     regex: Annotated[
         str | None, typer.Option("--regex", help="Constrain the reply to match this regular expression.")
@@ -328,7 +336,7 @@ def generate(
     if regex is not None and json_schema is not None:
         raise SettingsError("--regex and --json-schema both constrain the reply", hint="pass one of them")
     schema = _json_schema(json_schema) if json_schema is not None else None
-    engine = load_engine(model, device, dtype=dtype)
+    engine = load_engine(model, device, dtype=dtype, compile=compile)
     check_prompt_chars(len(prompt), int(engine.context_size), longest_token_chars(engine.tokenizer))
     compiled = None
     if program is not None:
@@ -368,6 +376,7 @@ def batch(
     model: ModelOption = None,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
+    compile: CompileOption = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Rows per device batch.")] = 32,
     samples: Annotated[int, typer.Option("--samples", min=1, max=1024, help="Samples per line that sets none.")] = 1,
     temperature: TemperatureOption = 0.0,
@@ -402,6 +411,7 @@ def batch(
         model=model,
         device=device,
         dtype=dtype,
+        compile=compile,
         defaults=BatchDefaults(settings=settings, samples=samples, program=program),
         options=BatchOptions(batch_size=batch_size, ordered=ordered),
         resume=resume,

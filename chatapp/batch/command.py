@@ -146,6 +146,7 @@ def run_batch_command(
     device: str | None,
     defaults: BatchDefaults,
     dtype: str | None = None,
+    compile: bool | None = None,
     options: BatchOptions,
     resume: bool,
     fsync: bool,
@@ -167,7 +168,7 @@ def run_batch_command(
                 markup=False,
                 soft_wrap=True,
             )
-        engine = load_engine(model, device, dtype=dtype)
+        engine = load_engine(model, device, dtype=dtype, compile=compile)
         preparer = ModelPreparer(engine)
         summary = run_batch(
             engine,

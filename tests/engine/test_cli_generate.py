@@ -95,3 +95,21 @@ def test_generate_logprobs_prints_a_table(model_dir) -> None:
     bad = CliRunner().invoke(app, [*args[:-1], "99"])
     assert bad.exit_code == 1 and "logprobs must be between 0 and 20" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_generate_and_batch_say_when_the_decode_step_cannot_compile(model_dir, tmp_path, monkeypatch) -> None:
+    """`--compile` asks for the compiled decode step; when torch.compile cannot run (no C++ compiler), both
+    commands exit 1 naming the cause and the way on, with no traceback and no records lost."""
+    import chatapp.stt.decode as decode
+
+    def no_compiler(model) -> None:
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found in cpp_builder.py")
+
+    monkeypatch.setattr(decode, "compile_decode", no_compiler)
+    result = CliRunner().invoke(app, ["generate", "Hello", "--model", str(model_dir), "--compile"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "No working C++ compiler found" in result.output and "--compile" in result.output
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"id": "a", "prompt": "Hi"}\n')
+    result = CliRunner().invoke(app, ["batch", str(lines), "--model", str(model_dir), "--compile", "-o", str(tmp_path / "out.jsonl")])
+    assert result.exit_code == 1 and "No working C++ compiler found" in result.output
