@@ -248,10 +248,25 @@ def compile_decode(model) -> None:
     the step (step state, routers, LM head) stays eager: compiling the whole step measured faster still but took
     minutes to compile, too long for a command that answers one prompt.
     """
+    import torch._dynamo
+    import torch.fx.experimental._config as fx_config
+
+    # Sizes that happen to be equal at compile time (a cache row's offset and the head count, say) must not be
+    # assumed equal forever: each such guard would recompile for another layer or step.
+    fx_config.use_duck_shape = False
+    # Graphs per model: 2 block classes (dense, STT) x batch 1 or more x all rows or a routed subset; room for a
+    # second model in the process.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     model.compiled_block_step = torch.compile(block_step, dynamic=True)
+    # Warm up as the engine decodes: the cache made outside inference mode, the step run inside it (tensors made
+    # there carry other dispatch keys, which the compiled graphs' guards check).
+    # A few cached tokens first: one key is a shape of its own too, and decode never sees it (a prompt precedes).
     for rows in (1, 2):  # batch 1 is a shape of its own for the compiler
-        ids = torch.zeros(rows, dtype=torch.long, device=model.device)
-        model.decode(ids, model.new_cache(rows, 4), routing="off")
+        cache = model.new_cache(rows, 64)
+        ids = torch.zeros(rows, 3, dtype=torch.long, device=model.device)
+        with torch.inference_mode():
+            model.extend(ids, torch.full((rows,), 3, device=model.device), cache, routing="off")
+            model.decode(ids[:, 0], cache, routing="off")
 
 
 def decode_step(

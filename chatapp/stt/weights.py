@@ -7,18 +7,21 @@ is a matrix-vector product whose time is the bytes of its weight over the memory
 is loaded (`prepare_weights`); nothing is converted per step.
 
 - "float32": the checkpoint as trained; exact (matches transformers' Qwen2 on the same weights).
-- "bfloat16": weights, activations and the KV cache in bfloat16; norms and softmax accumulate in float32.
+- "bfloat16": weights and activations in bfloat16; norms and softmax accumulate in float32.
 - "int8": the decoder's projections and the LM head hold int8 weights with one float scale per output channel
   (symmetric, round to nearest; `w ~= q * scale`), run by torch's own weight-only kernel
-  (`torch._weight_int8pack_mm`, activations in bfloat16). Everything else (embeddings, norms, routers, the KV
-  cache) is bfloat16. Prefill-sized inputs (more than `DEQUANT_ROWS` rows) dequantize the weight to bfloat16 and
+  (`torch._weight_int8pack_mm`, activations in bfloat16). Embeddings and norms are bfloat16. Prefill-sized inputs (more than `DEQUANT_ROWS` rows) dequantize the weight to bfloat16 and
   run a plain matrix product instead: there the product is compute-bound and the weight-only kernel is slower.
 - "int4": as int8, but the projections and the LM head hold 4-bit weights in groups of `INT4_GROUP` input
   channels, each group with its own scale and offset (asymmetric, the layout of llama.cpp's Q4_1, which is what
   the default model's GGUF ships), run by torch's CPU int4 kernel (`torch._weight_int4pack_mm_for_cpu`) at every
   batch size (it packs nibbles in its own layout, so there is no cheap dequantized copy for prefill). It halves
   int8's bytes again; the LM head, the largest matrix of a small model, gains most. A projection of a shape the
-  kernel does not take (see `Int4Linear.fits`) stays in bfloat16.
+  kernel does not take (see `Int4Linear.fits`) stays in bfloat16. Opt-in: on the default model it is the fastest
+  format but misses the quality guard (greedy agreement with float32 ~80%, goal 90%; README).
+
+Under every format the causal routers stay float32 (see `prepare_weights`), and on a CPU the KV cache is float32
+(`STTForCausalLM.kv_dtype`).
 
 `auto` picks per device (see `default_format`): measured in benchmarks/cpu_decode.py and recorded in the README.
 """
