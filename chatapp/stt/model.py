@@ -143,6 +143,9 @@ class STTForCausalLM(nn.Module):
             raise ValueError(f"routing must be 'student' or 'off', got {routing!r}")
         batch, width = ids.shape
         lengths = lengths.to(device=self.device, dtype=torch.long)
+        # A first chunk that fills every row (a prompt into an empty cache) attends with plain causal attention,
+        # which skips the masked half of the scores: about twice as fast as the same attention given a mask.
+        causal = cache.host_bound == 0 and bool((lengths == width).all())
         span = max(cache.reserve(lengths, width), 1)
         steps = torch.arange(width, device=self.device)
         valid = steps[None, :] < lengths[:, None]
@@ -157,11 +160,15 @@ class STTForCausalLM(nn.Module):
         stt_slot = 0
         for index, layer in enumerate(self.model.layers):
             if not isinstance(layer, STTLayer):
-                hidden = self._run_block(layer, index, hidden, cos, sin, positions, valid, cache, span, compact=False)
+                hidden = self._run_block(
+                    layer, index, hidden, cos, sin, positions, valid, cache, span, compact=False, causal=causal
+                )
                 continue
             prob = self._router_probs(layer, hidden, lengths, cache, stt_slot)
             selected = valid & (prob >= cutoff) if student else valid
-            hidden = self._run_block(layer, index, hidden, cos, sin, positions, selected, cache, span, compact)
+            hidden = self._run_block(
+                layer, index, hidden, cos, sin, positions, selected, cache, span, compact, causal=causal and not student
+            )
             probs.append(prob)
             chosen.append(selected)
             stt_slot += 1
@@ -218,12 +225,14 @@ class STTForCausalLM(nn.Module):
         cache: KVCache,
         span: int,
         compact: bool,
+        causal: bool = False,
     ) -> torch.Tensor:
         """Run `layer`'s block for the `selected` (B, T) tokens only; the others pass through unchanged.
 
         With `compact`, rows without a selected token are dropped and each remaining row's selected tokens are
         gathered (in order) into a (B', S) batch, S = the largest selected count. Otherwise all B x T tokens are
-        computed and the outputs of unselected ones are discarded.
+        computed and the outputs of unselected ones are discarded. `causal`: every token of every row is selected
+        and the layer's cache was empty, so the attention mask is plain causal and need not be built.
         """
         rows = gather = None
         x = hidden
@@ -250,8 +259,9 @@ class STTForCausalLM(nn.Module):
                 positions = positions.gather(1, gather)
         write = selected
 
-        def sink(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return cache.append(index, k, v, positions, write, span, rows)
+        def sink(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            keys, values, mask = cache.append(index, k, v, positions, write, span, rows)
+            return keys, values, None if causal else mask
 
         out = torch.where(write[..., None], layer.block(x, cos, sin, sink), x)
         if gather is not None:
