@@ -30,7 +30,6 @@ import argparse
 import copy
 import importlib.util
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import torch
 from _formats import NoStopFormat
+from _machine import machine
 
 from chatapp.engine.engine import Engine
 from chatapp.settings import GenerationSettings
@@ -342,19 +342,6 @@ def ttft_section(models, hf, tokenizer, prompt: list[int], rounds: int) -> list[
     return lines
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
-            f"{torch.get_num_threads()} torch threads")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model name or chatapp model directory (default: the default model)")
@@ -384,7 +371,7 @@ def main() -> None:
     formats = ["float32", *[f for f in args.formats if f != "float32"]]
     models, hf = load_sides(model_dir, formats, with_transformers=not args.no_transformers)
     text_ids = torch.tensor(tokenizer.encode(held_out_text(), add_special_tokens=False).ids)
-    print(f"machine: {machine()}; load average at start {os.getloadavg()}", flush=True)
+    print(f"machine: {machine()}", flush=True)
     lines: list[str] = []
     if not args.skip_quality:
         held_out = text_ids[: 8 * 512]
@@ -403,7 +390,7 @@ def main() -> None:
         print("\n".join(lines), flush=True)
     if not args.skip_ttft:
         lines += [*ttft_section(models, hf, tokenizer, prompts_for(1, args.ttft_tokens)[0], args.ttft_rounds or args.rounds), ""]
-    lines.append(f"machine: {machine()}; load average at end {os.getloadavg()}")
+    lines.append(f"machine at the end: {machine()}")
     print("\n".join(lines))
 
 

@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import platform
 import statistics
-from pathlib import Path
 
 import torch
+from _machine import machine
 
 from chatapp.engine.engine import Engine
 from chatapp.models import load_engine
@@ -105,22 +103,6 @@ def ops_seconds(batch: int, vocab: int, settings: GenerationSettings, top: int, 
                 fn()
                 samples[name].append(time.perf_counter() - start)
     return statistics.median(samples["on"]) - statistics.median(samples["off"])
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
-        f"load average {load:.1f}"
-    )
 
 
 def main() -> None:
