@@ -258,10 +258,11 @@ def compile_decode(model) -> None:
     # second model in the process.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     model.compiled_block_step = torch.compile(block_step, dynamic=True)
-    # Warm up as the engine decodes: the cache made outside inference mode, the step run inside it (tensors made
-    # there carry other dispatch keys, which the compiled graphs' guards check).
-    # A few cached tokens first: one key is a shape of its own too, and decode never sees it (a prompt precedes).
-    for rows in (1, 2):  # batch 1 is a shape of its own for the compiler
+    # Warm up as the engine decodes, or the first reply recompiles: the cache made outside inference mode and the
+    # step run inside it (tensors made there carry other dispatch keys, which the graphs' guards check), a few
+    # tokens already cached (one key is a shape of its own, which decode never sees), batch 1 and batch 2 (batch 1
+    # is a shape of its own).
+    for rows in (1, 2):
         cache = model.new_cache(rows, 64)
         ids = torch.zeros(rows, 3, dtype=torch.long, device=model.device)
         with torch.inference_mode():
