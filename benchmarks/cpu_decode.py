@@ -43,7 +43,8 @@ from chatapp.engine.engine import Engine
 from chatapp.settings import GenerationSettings
 from chatapp.stt import STTForCausalLM
 from chatapp.stt.decode import compile_decode
-from chatapp.stt.weights import FORMATS, Int4Linear, Int8Linear, prepare_weights
+from chatapp.stt.io import load_merged_adapters
+from chatapp.stt.weights import FORMATS, Int4Linear, Int8Linear, LowRankLinear, prepare_weights
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
@@ -90,7 +91,13 @@ def chat_prompts(tokenizer, model_dir: Path) -> list[list[int]]:
 def load_sides(model_dir: Path, formats: Sequence[str], with_transformers: bool):
     base = STTForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # Copies first: float32 is the base itself, and the others are converted from it before it is used.
-    converted = {fmt: prepare_weights(copy.deepcopy(base), fmt) for fmt in formats if fmt != "float32"}
+    # int4 takes the merged adapters apart as the loader does (`load_model`).
+    adapters = load_merged_adapters(model_dir)
+    converted = {
+        fmt: prepare_weights(copy.deepcopy(base), fmt, adapters if fmt == "int4" else None)
+        for fmt in formats
+        if fmt != "float32"
+    }
     models = {fmt: base if fmt == "float32" else converted[fmt] for fmt in formats}
     hf = {}
     if with_transformers:
@@ -201,6 +208,8 @@ def step_bytes(model: STTForCausalLM) -> int:
             total += module.weight_int8.numel() + module.scales.numel() * module.scales.element_size()
         elif isinstance(module, Int4Linear):
             total += module.weight_int4.numel() + module.scales_and_zeros.numel() * module.scales_and_zeros.element_size()
+        elif isinstance(module, LowRankLinear):  # its base is counted on its own
+            total += (module.lora_A.numel() + module.lora_B.numel()) * module.lora_A.element_size()
         elif isinstance(module, torch.nn.Linear):
             total += module.weight.numel() * module.weight.element_size()
     embed = model.model.embed_tokens.weight

@@ -104,6 +104,7 @@ def load_model(
 
     from chatapp.chat import chat_format_for
     from chatapp.stt import STTForCausalLM
+    from chatapp.stt.io import load_merged_adapters
     from chatapp.stt.weights import prepare_weights
 
     chat_format = chat_format_for(tokenizer, model_dir)
@@ -119,7 +120,8 @@ def load_model(
         ) from None
     _check_vocab(model_dir, tokenizer, int(model.config.vocab_size), hint)
     _check_finite(model_dir, model, hint)  # before any weight-format conversion
-    prepare_weights(model, fmt or weight_format_for(model, resolved))
+    fmt = fmt or weight_format_for(model, resolved)
+    prepare_weights(model, fmt, load_merged_adapters(model_dir) if fmt == "int4" else None)
     if resolved.type == "cpu":
         configure_threads(model)
     model.eval()

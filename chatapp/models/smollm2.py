@@ -66,6 +66,9 @@ PARTS_DIR = Path(__file__).resolve().parent / "smollm2_parts"
 PARTS_FILE = "parts.safetensors"
 MANIFEST_FILE = "manifest.json"
 PREPARED_STAMP = "prepared.json"
+# What a prepared directory holds; raised when that changes, so older preparations are redone.
+# 2: the merged adapters are also kept apart (`merged_adapters.safetensors`) for the int4 format.
+PREPARED_LAYOUT = 2
 
 
 def write_manifest(**fields: Any) -> None:
@@ -107,7 +110,8 @@ def parts_fingerprint() -> str:
 def is_prepared(model_dir: Path) -> bool:
     stamp = model_dir / PREPARED_STAMP
     try:
-        return json.loads(stamp.read_text(encoding="utf-8")).get("parts") == parts_fingerprint()
+        recorded = json.loads(stamp.read_text(encoding="utf-8"))
+        return recorded.get("parts") == parts_fingerprint() and recorded.get("layout") == PREPARED_LAYOUT
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -123,7 +127,7 @@ def prepare(model_dir: Path, progress: Progress | None = None) -> Path:
 
     from chatapp.models.gguf import read_gguf, write_tokenizer_files
     from chatapp.stt import STTConfig, STTForCausalLM
-    from chatapp.stt.io import save_model
+    from chatapp.stt.io import save_merged_adapters, save_model
 
     manifest = _manifest()
     source = gguf_path()
@@ -145,11 +149,13 @@ def prepare(model_dir: Path, progress: Progress | None = None) -> Path:
     state = dict(read.tensors)
     lora = manifest["lora"]
     scale = lora["alpha"] / lora["rank"]
+    adapters = {}
     for name in [k for k in parts if k.endswith("lora_A.weight")]:
         module = name.removesuffix(".lora_A.weight")
         a = parts[name].float()
-        b = parts[f"{module}.lora_B.weight"].float()
-        state[f"{module}.weight"] = state[f"{module}.weight"] + scale * (b @ a)
+        b = scale * parts[f"{module}.lora_B.weight"].float()
+        state[f"{module}.weight"] = state[f"{module}.weight"] + b @ a
+        adapters[module] = (a, b)
     embedding = state["model.embed_tokens.weight"].clone()
     embedding[manifest["token_rows"]] = parts["token_rows"].float()
     state["model.embed_tokens.weight"] = embedding
@@ -162,9 +168,10 @@ def prepare(model_dir: Path, progress: Progress | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=model_dir.parent, prefix=f".{model_dir.name}."))
     try:
         save_model(model, tmp)
+        save_merged_adapters(adapters, tmp)
         write_tokenizer_files(tmp, read)
         mark_tool_tokens(tmp)
-        (tmp / PREPARED_STAMP).write_text(json.dumps({"parts": parts_fingerprint()}) + "\n", encoding="utf-8")
+        (tmp / PREPARED_STAMP).write_text(json.dumps({"parts": parts_fingerprint(), "layout": PREPARED_LAYOUT}) + "\n", encoding="utf-8")
         if model_dir.exists():
             shutil.rmtree(model_dir)
         tmp.rename(model_dir)

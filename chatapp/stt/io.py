@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 SHARD_INDEX_NAME = "model.safetensors.index.json"
+# Optional: the low-rank adapters already merged into model.safetensors, as `{module}.lora_A` (r, in) and
+# `{module}.lora_B` (out, r) with the scale folded into B, so that W = W_base + B @ A. A loader that quantizes
+# coarsely can take them back out, quantize the base alone and run the adapters beside it (QLoRA's split).
+MERGED_ADAPTERS_NAME = "merged_adapters.safetensors"
 # Copied along by `convert` when present; tokenizer.json is what chatapp itself reads.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -115,6 +119,31 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         raise ModelDirError(
             f"cannot read the weights in {model_dir}: {err}", hint="re-copy or re-download the safetensors files"
         ) from None
+
+
+def save_merged_adapters(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], model_dir: str | Path) -> None:
+    """Write `{module: (A (r, in), B (out, r))}` (scale folded into B) as `MERGED_ADAPTERS_NAME` in `model_dir`."""
+    state = {}
+    for module, (a, b) in adapters.items():
+        state[f"{module}.lora_A"] = a.detach().float().contiguous().cpu()
+        state[f"{module}.lora_B"] = b.detach().float().contiguous().cpu()
+    path = Path(model_dir) / MERGED_ADAPTERS_NAME
+    _atomic_write(path, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+
+
+def load_merged_adapters(model_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The adapters merged into `model_dir`'s weights (empty when it has none): `{module: (A, B)}`."""
+    path = model_dir / MERGED_ADAPTERS_NAME
+    if not path.is_file():
+        return {}
+    try:
+        state = load_file(path)
+    except (SafetensorError, OSError) as err:
+        raise ModelDirError(f"cannot read {path}: {err}", hint="delete the file, or prepare the model again") from None
+    modules = {k.removesuffix(".lora_A") for k in state if k.endswith(".lora_A")}
+    if any(f"{m}.lora_B" not in state for m in modules) or len(state) != 2 * len(modules):
+        raise ModelDirError(f"{path} does not pair every lora_A with a lora_B", hint="prepare the model again")
+    return {m: (state[f"{m}.lora_A"], state[f"{m}.lora_B"]) for m in sorted(modules)}
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

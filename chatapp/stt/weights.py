@@ -170,12 +170,12 @@ class Int4Linear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantized weight (N, K), read back through the kernel (an identity input): for code that reads
         `.weight` of a projection; costs a full product."""
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight_int4.device)
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype, device=self.weight_int4.device)
         return torch._weight_int4pack_mm_for_cpu(eye, self.weight_int4, self.group, self.scales_and_zeros).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        x2 = x.reshape(-1, shape[-1]).to(self.scales_and_zeros.dtype)
         out = torch._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group, self.scales_and_zeros)
         if self.bias is not None:
             out = out + self.bias
@@ -185,37 +185,91 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
 
 
-def quantized(linear: nn.Linear, fmt: str) -> nn.Module:
-    """`linear` in weight-only format `fmt` ("int8" or "int4"; an int4-incompatible shape stays as it is)."""
+class LowRankLinear(nn.Module):
+    """`base(x) + x A^T B^T`: a quantized base projection with a float32 low-rank adapter beside it (QLoRA's split).
+
+    An adapter trained on a 4-bit base and merged into it moves the weights off the base's 4-bit grid, and
+    quantizing the merged weights again adds a second rounding on top of the first. Kept apart, the base
+    re-quantizes onto its own grid (for a Q4_1 GGUF source, the same levels: see `prepare_weights`) and the adapter
+    stays exact. The adapter's products are float32: at rank 16 they are a few microseconds, where bfloat16 ones
+    of that size are many times slower on a CPU.
+    """
+
+    def __init__(self, base: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        super().__init__()
+        self.base = base
+        self.register_buffer("lora_A", lora_a.detach().float().contiguous())
+        self.register_buffer("lora_B", lora_b.detach().float().contiguous())
+        self.in_features, self.out_features = lora_a.shape[1], lora_b.shape[0]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The effective weight (N, K): base plus adapter (costs the base's dequantization)."""
+        return self.base.weight.float() + self.lora_B @ self.lora_A
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        delta = torch.mm(torch.mm(x.reshape(-1, self.in_features).float(), self.lora_A.t()), self.lora_B.t())
+        return out + delta.view(out.shape).to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rank={self.lora_A.shape[0]}"
+
+
+def quantized(linear: nn.Linear, fmt: str, adapter: tuple[torch.Tensor, torch.Tensor] | None = None) -> nn.Module:
+    """`linear` in weight-only format `fmt` ("int8" or "int4"; an int4-incompatible shape stays as it is).
+
+    `adapter` (A, B): a low-rank update already merged into `linear`'s weight. Under int4 it is taken back out, the
+    base is quantized alone, and the adapter runs beside it (`LowRankLinear`); int8's finer grid takes the merged
+    weight as it is."""
     if fmt == "int8":
         return Int8Linear.from_linear(linear, torch.bfloat16)
-    return Int4Linear.from_linear(linear) if Int4Linear.fits(linear) else linear
+    if not Int4Linear.fits(linear):
+        return linear
+    if adapter is None:
+        return Int4Linear.from_linear(linear)
+    a, b = (t.to(linear.weight.device, torch.float32) for t in adapter)
+    base = Int4Linear(linear.weight.detach().float() - b @ a, linear.bias)
+    return LowRankLinear(base, a, b)
 
 
-def prepare_weights(model: nn.Module, fmt: str) -> nn.Module:
+def prepare_weights(
+    model: nn.Module, fmt: str, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> nn.Module:
     """Put an STTForCausalLM's weights in format `fmt` in place (once, at load) and return it.
 
     Int8 and int4 replace the q/k/v/o and MLP projections of every layer and the LM head (a tied head gets its own
-    quantized copy; the embedding table stays bfloat16, since a lookup only reads one row). The causal routers stay
-    float32 under every format: their threshold decides which tokens run, so they should decide as trained, and at
-    their size (2D -> 64 -> 1) a float32 product on a CPU is several times faster than a bfloat16 one.
+    quantized copy; the embedding table stays in the activations' dtype, since a lookup only reads one row).
+    Quantization reads the float32 weights, before anything is rounded to bfloat16. Under int4 the LM head is int8:
+    on the default model a 4-bit head alone cost 9 points of greedy agreement with float32 (its GGUF ships the
+    embeddings in Q8_0, so int8 keeps them nearly as they are). `adapters` (`stt.io.load_merged_adapters`) are the
+    low-rank updates merged into the projections, which int4 runs apart (`quantized`).
+
+    The causal routers stay float32 under every format: their threshold decides which tokens run, so they should
+    decide as trained, and at their size (2D -> 64 -> 1) a float32 product on a CPU is several times faster than a
+    bfloat16 one.
     """
     fmt = parse_format(fmt) or "float32"
     if fmt == "int4" and model.device.type != "cpu":
         raise WeightFormatError(
             f"the int4 format runs on the CPU only, not on {model.device.type}", hint="use --dtype int8 or bfloat16"
         )
+    adapters = adapters or {}
+    if fmt in ("int8", "int4"):
+        for index, layer in enumerate(model.model.layers):
+            for part, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+                for name, child in list(parent.named_children()):
+                    if isinstance(child, nn.Linear):
+                        adapter = adapters.get(f"model.layers.{index}.{part}.{name}")
+                        setattr(parent, name, quantized(child, fmt, adapter))
+        model.lm_head = quantized(model.lm_head, "int8")
     model.to(dtype=activation_dtype(fmt))
+    for module in model.modules():
+        if isinstance(module, LowRankLinear):  # its products are float32 under every format (see LowRankLinear)
+            module.lora_A, module.lora_B = module.lora_A.float(), module.lora_B.float()
     for layer in model.model.layers:
         if getattr(layer, "causal_router", None) is not None:
             layer.causal_router.float()
-    if fmt in ("int8", "int4"):
-        for layer in model.model.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name, child in list(parent.named_children()):
-                    if isinstance(child, nn.Linear):
-                        setattr(parent, name, quantized(child, fmt))
-        model.lm_head = quantized(model.lm_head, fmt)
     model.weight_format = fmt
     return model
 

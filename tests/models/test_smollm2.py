@@ -95,6 +95,17 @@ def test_general_question_is_answered_without_a_tool(model_dir: Path) -> None:
     assert "count(" not in out
 
 
+def test_int4_keeps_the_adapters_apart_and_uses_the_calculator(model_dir: Path) -> None:
+    """int4 re-quantizes the Q4_1 base onto its own grid and runs the merged LoRA beside it (`LowRankLinear`)."""
+    from chatapp.models import load_model
+    from chatapp.stt.weights import LowRankLinear
+
+    model = load_model(model_dir, dtype="int4").model
+    assert len([m for m in model.modules() if isinstance(m, LowRankLinear)]) == 7 * model.config.num_hidden_layers
+    out = generate("What is 37*45?", "--model", str(model_dir), "--dtype", "int4")
+    assert "1665" in out
+
+
 def test_default_model_is_the_prepared_smollm2(default_home: Path) -> None:
     out = generate("What is the capital of France?")
     assert "Paris" in out

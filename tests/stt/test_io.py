@@ -113,3 +113,17 @@ def test_invalid_config_values_raise_model_dir_errors(qwen2_dir):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelDirError, match="not a valid model config"):
         STTForCausalLM.from_pretrained(path)
+
+
+def test_merged_adapters_round_trip_and_reject_damage(tmp_path):
+    from chatapp.stt.io import MERGED_ADAPTERS_NAME, load_merged_adapters, save_merged_adapters
+
+    assert load_merged_adapters(tmp_path) == {}  # a model without adapters
+    adapters = {"model.layers.0.mlp.up_proj": (torch.randn(4, 16), torch.randn(32, 4))}
+    save_merged_adapters(adapters, tmp_path)
+    loaded = load_merged_adapters(tmp_path)
+    assert list(loaded) == ["model.layers.0.mlp.up_proj"]
+    assert all(torch.equal(x, y) for x, y in zip(loaded["model.layers.0.mlp.up_proj"], adapters["model.layers.0.mlp.up_proj"]))
+    (tmp_path / MERGED_ADAPTERS_NAME).write_bytes(b"\x00" * 12)
+    with pytest.raises(ModelDirError, match=MERGED_ADAPTERS_NAME):
+        load_merged_adapters(tmp_path)

@@ -57,7 +57,8 @@ def stage_distill(work: Path, base: Path, seed: int) -> list[tuple[str, str]]:
     from chatapp.settings import GenerationSettings
 
     out = work / "distill.jsonl"
-    prompts = data.general_prompts(random.Random(seed), DISTILL_PROMPTS)
+    # The counting prompts come first: the held-out chat set is the last answers, the same with or without them.
+    prompts = list(data.COUNTING_PROMPTS) + data.general_prompts(random.Random(seed), DISTILL_PROMPTS)
     done: dict[str, str] = {}
     if out.is_file():
         for line in out.read_text(encoding="utf-8").splitlines():
@@ -79,7 +80,7 @@ def stage_distill(work: Path, base: Path, seed: int) -> list[tuple[str, str]]:
                     fh.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
                 fh.flush()
                 log(f"distill {len(done)}/{len(prompts)} ({time.perf_counter() - began:.0f} s)")
-    return [(p, done[p]) for p in prompts if done.get(p)]
+    return [(p, done[p]) for p in prompts if done.get(p) and data.answer_is_right(p, done[p])]
 
 
 def _finished(text: str, stopped: bool) -> str:

@@ -80,6 +80,14 @@ _ARITH_TRAIN = [
     ("{a}*{b}=?", "*"),
     ("how much is {a}+{b}", "+"),
     ("What do you get if you multiply {a} and {b}?", "*"),
+    ("Find {a} plus {b}.", "+"),
+    ("What's {a} take away {b}?", "-"),
+    ("I need {a} times {b}.", "*"),
+    ("Can you divide {a} by {b}?", "/"),
+    ("What is {a} multiplied by {b}?", "*"),
+    ("Solve {a} - {b}.", "-"),
+    ("{a} + {b} = ?", "+"),
+    ("Help me with {a} x {b}, please.", "*"),
 ]
 _ARITH_HELD_OUT = [
     ("What is {a} times {b}?", "*"),
@@ -136,6 +144,36 @@ _WORD_TRAIN: list[_WordProblem] = [
         lambda a, b: f"{a}-{b}",
         "{r} people stayed.",
     ),
+    (
+        "Mia collected {a} shells and lost {b} of them on the way home. How many shells does she still have?",
+        lambda a, b: f"{a}-{b}",
+        "She still has {r} shells.",
+    ),
+    (
+        "A shop sold {a} shirts on Monday and {b} on Tuesday. How many shirts did it sell in total?",
+        lambda a, b: f"{a}+{b}",
+        "It sold {r} shirts.",
+    ),
+    (
+        "Each crate weighs {a} kg. What do {b} crates weigh together?",
+        lambda a, b: f"{a}*{b}",
+        "They weigh {r} kg.",
+    ),
+    (
+        "A rope {a} meters long is cut into {b} equal pieces. How long is each piece?",
+        lambda a, b: f"{a}/{b}",
+        "Each piece is {r} meters long.",
+    ),
+    (
+        "Leo had {a} coins. He donated {b} coins to charity. How many coins are left?",
+        lambda a, b: f"{a}-{b}",
+        "Leo has {r} coins left.",
+    ),
+    (
+        "A tank holds {a} liters and another {b} liters are poured in. How many liters are in the tank?",
+        lambda a, b: f"{a}+{b}",
+        "There are {r} liters in the tank.",
+    ),
 ]
 _WORD_HELD_OUT: list[_WordProblem] = [
     (
@@ -170,6 +208,11 @@ _PERCENT_TRAIN = [
     ("A jacket costs ${n} and is {p}% off. How much is the discount?", "The discount is ${r}."),
     ("Calculate {p}% of {n}.", "{p}% of {n} is {r}."),
     ("A restaurant bill is ${n}. How much is a {p}% tip?", "A {p}% tip is ${r}."),
+    ("What's {p}% of {n}?", "It is {r}."),
+    ("A {n} dollar bike is {p}% off. How much money is taken off?", "{r} dollars are taken off."),
+    ("If I save {p}% of my {n} dollar salary, how much do I save?", "You save {r} dollars."),
+    ("A town of {n} people grew by {p}%. How many new people is that?", "That is {r} new people."),
+    ("Work out {p} percent of {n}.", "{p} percent of {n} is {r}."),
 ]
 _PERCENT_HELD_OUT = [
     ("How much is {p}% of {n}?", "{p}% of {n} is {r}."),
@@ -189,6 +232,12 @@ _LETTER_TRAIN = [
     "how many {l} in {w}",
     "Can you count the {l}'s in {w}?",
     "Find how many times {l} appears in {w}.",
+    "How often does the letter {l} occur in the word {w}?",
+    "Count how many {l}'s the word {w} has.",
+    "What's the count of {l} in {w}?",
+    "Number of {l}'s in {w}?",
+    "I wonder how many {l}'s {w} contains.",
+    "Does {w} have any {l}'s? How many?",
 ]
 _LETTER_HELD_OUT = [
     "How many letter {l}'s does {w} have?",
@@ -394,6 +443,22 @@ def tool_conversation(item: ToolQuestion, answer: str) -> list[Message]:
     ]
 
 
+def chained_conversations(
+    rng: random.Random, count: int, tools: list[list[Message]], general: list[list[Message]]
+) -> list[list[Message]]:
+    """`count` conversations of 2-3 exchanges drawn from single-exchange `tools` and `general` ones: tool questions
+    in a row and tool and general turns interleaved. Each call must come from its own question: a model that only
+    ever saw one tool exchange per conversation learns to repeat the call already in its context."""
+    out = []
+    for _ in range(count):
+        turns = rng.choice([2, 2, 3])
+        picks = [rng.choice(tools if rng.random() < 0.7 else general) for _ in range(turns)]
+        if not any(p in tools for p in picks):
+            picks[rng.randrange(turns)] = rng.choice(tools)
+        out.append([message for exchange in picks for message in exchange])
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- general
 _COUNTRIES_TRAIN = [
     "Germany",
@@ -559,6 +624,53 @@ _SMALL_TALK = [
     "Tell me a story about a dragon.",
     "Write a sentence using the word 'serendipity'.",
 ]
+
+
+# Questions that read like a calculator's ("How many ...?") but ask what the model knows: their distilled answers
+# teach that a count of things in the world is not a letter count. The base model often gets these wrong ("A bicycle
+# has 5 wheels."), so only answers containing the right number train (rejection sampling: the model learns from its
+# own correct answers). None is an evaluation question (a test checks).
+COUNTING_PROMPTS: dict[str, tuple[str, ...]] = {
+    q: tuple(k.split("|"))
+    for q, k in [
+        ("How many wheels does a bicycle have?", "two|2"),
+        ("How many players are on a soccer team?", "eleven|11"),
+        ("How many legs does a dog have?", "four|4"),
+        ("How many planets are in our solar system?", "eight|8"),
+        ("How many minutes are in an hour?", "sixty|60"),
+        ("How many seconds are in a minute?", "sixty|60"),
+        ("How many weeks are in a year?", "52|fifty-two"),
+        ("How many strings does a guitar usually have?", "six|6"),
+        ("How many colors are in a rainbow?", "seven|7"),
+        ("How many wings does a bird have?", "two|2"),
+        ("How many sides does a square have?", "four|4"),
+        ("How many letters are in the English alphabet?", "26|twenty-six"),
+        ("How many bones does an adult human have?", "206"),
+        ("How many teeth does an adult usually have?", "32|thirty-two"),
+        ("How many days are in a leap year?", "366"),
+        ("How many arms does an octopus have?", "eight|8"),
+        ("How many oceans are there on Earth?", "five|5"),
+        ("How many hearts does an octopus have?", "three|3"),
+        ("How many eyes does a spider usually have?", "eight|8"),
+        ("How many states are in the United States?", "50|fifty"),
+        ("How many sides does a hexagon have?", "six|6"),
+        ("How many centimeters are in a meter?", "100|hundred"),
+        ("How many grams are in a kilogram?", "1000|1,000|thousand"),
+        ("How many legs does an insect have?", "six|6"),
+        ("How many sides does a pentagon have?", "five|5"),
+        ("How many days are in a year?", "365"),
+        ("How many legs does a cat have?", "four|4"),
+        ("How many fingers are on one hand?", "five|5"),
+        ("How many wheels does a car have?", "four|4"),
+        ("How many eyes do people have?", "two|2"),
+    ]
+}
+
+
+def answer_is_right(prompt: str, answer: str) -> bool:
+    """False for a distilled answer to a counting prompt that misses its number; True for every other prompt."""
+    keywords = COUNTING_PROMPTS.get(prompt)
+    return keywords is None or any(k.lower() in answer.lower() for k in keywords)
 
 
 def repetitive(text: str) -> bool:
@@ -770,6 +882,13 @@ _FACTS_TRAIN = [
     ("number", "My locker code is {x}.", "What is my locker code?", "Your locker code is {x}."),
     ("city", "I live in {x}.", "Where do I live?", "You live in {x}."),
     ("city", "I was born in {x}.", "Which city was I born in?", "You were born in {x}."),
+    ("name", "Hey there, {x} here.", "Who did I say I was?", "You said you are {x}."),
+    ("name", "This is {x} speaking.", "Do you know who I am?", "Yes, you are {x}."),
+    ("name", "My friends call me {x}.", "What's my name again?", "Your name is {x}."),
+    ("number", "My lucky number is {x}.", "Which number is my lucky one?", "Your lucky number is {x}."),
+    ("number", "The code for the door is {x}.", "What was the door code?", "The door code is {x}."),
+    ("city", "I grew up in {x}.", "Where did I grow up?", "You grew up in {x}."),
+    ("city", "Right now I'm staying in {x}.", "Which city am I in?", "You are in {x}."),
 ]
 _FACTS_HELD_OUT = [
     ("name", "Hello! My name's {x}.", "Can you tell me my name?", ""),
@@ -795,8 +914,9 @@ def _fact_value(rng: random.Random, kind: str, held_out: bool) -> str:
 def recall_conversations(
     rng: random.Random, count: int, middles: list[tuple[str, Any]], held_out: bool
 ) -> list[tuple[RecallConversation, list[Message]]]:
-    """`count` three-turn recall conversations. `middles` are (question, assistant content) pairs for the middle turn
-    (general answers and tool calls); in held-out conversations the last assistant turn is left for the model."""
+    """`count` recall conversations: a fact, one unrelated exchange (two in a third of the training ones), the
+    recall question. `middles` are (question, assistant content) pairs for the middle turns (general answers and
+    tool calls); in held-out conversations the last assistant turn is left for the model."""
     facts = _FACTS_HELD_OUT if held_out else _FACTS_TRAIN
     out = []
     for _ in range(count):
@@ -809,8 +929,11 @@ def recall_conversations(
             {"role": "assistant", "content": rng.choice(_ACKS[kind]).format(x=value)},
             {"role": "user", "content": middle_question},
             {"role": "assistant", "content": middle_answer},
-            {"role": "user", "content": recall},
         ]
+        if not held_out and rng.random() < 1 / 3:
+            question, content = rng.choice(middles)
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": content}]
+        messages.append({"role": "user", "content": recall})
         if not held_out:
             messages.append({"role": "assistant", "content": answer.format(x=value)})
         out.append((item, messages))

@@ -9,6 +9,8 @@ Everything is greedy and goes through the Engine the CLI uses (student routing u
   contains that result;
 - general: `data.FACT_QUESTIONS` scored by keywords, for this model (student routing) and for the base conversion
   (routing off) side by side;
+- follow-up tool: a held-out tool question asked right after another tool exchange in the same conversation
+  (right when it makes its own call, not a repeat of the one already in the context);
 - recall: a name, number or city given two turns earlier, held-out phrasings and values;
 - STT: perplexity on held-out chat with routing off / student, the fraction of tokens each STT layer processed,
   student-teacher F1, and decode compute saved.
@@ -79,6 +81,20 @@ def tool_score(engine: Any, count: int) -> dict[str, Score]:
     return scores
 
 
+def follow_up_tool_score(engine: Any, count: int) -> Score:
+    items = data.tool_questions(random.Random(HELD_OUT_SEED + 4), 2 * count, held_out=True)
+    firsts, seconds = items[::2], items[1::2]
+    conversations = [
+        data.tool_conversation(*first) + [{"role": "user", "content": second.question}]
+        for first, (second, _) in zip(firsts, seconds, strict=True)
+    ]
+    results = _generate(engine, conversations, "student")
+    score = Score()
+    for (first, _), (second, _), result in zip(firsts, seconds, results, strict=True):
+        score.add(_tool_correct(result, second), f"{first.question} / {second.question} -> {result.text!r:.160}")
+    return score
+
+
 def general_score(engine: Any, routing: str) -> Score:
     questions = list(data.FACT_QUESTIONS)
     results = _generate(engine, [[{"role": "user", "content": q.question}] for q in questions], routing)
@@ -140,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default=None, help="model directory (default: the prepared default model)")
     parser.add_argument("--quick", action="store_true", help="small slices (a smoke run)")
     parser.add_argument("--skip-base", action="store_true", help="do not score the base conversion")
+    parser.add_argument("--threshold", type=float, default=None, help="student routing threshold (default: the model's)")
+    parser.add_argument("--out", default="eval.json", help="file name for the results, in --work")
     args = parser.parse_args(argv)
     import torch
 
@@ -156,11 +174,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_dir = Path(args.model)
     began = time.perf_counter()
     engine = _engine(model_dir)
+    if args.threshold is not None:
+        engine.model.config.router_threshold = args.threshold
     n = 20 if args.quick else 100
-    results: dict[str, Any] = {"model": str(model_dir)}
+    results: dict[str, Any] = {"model": str(model_dir), "router_threshold": engine.model.config.router_threshold}
     tool = tool_score(engine, n)
     results["tool"] = {k: asdict(v) | {"rate": v.rate} for k, v in tool.items()}
     print(f"tool {tool['all'].rate:.1%} " + " ".join(f"{k} {v.right}/{v.total}" for k, v in tool.items()), flush=True)
+    follow_up = follow_up_tool_score(engine, 10 if args.quick else 40)
+    results["follow_up_tool"] = asdict(follow_up) | {"rate": follow_up.rate}
+    print(f"follow-up tool {follow_up.right}/{follow_up.total}", flush=True)
     general_ours = general_score(engine, "student")
     results["general"] = asdict(general_ours) | {"rate": general_ours.rate}
     print(f"general {general_ours.right}/{general_ours.total}", flush=True)
@@ -174,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["general_base_routing_off"] = asdict(base) | {"rate": base.rate}
         print(f"general (base conversion, routing off) {base.right}/{base.total}", flush=True)
     results["seconds"] = time.perf_counter() - began
-    (work / "eval.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (work / args.out).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return results
 
 

@@ -42,10 +42,11 @@ CAUSAL_ROUTER_HIDDEN = 64
 @dataclass(frozen=True)
 class Recipe:
     tool_conversations: int = 1100
-    recall_conversations: int = 420
+    recall_conversations: int = 480
+    chained_conversations: int = 360
     general_repeats: int = 1
-    steps_a: int = 140
-    steps_b: int = 45
+    steps_a: int = 150
+    steps_b: int = 100
     tokens_per_step: int = 1280  # padded tokens per batch (conversations of similar length share a batch)
     lr_lora_a: float = 3e-4
     lr_lora_b: float = 1e-4
@@ -59,7 +60,13 @@ CHECKPOINT_EVERY = 20
 # threshold rule on SmolLM2 the gate saturated (β → 100 with a transition network that cannot predict this model's
 # residuals, so the expected-event criterion passes ~90% of tokens at g == 1.0 exactly); a moderate final β keeps g
 # graded so its ranking means something.
-TEACHER = {"use_g_threshold_selection": False, "capacity": 0.5, "beta_ce_end": 4.0, "beta_cu_end": 4.0}
+TEACHER = {
+    "use_g_threshold_selection": False,
+    "capacity": 0.5,
+    "beta_ce_end": 4.0,
+    "beta_cu_end": 4.0,
+    "second_pass_routing": "student",
+}
 # STT layers: the six odd layers whose skipping costs SmolLM2 least. Measured on held-out chat with every other layer
 # dense and half the tokens of one layer skipped at random: layer 1 alone raised the loss from 0.72 to 3.14 and layer
 # 29 to 1.62; 17, 5, 3, 7, 9 and 25 cost 0.04-0.13 each. Skipping in all 15 odd layers (even 20% of tokens) left a
@@ -70,7 +77,7 @@ STT_LAYERS = [3, 5, 7, 9, 17, 25]
 # operand copying the calculator calls need. Swept on those 25 questions (int8, greedy): 0.05 -> 22/25, 5.9% of STT
 # tokens skipped; 0.15 -> 19/25, 12.7%; 0.25 -> 14/25, 23.4%. Quality first: the lowest measured threshold that
 # keeps routing-off accuracy. Users can raise it (`routing_threshold`) to watch more skipping.
-SHIPPED_ROUTER_THRESHOLD = 0.05
+SHIPPED_ROUTER_THRESHOLD = 0.5
 HELD_OUT_GENERAL = 40  # distilled answers kept out of training: held-out chat for the perplexity metrics
 HELD_OUT_FILE = "held_out_general.json"
 
@@ -89,7 +96,7 @@ def held_out_general(work: Path) -> list[tuple[str, str]]:
 
 
 def conversations(general: list[tuple[str, str]], seed: int, recipe: Recipe) -> list[list[dict[str, Any]]]:
-    """The training mix: tool calls, the base model's own general answers, three-turn recall."""
+    """The training mix: tool calls, the base model's own general answers, recall, and chains of exchanges."""
     rng = random.Random(seed + 1)
     tool = [
         data.tool_conversation(q, a) for q, a in data.tool_questions(rng, recipe.tool_conversations, held_out=False)
@@ -97,7 +104,10 @@ def conversations(general: list[tuple[str, str]], seed: int, recipe: Recipe) -> 
     plain = [[{"role": "user", "content": p}, {"role": "assistant", "content": a}] for p, a in general]
     middles = [(c[0]["content"], c[1]["content"]) for c in plain + tool[: len(plain) // 2]]
     recall = [m for _, m in data.recall_conversations(rng, recipe.recall_conversations, middles, held_out=False)]
-    mix = tool + plain * recipe.general_repeats + recall
+    # Short general answers only: a chain of long ones would not fit a batch.
+    short = [c for c in plain if len(c[1]["content"]) < 400]
+    chained = data.chained_conversations(rng, recipe.chained_conversations, tool, short)
+    mix = tool + plain * recipe.general_repeats + recall + chained
     rng.shuffle(mix)
     return mix
 
