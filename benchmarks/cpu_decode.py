@@ -208,8 +208,8 @@ def step_bytes(model: STTForCausalLM) -> int:
             total += module.weight_int8.numel() + module.scales.numel() * module.scales.element_size()
         elif isinstance(module, Int4Linear):
             total += module.weight_int4.numel() + module.scales_and_zeros.numel() * module.scales_and_zeros.element_size()
-        elif isinstance(module, LowRankLinear):  # its base is counted on its own
-            total += (module.lora_A.numel() + module.lora_B.numel()) * module.lora_A.element_size()
+        elif isinstance(module, LowRankLinear):  # its base (with A) is counted on its own
+            total += module.lora_B_t.numel() * module.lora_B_t.element_size()
         elif isinstance(module, torch.nn.Linear):
             total += module.weight.numel() * module.weight.element_size()
     embed = model.model.embed_tokens.weight

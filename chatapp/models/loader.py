@@ -157,8 +157,9 @@ def _compile_decode(model: STTForCausalLM, model_dir: Path) -> None:
 def weight_format_for(model: STTForCausalLM, device: torch.device) -> str:
     """The default weight format of `model` on `device`, chosen by measurement (benchmarks/cpu_decode.py, README):
     on a CPU int8 for a model whose float32 weights outgrow the caches (SmolLM2-135M decodes ~3x faster than in
-    float32, within the quality guard), float32 for a small one (the tiny model is dispatch-bound: int8 gains
-    nothing and float32 is exact); float32 on CUDA, where nothing has been measured yet."""
+    float32, within the quality guard; int4 decodes as fast eagerly but its prefill is slower), float32 for a small
+    one (the tiny model is dispatch-bound: int8 gains nothing and float32 is exact); float32 on CUDA, where nothing
+    has been measured yet."""
     from chatapp.stt.weights import default_format
 
     return default_format(device, sum(p.numel() for p in model.parameters()))

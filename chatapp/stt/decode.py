@@ -118,11 +118,11 @@ def attention(
     attn = block.self_attn
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     batch = x.shape[0]
+    qkv = attn.project_qkv(x).view(batch, heads + 2 * kv_heads, head_dim)
     # Rotary runs once over Q and K side by side (B', H + H_kv, Dh), in the activations' dtype as `extend` does.
-    qk = torch.cat((attn.q_proj(x), attn.k_proj(x)), dim=1).view(batch, heads + kv_heads, head_dim)
-    qk = rotate(qk, cos, sin).to(keys.dtype)
+    qk = rotate(qkv[:, : heads + kv_heads], cos, sin).to(keys.dtype)
     keys.index_put_((rows, slots), qk[:, heads:])
-    values.index_put_((rows, slots), attn.v_proj(x).view(batch, kv_heads, head_dim).to(values.dtype))
+    values.index_put_((rows, slots), qkv[:, heads + kv_heads :].to(values.dtype))
     if subset:
         keys, values = keys[rows], values[rows]
     keys, values = keys[:, :span], values[:, :span]
@@ -176,9 +176,7 @@ def block_step(
     every layer with one graph."""
     y = rms_norm(block.input_layernorm, x)
     h = x + attention(block, y, keys, values, rows, slots, mask, cos, sin, span, subset)
-    y = rms_norm(block.post_attention_layernorm, h)
-    mlp = block.mlp
-    return h + mlp.down_proj(F.silu(mlp.gate_proj(y)) * mlp.up_proj(y))
+    return h + block.mlp(rms_norm(block.post_attention_layernorm, h))
 
 
 def router_probs(layer: STTLayer, x: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:

@@ -64,12 +64,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        # Set by `stt.weights.fuse_projections` at load for quantized inference: q, k and v as one projection.
+        self.qkv_proj: nn.Module | None = None
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """q, k and v of `x` side by side on the last axis ((H + 2 H_kv) * D wide)."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x)
+        return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: KVSink) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        qkv = self.project_qkv(x).view(b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=2)
         # Rotary on (B, S, H, D) with cos/sin (B, S, D): unsqueeze at the head axis.
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
         keys, values, mask = sink(k, v)
@@ -84,6 +91,18 @@ class Attention(nn.Module):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim).to(x.dtype))
+
+
+class FusedMLP(nn.Module):
+    """Qwen2's SwiGLU MLP with the gate and up projections as one (`stt.weights.fuse_projections`)."""
+
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.intermediate_size = gate_up_proj, down_proj, intermediate_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderBlock(nn.Module):

@@ -12,14 +12,17 @@ is loaded (`prepare_weights`); nothing is converted per step.
   (symmetric, round to nearest; `w ~= q * scale`), run by torch's own weight-only kernel
   (`torch._weight_int8pack_mm`, activations in bfloat16). Embeddings and norms are bfloat16. Prefill-sized inputs (more than `DEQUANT_ROWS` rows) dequantize the weight to bfloat16 and
   run a plain matrix product instead: there the product is compute-bound and the weight-only kernel is slower.
-- "int4": as int8, but the projections and the LM head hold 4-bit weights in groups of `INT4_GROUP` input
-  channels, each group with its own scale and offset (asymmetric, the layout of llama.cpp's Q4_1, which is what
-  the default model's GGUF ships), run by torch's CPU int4 kernel (`torch._weight_int4pack_mm_for_cpu`) at every
-  batch size (it packs nibbles in its own layout, so there is no cheap dequantized copy for prefill). It halves
-  int8's bytes again; the LM head, the largest matrix of a small model, gains most. A projection of a shape the
-  kernel does not take (see `Int4Linear.fits`) stays in bfloat16. Opt-in: on the default model it is the fastest
-  format but misses the quality guard (greedy agreement with float32 ~80%, goal 90%; README).
+- "int4": the projections hold 4-bit weights in groups of `INT4_GROUP` input channels, each group with its own
+  scale and offset (asymmetric, the layout of llama.cpp's Q4_1, which is what the default model's GGUF ships), run
+  by torch's CPU int4 kernel (`torch._weight_int4pack_mm_for_cpu`) at every batch size (it packs nibbles in its own
+  layout, so there is no cheap dequantized copy for prefill). The LM head stays int8 (see `prepare_weights`).
+  Adapters merged into the weights are taken back out and run beside the 4-bit base (`LowRankLinear`): that is what
+  keeps the default model within the quality guard (greedy agreement with float32 97.5%; quantizing the merged
+  weights gave 85.7% and perplexity -14%). A projection of a shape the kernel does not take (see
+  `Int4Linear.fits`) stays in bfloat16. Opt-in: on the default model it decodes about as fast as int8 eagerly
+  (faster compiled), but its prefill is slower (README).
 
+The quantized formats fuse q/k/v and gate/up into one projection each (`fuse_projections`).
 Under every format the causal routers stay float32 (see `prepare_weights`), and on a CPU the KV cache is float32
 (`STTForCausalLM.kv_dtype`).
 
@@ -186,34 +189,42 @@ class Int4Linear(nn.Module):
 
 
 class LowRankLinear(nn.Module):
-    """`base(x) + x A^T B^T`: a quantized base projection with a float32 low-rank adapter beside it (QLoRA's split).
+    """An int4 projection with a low-rank adapter beside it: `W_base x + B (A x)` (QLoRA's split).
 
     An adapter trained on a 4-bit base and merged into it moves the weights off the base's 4-bit grid, and
     quantizing the merged weights again adds a second rounding on top of the first. Kept apart, the base
-    re-quantizes onto its own grid (for a Q4_1 GGUF source, the same levels: see `prepare_weights`) and the adapter
-    stays exact. The adapter's products are float32: at rank 16 they are a few microseconds, where bfloat16 ones
-    of that size are many times slower on a CPU.
+    re-quantizes onto its own grid (for a Q4_1 GGUF source, the same levels: see `prepare_weights`) and only the
+    adapter's small update is rounded. A's rows ride in the base's kernel call, below W_base's (r more output rows:
+    one call gives W_base x and A x), so the adapter costs one small float32 product, B (A x): at batch 1 a
+    separate call per factor cost more than the 4-bit weights saved.
     """
 
-    def __init__(self, base: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         super().__init__()
-        self.base = base
-        self.register_buffer("lora_A", lora_a.detach().float().contiguous())
-        self.register_buffer("lora_B", lora_b.detach().float().contiguous())
-        self.in_features, self.out_features = lora_a.shape[1], lora_b.shape[0]
+        self.out_features, self.in_features = weight.shape
+        self.rank = lora_a.shape[0]
+        if bias is not None:
+            bias = torch.cat((bias.detach(), bias.new_zeros(self.rank)))
+        self.base = Int4Linear(torch.cat((weight.detach().float(), lora_a.detach().float())), bias)
+        self.register_buffer("lora_B_t", lora_b.detach().float().t().contiguous())  # (r, out)
+
+    @staticmethod
+    def fits(weight: torch.Tensor, rank: int) -> bool:
+        return weight.shape[1] % INT4_GROUP == 0 and (weight.shape[0] + rank) % 16 == 0
 
     @property
     def weight(self) -> torch.Tensor:
-        """The effective weight (N, K): base plus adapter (costs the base's dequantization)."""
-        return self.base.weight.float() + self.lora_B @ self.lora_A
+        """The effective weight (N, K): base plus adapter, dequantized (costs a full product, see Int4Linear)."""
+        both = self.base.weight.float()
+        return both[: self.out_features] + self.lora_B_t.t() @ both[self.out_features :]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
-        delta = torch.mm(torch.mm(x.reshape(-1, self.in_features).float(), self.lora_A.t()), self.lora_B.t())
+        out, low = self.base(x).split((self.out_features, self.rank), dim=-1)
+        delta = torch.mm(low.reshape(-1, self.rank).float(), self.lora_B_t)
         return out + delta.view(out.shape).to(out.dtype)
 
     def extra_repr(self) -> str:
-        return f"rank={self.lora_A.shape[0]}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}"
 
 
 def quantized(linear: nn.Linear, fmt: str, adapter: tuple[torch.Tensor, torch.Tensor] | None = None) -> nn.Module:
@@ -226,11 +237,60 @@ def quantized(linear: nn.Linear, fmt: str, adapter: tuple[torch.Tensor, torch.Te
         return Int8Linear.from_linear(linear, torch.bfloat16)
     if not Int4Linear.fits(linear):
         return linear
-    if adapter is None:
+    if adapter is None or not LowRankLinear.fits(linear.weight, adapter[0].shape[0]):
         return Int4Linear.from_linear(linear)
     a, b = (t.to(linear.weight.device, torch.float32) for t in adapter)
-    base = Int4Linear(linear.weight.detach().float() - b @ a, linear.bias)
-    return LowRankLinear(base, a, b)
+    return LowRankLinear(linear.weight.detach().float() - b @ a, linear.bias, a, b)
+
+
+Adapter = tuple[torch.Tensor, torch.Tensor]  # (A (r, in), B (out, r)): W = W_base + B @ A
+
+
+def _fused(linears: list[nn.Linear], adapters: list[Adapter | None]) -> tuple[nn.Linear, Adapter | None]:
+    """One projection computing `linears` side by side (their rows stacked), and its adapter: the adapters' A
+    stacked and their B block-diagonal, so each output still sees only its own adapter."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, device=weight.device)
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([m.bias.detach() for m in linears]))
+    if all(a is None for a in adapters):
+        return fused, None
+    pairs = [
+        a if a is not None else (weight.new_zeros(0, m.in_features), weight.new_zeros(m.out_features, 0))
+        for m, a in zip(linears, adapters, strict=True)
+    ]
+    return fused, (torch.cat([a for a, _ in pairs]), torch.block_diag(*[b for _, b in pairs]))
+
+
+def fuse_projections(model: nn.Module, adapters: dict[str, Adapter] | None = None) -> dict[str, Adapter]:
+    """Merge each layer's q/k/v projections into one `qkv_proj` and the MLP's gate/up into one `gate_up_proj`
+    (`layers.FusedMLP`), in place; returns `adapters` re-keyed for the fused modules.
+
+    At batch 1 a weight-only kernel call costs more than its bytes (dispatch, threads, the input's conversion):
+    seven calls a layer become four, and three adapters' side products become one (`LowRankLinear`)."""
+    from chatapp.stt.layers import FusedMLP
+
+    adapters = dict(adapters or {})
+    for index, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{index}"
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None:
+            names = ("q_proj", "k_proj", "v_proj")
+            parts = [adapters.pop(f"{prefix}.self_attn.{n}", None) for n in names]
+            attn.qkv_proj, adapter = _fused([getattr(attn, n) for n in names], parts)
+            for name in names:
+                delattr(attn, name)
+            if adapter is not None:
+                adapters[f"{prefix}.self_attn.qkv_proj"] = adapter
+        if not isinstance(mlp, FusedMLP):
+            parts = [adapters.pop(f"{prefix}.mlp.{n}", None) for n in ("gate_proj", "up_proj")]
+            gate_up, adapter = _fused([mlp.gate_proj, mlp.up_proj], parts)
+            layer.mlp = FusedMLP(gate_up, mlp.down_proj, mlp.gate_proj.out_features)
+            if adapter is not None:
+                adapters[f"{prefix}.mlp.gate_up_proj"] = adapter
+    return adapters
 
 
 def prepare_weights(
@@ -240,7 +300,8 @@ def prepare_weights(
 
     Int8 and int4 replace the q/k/v/o and MLP projections of every layer and the LM head (a tied head gets its own
     quantized copy; the embedding table stays in the activations' dtype, since a lookup only reads one row).
-    Quantization reads the float32 weights, before anything is rounded to bfloat16. Under int4 the LM head is int8:
+    Quantization reads the float32 weights, before anything is rounded to bfloat16, and the quantized formats fuse
+    q/k/v and gate/up first (`fuse_projections`). Under int4 the LM head is int8:
     on the default model a 4-bit head alone cost 9 points of greedy agreement with float32 (its GGUF ships the
     embeddings in Q8_0, so int8 keeps them nearly as they are). `adapters` (`stt.io.load_merged_adapters`) are the
     low-rank updates merged into the projections, which int4 runs apart (`quantized`).
@@ -256,6 +317,7 @@ def prepare_weights(
         )
     adapters = adapters or {}
     if fmt in ("int8", "int4"):
+        adapters = fuse_projections(model, adapters)
         for index, layer in enumerate(model.model.layers):
             for part, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
                 for name, child in list(parent.named_children()):
@@ -265,8 +327,8 @@ def prepare_weights(
         model.lm_head = quantized(model.lm_head, "int8")
     model.to(dtype=activation_dtype(fmt))
     for module in model.modules():
-        if isinstance(module, LowRankLinear):  # its products are float32 under every format (see LowRankLinear)
-            module.lora_A, module.lora_B = module.lora_A.float(), module.lora_B.float()
+        if isinstance(module, LowRankLinear):  # its product is float32 under every format (see LowRankLinear)
+            module.lora_B_t = module.lora_B_t.float()
     for layer in model.model.layers:
         if getattr(layer, "causal_router", None) is not None:
             layer.causal_router.float()

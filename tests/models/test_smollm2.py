@@ -101,7 +101,7 @@ def test_int4_keeps_the_adapters_apart_and_uses_the_calculator(model_dir: Path) 
     from chatapp.stt.weights import LowRankLinear
 
     model = load_model(model_dir, dtype="int4").model
-    assert len([m for m in model.modules() if isinstance(m, LowRankLinear)]) == 7 * model.config.num_hidden_layers
+    assert len([m for m in model.modules() if isinstance(m, LowRankLinear)]) == 4 * model.config.num_hidden_layers
     out = generate("What is 37*45?", "--model", str(model_dir), "--dtype", "int4")
     assert "1665" in out
 
