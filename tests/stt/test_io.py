@@ -123,7 +123,8 @@ def test_merged_adapters_round_trip_and_reject_damage(tmp_path):
     save_merged_adapters(adapters, tmp_path)
     loaded = load_merged_adapters(tmp_path)
     assert list(loaded) == ["model.layers.0.mlp.up_proj"]
-    assert all(torch.equal(x, y) for x, y in zip(loaded["model.layers.0.mlp.up_proj"], adapters["model.layers.0.mlp.up_proj"]))
+    got, want = loaded["model.layers.0.mlp.up_proj"], adapters["model.layers.0.mlp.up_proj"]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     (tmp_path / MERGED_ADAPTERS_NAME).write_bytes(b"\x00" * 12)
     with pytest.raises(ModelDirError, match=MERGED_ADAPTERS_NAME):
         load_merged_adapters(tmp_path)

@@ -85,7 +85,7 @@ def follow_up_tool_score(engine: Any, count: int) -> Score:
     items = data.tool_questions(random.Random(HELD_OUT_SEED + 4), 2 * count, held_out=True)
     firsts, seconds = items[::2], items[1::2]
     conversations = [
-        data.tool_conversation(*first) + [{"role": "user", "content": second.question}]
+        [*data.tool_conversation(*first), {"role": "user", "content": second.question}]
         for first, (second, _) in zip(firsts, seconds, strict=True)
     ]
     results = _generate(engine, conversations, "student")
