@@ -78,10 +78,6 @@ class STTConfig(Qwen2Config):
     # to selected keys, exactly as at inference, and gated by a straight-through copy of g so the LM loss also
     # trains the teacher's biases. Off: the layer's training output is the dense block output (the primary spec).
     gated_second_pass: bool = False
-    # Whose decisions route that second pass: "teacher" (its top-k / threshold targets) or "student" (the causal
-    # router at `router_threshold`, what inference will run). Training on the student's own skips teaches the
-    # adapters to tolerate the mistakes the student actually makes, not only the teacher's choices.
-    second_pass_routing: str = "teacher"
     # False until the routers were trained: then "student" routing runs every token (routing effectively off).
     routing_trained: bool = False
 
@@ -119,8 +115,6 @@ class STTConfig(Qwen2Config):
             raise ValueError(f"stt_layers {bad} out of range for {self.num_hidden_layers} layers")
         if not 0 < self.capacity <= 1:
             raise ValueError(f"capacity must be in (0, 1], got {self.capacity}")
-        if self.second_pass_routing not in ("teacher", "student"):
-            raise ValueError(f"second_pass_routing must be teacher or student, got {self.second_pass_routing!r}")
         if self.beta_schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"beta_schedule must be cosine, linear or constant, got {self.beta_schedule!r}")
         if self.ma_window < 1:

@@ -172,17 +172,16 @@ def forward_train(
             continue
         signals = _teacher_signals(layer, x, hidden, betas, config)
         targets = signals.targets
+        if config.gated_second_pass:
+            # Straight-through gate: 1 in the forward pass (hard routing, as at inference), g's gradient backward.
+            gate = (targets.to(signals.g.dtype) + signals.g - signals.g.detach())[..., None]
+            routed = layer.block(x, cos, sin, self_attention_sink(routed_causal_mask(targets)))
+            hidden = torch.where(targets[..., None], x + gate.to(x.dtype) * (routed - x), x)
         if signals.causal_logits is not None:
             causal_loss = F.binary_cross_entropy_with_logits(signals.causal_logits, targets.float())
             predicted = torch.sigmoid(signals.causal_logits.detach()) >= config.router_threshold
         else:
             causal_loss, predicted = zero, torch.ones_like(targets)
-        if config.gated_second_pass:
-            chosen = predicted if config.second_pass_routing == "student" else targets
-            # Straight-through gate: 1 in the forward pass (hard routing, as at inference), g's gradient backward.
-            gate = (chosen.to(signals.g.dtype) + signals.g - signals.g.detach())[..., None]
-            routed = layer.block(x, cos, sin, self_attention_sink(routed_causal_mask(chosen)))
-            hidden = torch.where(chosen[..., None], x + gate.to(x.dtype) * (routed - x), x)
         g_reg = gate_regulariser(signals.g, config)
         tpn_losses.append(signals.tpn_loss)
         causal_losses.append(causal_loss)

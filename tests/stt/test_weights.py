@@ -169,7 +169,7 @@ def on_int4_grid(model) -> None:
     """Round every projection onto the int4 grid, as a model read from a Q4_1 GGUF is."""
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and Int4Linear.fits(module) and module.out_features != 300:
+            if isinstance(module, torch.nn.Linear) and Int4Linear.fits(module):
                 module.weight.copy_(Int4Linear.from_linear(module).weight.float())
 
 
@@ -237,3 +237,20 @@ def test_default_format_by_size() -> None:
     assert default_format(cpu, 3_350_000) == "float32"
     assert default_format(cpu, 135_000_000) == "int8"
     assert default_format(torch.device("cuda"), 135_000_000) == "float32"
+
+
+def test_routers_and_adapters_keep_their_float32_values() -> None:
+    """Kept float32 means never rounded: the routers decide as trained, under every reduced format."""
+    reference = spread_model()
+    adapters = merge_random_adapters(reference)
+    model = spread_model()
+    model.load_state_dict(reference.state_dict())
+    prepare_weights(model, "int4", adapters)
+    index = model.stt_layer_indices[0]
+    torch.testing.assert_close(
+        model.model.layers[index].causal_router.up.weight, reference.model.layers[index].causal_router.up.weight,
+        rtol=0, atol=0,
+    )
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, LowRankLinear) and qkv.lora_B_t.dtype == torch.float32
+    assert torch.equal(qkv.lora_B_t[:16, :64], adapters["model.layers.0.self_attn.q_proj"][1].t()[:, :64])

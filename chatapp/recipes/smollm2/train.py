@@ -60,13 +60,12 @@ CHECKPOINT_EVERY = 20
 # threshold rule on SmolLM2 the gate saturated (β → 100 with a transition network that cannot predict this model's
 # residuals, so the expected-event criterion passes ~90% of tokens at g == 1.0 exactly); a moderate final β keeps g
 # graded so its ranking means something. The second pass follows the teacher's decisions: following the student's
-# own (what inference runs) taught the adapters to skip and cost dense quality (model card, run 5).
+# own (what inference runs; run 5, commit 0b4564d) taught the adapters to skip and cost dense quality (model card).
 TEACHER = {
     "use_g_threshold_selection": False,
     "capacity": 0.5,
     "beta_ce_end": 4.0,
     "beta_cu_end": 4.0,
-    "second_pass_routing": "teacher",
 }
 # STT layers: the six odd layers whose skipping costs SmolLM2 least. Measured on held-out chat with every other layer
 # dense and half the tokens of one layer skipped at random: layer 1 alone raised the loss from 0.72 to 3.14 and layer
