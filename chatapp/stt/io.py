@@ -139,10 +139,14 @@ def load_merged_adapters(model_dir: Path) -> dict[str, tuple[torch.Tensor, torch
     try:
         state = load_file(path)
     except (SafetensorError, OSError) as err:
-        raise ModelDirError(f"cannot read {path}: {err}", hint="delete the file, or prepare the model again") from None
+        raise ModelDirError(
+            f"cannot read {path}: {err}", hint="prepare the model again (int4 needs it), or use another --dtype"
+        ) from None
     modules = {k.removesuffix(".lora_A") for k in state if k.endswith(".lora_A")}
     if any(f"{m}.lora_B" not in state for m in modules) or len(state) != 2 * len(modules):
-        raise ModelDirError(f"{path} does not pair every lora_A with a lora_B", hint="prepare the model again")
+        raise ModelDirError(
+            f"{path} does not pair every lora_A with a lora_B", hint="prepare the model again, or use another --dtype"
+        )
     return {m: (state[f"{m}.lora_A"], state[f"{m}.lora_B"]) for m in sorted(modules)}
 
 
