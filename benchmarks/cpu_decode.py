@@ -124,9 +124,9 @@ def load_sides(model_dir: Path, formats: Sequence[str], with_transformers: bool)
 
 
 def compiled_step(model: STTForCausalLM):
-    """The model's compiled decode block step (`compile_decode`, warmed up), left switched off on the model."""
+    """The model's compiled decode step functions (`compile_decode`, warmed up), left switched off on the model."""
     compile_decode(model)
-    step, model.compiled_block_step = model.compiled_block_step, None
+    step, model.compiled_steps = model.compiled_steps, None
     return step
 
 
@@ -134,8 +134,8 @@ def time_engine(
     engine: Engine, prompts: list[list[int]], new_tokens: int, compiled=None
 ) -> tuple[float, float, list[list[int]]]:
     """(time to first token, decode tokens/s after it, tokens) of one greedy Engine call; `compiled` is the
-    compiled block step to decode with (None: eager)."""
-    engine.model.compiled_block_step = compiled
+    compiled step functions to decode with (None: eager)."""
+    engine.model.compiled_steps = compiled
     settings = GenerationSettings(max_tokens=new_tokens, routing="off", fast_forward=False)
     rows: list[list[int]] = [[] for _ in prompts]
     start = time.perf_counter()

@@ -146,7 +146,7 @@ def _compile_decode(model: STTForCausalLM, model_dir: Path) -> None:
     try:
         compile_decode(model)
     except Exception as err:  # torch.compile's failures have no common type (compiler missing, backend errors)
-        model.compiled_block_step = None
+        model.compiled_steps = None
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelDirError(
             f"compiling the decode step of {model_dir} failed: {first_line[:300]}",

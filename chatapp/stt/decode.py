@@ -8,9 +8,10 @@ does the general `extend`'s maths with the bookkeeping hoisted out of the layers
   row index, and the attention masks of every layer at once. In decode a row's live cache entries all precede
   the new token, so "key slot < the layer's length after the write" is the whole mask, no positions needed.
 - Per layer, K/V are written with one indexed store each, rotary runs over Q and K together, and activations
-  stay 2-D (B, D), so every projection is a single matrix product. (Concatenating the Q/K/V weights into one
-  product saved ~4 us a layer at these shapes, about what checking that a cached copy is still current costs,
-  so the projections stay the Qwen2 parameters themselves.)
+  stay 2-D (B, D), so every projection is a single matrix product (q/k/v and gate/up are one product each under
+  the quantized formats, see `stt.weights.fuse_projections`).
+- Layers that run every row go in stacks (`decode_plan`, `stack_step`): compiled, a stack is one call of the
+  compiled code instead of one per layer.
 - The cache's entry positions and per-layer lengths are written once per step for all layers.
 - Routing off runs no host sync. Student routing on a CPU reads each STT layer's decisions (one small host read
   per STT layer) and runs the block only for the selected rows; on CUDA it computes every row and discards
@@ -22,13 +23,17 @@ outputs, cache contents), and tests/stt/test_inference.py compares routing-off d
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from chatapp.stt.cache import KVCache
-from chatapp.stt.layers import DecoderBlock, STTLayer, rms_norm
+from chatapp.stt.layers import Attention, STTLayer, rms_norm
 
 
 @dataclass
@@ -101,7 +106,7 @@ def step_state(model, cache: KVCache, span: int) -> StepState:
 
 
 def attention(
-    block: DecoderBlock,
+    attn: Attention,
     x: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -115,7 +120,6 @@ def attention(
 ) -> torch.Tensor:
     """Self-attention of the (B', D) queries `x` of cache rows `rows`, storing their K/V at `slots` of the layer's
     cache `keys`/`values` (B, S, H_kv, Dh). `subset`: `rows` is not every cache row, so gather them."""
-    attn = block.self_attn
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     batch = x.shape[0]
     qkv = attn.project_qkv(x).view(batch, heads + 2 * kv_heads, head_dim)
@@ -157,8 +161,28 @@ def single_query_attention(
     return torch.matmul(probs, values.transpose(1, 2)).view(batch, heads, head_dim)
 
 
+class BlockParts(NamedTuple):
+    """A decoder block as the step functions take it. An STT layer's parts have the types of a dense layer's, so
+    one compiled graph serves both kinds (a graph guards on the types of the modules it is given)."""
+
+    input_layernorm: nn.Module
+    self_attn: Attention
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+
+def block_parts(model) -> list[BlockParts]:
+    """Every layer's `BlockParts`, cached on the model (its modules are fixed once the weights are prepared)."""
+    layers = model.model.layers
+    cached = getattr(model, "_block_parts", None)
+    if cached is None or len(cached) != len(layers) or any(p.mlp is not b.mlp for p, b in zip(cached, layers)):
+        cached = [BlockParts(b.input_layernorm, b.self_attn, b.post_attention_layernorm, b.mlp) for b in layers]
+        model._block_parts = cached
+    return cached
+
+
 def block_step(
-    block: DecoderBlock,
+    block: BlockParts,
     x: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -172,11 +196,33 @@ def block_step(
 ) -> torch.Tensor:
     """A decoder block (attention and SwiGLU MLP, pre-norm, residuals) on (B', D) rows (see `attention`).
 
-    Tensors and plain values only, no cache object or layer index: a compiled copy (`compile_decode`) then serves
-    every layer with one graph."""
+    Tensors, modules and plain values only, no cache object or layer index: a compiled copy (`compile_decode`)
+    then serves every layer with one graph."""
     y = rms_norm(block.input_layernorm, x)
-    h = x + attention(block, y, keys, values, rows, slots, mask, cos, sin, span, subset)
+    h = x + attention(block.self_attn, y, keys, values, rows, slots, mask, cos, sin, span, subset)
     return h + block.mlp(rms_norm(block.post_attention_layernorm, h))
+
+
+def stack_step(
+    blocks: tuple[BlockParts, ...],
+    x: torch.Tensor,
+    keys: tuple[torch.Tensor, ...],
+    values: tuple[torch.Tensor, ...],
+    rows: torch.Tensor,
+    slots: tuple[torch.Tensor, ...],
+    masks: tuple[torch.Tensor, ...],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    span: int,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Consecutive blocks on every row, one after the other: (output, each block's input). The inputs are what
+    an STT layer's router reads. Compiled, a stack is one call where its blocks one by one were as many, and each
+    call of a compiled function costs ~0.1 ms of guards and argument handling, a tenth of a block at batch 1."""
+    inputs = []
+    for i, block in enumerate(blocks):
+        inputs.append(x)
+        x = block_step(block, x, keys[i], values[i], rows, slots[i], masks[i], cos, sin, span, False)
+    return x, inputs
 
 
 def router_probs(layer: STTLayer, x: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
@@ -192,17 +238,106 @@ def router_probs(layer: STTLayer, x: torch.Tensor, previous: torch.Tensor) -> to
     return torch.sigmoid(torch.addmm(router.out.bias, hidden, router.out.weight.t()).float()).squeeze(1)
 
 
-def dense_layer(step, block: DecoderBlock, x: torch.Tensor, state: StepState, cache: KVCache, index: int):
-    """A layer that stores and computes every row's token: returns (output, LayerWrite). `step` is `block_step` or
-    its compiled copy."""
-    slots = cache.lengths[index]
-    keys, values = cache.keys[index], cache.values[index]
-    out = step(block, x, keys, values, state.rows, slots, state.bias[index], state.cos, state.sin, state.span, False)
-    return out, LayerWrite(slots, state.grown[index])
+@dataclass(frozen=True)
+class DecodeSteps:
+    """The functions a decode step runs its blocks with: `block_step` and `stack_step` themselves, or their
+    compiled copies (`compile_decode`, kept on the model as `compiled_steps`)."""
+
+    block: Callable[..., torch.Tensor]
+    stack: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+EAGER_STEPS = DecodeSteps(block_step, stack_step)
+
+
+class CompiledByShape:
+    """`fn` compiled by torch.compile, one compiled copy per call shape (`shape_of(*args)`).
+
+    Dynamo keeps a function's graphs in one list per code object and checks a call's guards against each graph in
+    turn, so with every shape in one list a call paid for the failed checks of the others (in a student-routed
+    step of the default model a lookup averaged 150 us a call with one list, 115 us with a copy per shape). Each
+    copy here has a code object of its own, hence a list of its own. Per instance too: two models in one process
+    never share graphs."""
+
+    def __init__(self, fn: Callable, shape_of: Callable[..., tuple]) -> None:
+        self.fn, self.shape_of = fn, shape_of
+        self.copies: dict[tuple, Callable] = {}
+
+    def __call__(self, *args):
+        shape = self.shape_of(*args)
+        compiled = self.copies.get(shape)
+        if compiled is None:
+            name = f"{self.fn.__name__}_{len(self.copies)}"
+            code = self.fn.__code__.replace(co_name=name)
+            copy = types.FunctionType(code, self.fn.__globals__, name, self.fn.__defaults__, self.fn.__closure__)
+            compiled = self.copies[shape] = torch.compile(copy, dynamic=True)
+        return compiled(*args)
+
+
+def _block_shape(block, x, keys, values, rows, slots, mask, cos, sin, span, subset) -> tuple:
+    return (x.shape[0] == 1, subset)  # batch 1 is a shape of its own (dynamic shapes specialise sizes 0 and 1)
+
+
+def _stack_shape(blocks, x, *rest) -> tuple:
+    return (len(blocks), x.shape[0] == 1)
+
+# Blocks per stack call. Compiled, a stack of 3 decoded the default model 8-10% faster than one block a call
+# (int8 and int4, batch 1); stacks of 6 and 10 were no faster and took longer to compile (a compiled stack is
+# that many blocks of code). With 3, student routing's stacks (the dense runs between STT layers) come in two
+# lengths, 1 and 3, on the default model.
+STACK_LAYERS = 3
+
+
+class Segment(NamedTuple):
+    """Consecutive layers a decode step runs together: a stack of blocks on every row, or one routed STT layer."""
+
+    start: int
+    stop: int
+    routed: bool
+
+
+def decode_plan(model, student: bool) -> list[Segment]:
+    """The step's segments. Without routing every layer runs every row, so the layers go in stacks of
+    `STACK_LAYERS`; under student routing each STT layer is a segment of its own (which rows it runs is decided
+    just before it) and the dense layers between them are stacked."""
+    key = ("plan", student, len(model.model.layers))
+    cached = getattr(model, "_decode_plans", {})
+    if key in cached:
+        return cached[key]
+    routed = set(model.stt_layer_indices) if student else set()
+    plan: list[Segment] = []
+    start = 0
+    for index in range(len(model.model.layers) + 1):
+        if index == len(model.model.layers) or index in routed:
+            for first in range(start, index, STACK_LAYERS):
+                plan.append(Segment(first, min(first + STACK_LAYERS, index), False))
+            if index in routed:
+                plan.append(Segment(index, index + 1, True))
+            start = index + 1
+    model._decode_plans = {**cached, key: plan}
+    return plan
+
+
+def dense_layers(steps: DecodeSteps, blocks: list[BlockParts], x: torch.Tensor, state: StepState, cache: KVCache, segment: Segment):
+    """Layers `segment` storing and computing every row's token: (output, each layer's input, their LayerWrites)."""
+    span = range(segment.start, segment.stop)
+    out, inputs = steps.stack(
+        tuple(blocks[i] for i in span),
+        x,
+        tuple(cache.keys[i] for i in span),
+        tuple(cache.values[i] for i in span),
+        state.rows,
+        tuple(cache.lengths[i] for i in span),
+        tuple(state.bias[i] for i in span),
+        state.cos,
+        state.sin,
+        state.span,
+    )
+    return out, inputs, [LayerWrite(cache.lengths[i], state.grown[i]) for i in span]
 
 
 def routed_layer(
-    step, layer: STTLayer, x: torch.Tensor, selected: torch.Tensor, state: StepState, cache: KVCache, index: int
+    steps: DecodeSteps, block: BlockParts, x: torch.Tensor, selected: torch.Tensor, state: StepState, cache: KVCache, index: int
 ):
     """An STT layer under student routing: only `selected` (B,) rows run the block and store their token."""
     lengths = cache.lengths[index]
@@ -213,15 +348,16 @@ def routed_layer(
         # No host sync: every row is computed, unselected rows write to the trash slot and see every key (their
         # discarded output stays finite).
         mask = state.visible[index] | ~selected[:, None, None, None]
-        out = step(layer, x, keys, values, state.rows, slots, mask, state.cos, state.sin, state.span, False)
+        out = steps.block(block, x, keys, values, state.rows, slots, mask, state.cos, state.sin, state.span, False)
         return torch.where(selected[:, None], out, x), write
     picked = selected.nonzero().squeeze(1)  # the host read: on a CPU it is free, and a skipped row costs nothing
     if picked.numel() == 0:
         return x, write
     if picked.numel() == x.shape[0]:
-        return dense_layer(step, layer, x, state, cache, index)
-    out = step(
-        layer,
+        out = steps.block(block, x, keys, values, state.rows, lengths, state.bias[index], state.cos, state.sin, state.span, False)
+        return out, LayerWrite(lengths, state.grown[index])
+    out = steps.block(
+        block,
         x.index_select(0, picked),
         keys,
         values,
@@ -237,14 +373,16 @@ def routed_layer(
 
 
 def compile_decode(model) -> None:
-    """Run `model`'s decode with `block_step` compiled by torch.compile (inductor; on a CPU it needs a C++
-    compiler), and compile it now rather than at the first reply.
+    """Run `model`'s decode with `block_step` and `stack_step` compiled by torch.compile (inductor; on a CPU it
+    needs a C++ compiler), and compile them now rather than at the first reply.
 
-    One graph serves every layer: `block_step` sees tensors and modules of one shape, no layer index (torch.compile
-    treats a module's parameters as inputs). A new batch size or a routed subset of rows may compile once more,
-    with dynamic shapes; inductor keeps compiled code on disk, so a later process starts in seconds. The rest of
-    the step (step state, routers, LM head) stays eager: compiling the whole step measured faster still but took
-    minutes to compile, too long for a command that answers one prompt.
+    The graphs serve every layer: the step functions see tensors and modules of one shape, no layer index
+    (torch.compile treats a module's parameters as inputs), and a dense layer's parts have an STT layer's types.
+    Each call shape (batch 1 or more; a stack's length; all rows or a routed subset) has a compiled copy of its own
+    (`CompiledByShape`); within one, batch size and cache span are dynamic. Inductor keeps compiled code on disk, so
+    a later process compiles in seconds. The rest of the step (step state, routers, LM head) stays eager: compiling
+    the whole step measured faster still but took minutes to compile, too long for a command that answers one
+    prompt; stacks of `STACK_LAYERS` blocks measured as fast as longer ones (int8 and int4, batch 1).
     """
     import torch._dynamo
     import torch.fx.experimental._config as fx_config
@@ -252,20 +390,21 @@ def compile_decode(model) -> None:
     # Sizes that happen to be equal at compile time (a cache row's offset and the head count, say) must not be
     # assumed equal forever: each such guard would recompile for another layer or step.
     fx_config.use_duck_shape = False
-    # Graphs per model: 2 block classes (dense, STT) x batch 1 or more x all rows or a routed subset; room for a
-    # second model in the process.
+    # Each compiled copy holds one graph, or a few more when a model in another dtype shares the process.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    model.compiled_block_step = torch.compile(block_step, dynamic=True)
+    model.compiled_steps = DecodeSteps(CompiledByShape(block_step, _block_shape), CompiledByShape(stack_step, _stack_shape))
     # Warm up as the engine decodes, or the first reply recompiles: the cache made outside inference mode and the
     # step run inside it (tensors made there carry other dispatch keys, which the graphs' guards check), a few
     # tokens already cached (one key is a shape of its own, which decode never sees), batch 1 and batch 2 (batch 1
-    # is a shape of its own).
+    # is a shape of its own), with routing off and under the student's routing when the model has one.
+    routings = ("off", "student") if model.routing_active else ("off",)
     for rows in (1, 2):
-        cache = model.new_cache(rows, 64)
-        ids = torch.zeros(rows, 3, dtype=torch.long, device=model.device)
-        with torch.inference_mode():
-            model.extend(ids, torch.full((rows,), 3, device=model.device), cache, routing="off")
-            model.decode(ids[:, 0], cache, routing="off")
+        for routing in routings:
+            cache = model.new_cache(rows, 64)
+            ids = torch.zeros(rows, 3, dtype=torch.long, device=model.device)
+            with torch.inference_mode():
+                model.extend(ids, torch.full((rows,), 3, device=model.device), cache, routing="off")
+                model.decode(ids[:, 0], cache, routing=routing)
 
 
 def decode_step(
@@ -277,28 +416,36 @@ def decode_step(
     """
     span = max(cache.reserve(1, 1), 1)
     state = step_state(model, cache, span)
-    step = getattr(model, "compiled_block_step", None) or block_step
+    steps = getattr(model, "compiled_steps", None) or EAGER_STEPS
+    layers, blocks = model.model.layers, block_parts(model)
+    stt_slot = {index: slot for slot, index in enumerate(model.stt_layer_indices)}
     x = model.model.embed_tokens(ids)
     writes: list[LayerWrite] = []
     probs, chosen = [], []
-    stt_slot = 0
-    for index, layer in enumerate(model.model.layers):
-        if not isinstance(layer, STTLayer):
-            x, write = dense_layer(step, layer, x, state, cache, index)
-        else:
-            stored = cache.prev_hidden[stt_slot]
-            prob = router_probs(layer, x, stored.to(x.dtype))
-            stored.copy_(x)  # this token is the next token's x_{t-1}
-            if student:
-                selected = prob >= cutoff
-                x, write = routed_layer(step, layer, x, selected, state, cache, index)
-                chosen.append(selected)
-            else:
-                x, write = dense_layer(step, layer, x, state, cache, index)
-            probs.append(prob)
-            stt_slot += 1
-        writes.append(write)
-    commit(cache, writes, state, every_row=not (student and chosen))
+
+    def route(index: int, layer_input: torch.Tensor) -> torch.Tensor:
+        """The STT layer's router probability for this token, from its input and the previous token's."""
+        stored = cache.prev_hidden[stt_slot[index]]
+        prob = router_probs(layers[index], layer_input, stored.to(layer_input.dtype))
+        stored.copy_(layer_input)  # this token is the next token's x_{t-1}
+        probs.append(prob)
+        return prob
+
+    for segment in decode_plan(model, student):
+        if segment.routed:
+            selected = route(segment.start, x) >= cutoff
+            x, write = routed_layer(steps, blocks[segment.start], x, selected, state, cache, segment.start)
+            chosen.append(selected)
+            writes.append(write)
+            continue
+        # Routing off, the routers still run on the inputs of the STT layers in the stack: the app shows them.
+        # They read the stack's inputs afterwards; nothing in the stack depends on them.
+        x, inputs, stack_writes = dense_layers(steps, blocks, x, state, cache, segment)
+        for offset, layer_input in enumerate(inputs):
+            if isinstance(layers[segment.start + offset], STTLayer):
+                route(segment.start + offset, layer_input)
+        writes.extend(stack_writes)
+    commit(cache, writes, state, every_row=not chosen)
     logits = model.lm_head(rms_norm(model.model.norm, x))
     batch, device = ids.shape[0], ids.device
     router = torch.stack(probs)[..., None] if probs else torch.zeros(0, batch, 1, device=device)

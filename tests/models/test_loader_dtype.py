@@ -49,15 +49,16 @@ def greedy_replies(engine, prompt: str) -> list[int]:
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile needs g++")
 def test_compiled_decode_gives_the_eager_tokens(tiny_model_dir: Path, monkeypatch) -> None:
-    """`compile=True` runs the decode block step through torch.compile: same tokens as eager, student routing on
-    (a routed subset of rows is a shape of its own), in batch and alone."""
+    """`compile=True` runs the decode step's blocks through torch.compile: same tokens as eager, student routing on
+    (stacks of dense layers between routed ones; a routed subset of rows is a shape of its own), in batch and
+    alone."""
     from chatapp.models import load_engine
 
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     eager = load_engine(tiny_model_dir, "cpu")
     compiled = load_engine(tiny_model_dir, "cpu", compile=True)
-    assert getattr(eager.model, "compiled_block_step", None) is None
-    assert compiled.model.compiled_block_step is not None
+    assert getattr(eager.model, "compiled_steps", None) is None
+    assert compiled.model.compiled_steps is not None
     for prompt in ("What is 12 times 7?", "How many r's are in strawberry?"):
         assert greedy_replies(compiled, prompt) == greedy_replies(eager, prompt)
 
@@ -69,7 +70,7 @@ def test_compile_env_and_failures_are_clear(tiny_model_dir: Path, monkeypatch) -
     with pytest.raises(ChatappError, match="CHATAPP_COMPILE='perhaps' is not a yes/no value"):
         load_model(tiny_model_dir, device="cpu")
     monkeypatch.setenv(COMPILE_ENV, "0")
-    assert getattr(load_model(tiny_model_dir, device="cpu").model, "compiled_block_step", None) is None
+    assert getattr(load_model(tiny_model_dir, device="cpu").model, "compiled_steps", None) is None
 
     def no_compiler(model) -> None:
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")

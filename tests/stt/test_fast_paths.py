@@ -9,6 +9,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from chatapp.stt import STTForCausalLM
 from chatapp.stt.cache import KVCache
+from chatapp.stt.decode import STACK_LAYERS, decode_plan
 from chatapp.stt.layers import rms_norm
 
 from .conftest import VOCAB, routed_model
@@ -67,6 +68,26 @@ def test_decode_equals_extend_on_a_ragged_batch(model, routing):
     fast = ragged_cache(model, [3, 9, 1, 6], max_len=64)
     slow = ragged_cache(model, [3, 9, 1, 6], max_len=64)
     decode_both(model, fast, slow, steps=12, routing=routing)
+
+
+@pytest.mark.parametrize("student", [False, True])
+def test_decode_plan_stacks_dense_layers_and_isolates_routed_ones(student):
+    deep = routed_model(num_hidden_layers=15, stt_layers=[3, 4, 12])
+    plan = decode_plan(deep, student)
+    assert [i for segment in plan for i in range(segment.start, segment.stop)] == list(range(15))
+    assert all(0 < segment.stop - segment.start <= STACK_LAYERS for segment in plan)
+    routed = [segment for segment in plan if segment.routed]
+    assert [s.start for s in routed] == ([3, 4, 12] if student else [])
+    assert all(s.stop == s.start + 1 for s in routed)
+
+
+@pytest.mark.parametrize("routing", ["student", "off"])
+def test_decode_equals_extend_across_several_stacks(routing):
+    """Stacks of several layers with STT layers inside them (routing off) or between them (student)."""
+    deep = routed_model(num_hidden_layers=15, stt_layers=[3, 4, 12])
+    fast = ragged_cache(deep, [5, 2, 8], max_len=48)
+    slow = ragged_cache(deep, [5, 2, 8], max_len=48)
+    decode_both(deep, fast, slow, steps=6, routing=routing)
 
 
 def test_student_decode_runs_only_selected_rows(model):

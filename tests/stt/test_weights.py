@@ -9,6 +9,8 @@ the threshold can flip in reduced precision and change which tokens a layer runs
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -215,6 +217,27 @@ def test_int4_runs_merged_adapters_apart_and_recovers_the_base_grid() -> None:
     requantized_error = ((requantized - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
     assert split_error <= NORM_TOLERANCE and got_tokens == want_tokens
     assert requantized_error > 3 * split_error
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile needs g++")
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_compiled_decode_of_quantized_formats_matches_eager(fmt: str) -> None:
+    """Inductor fuses the compiled step's ops in its own order, in bfloat16 activations: the same greedy tokens as
+    eager and logits within bfloat16's rounding, with adapters run apart under int4 (`LowRankLinear`)."""
+    from chatapp.stt.decode import compile_decode
+
+    reference = spread_model()
+    adapters = merge_random_adapters(reference)
+    eager, compiled = spread_model(), spread_model()
+    for model in (eager, compiled):
+        model.load_state_dict(reference.state_dict())
+        prepare_weights(model, fmt, adapters)
+    compile_decode(compiled)
+    prompt = [5, 17, 42, 9, 111, 7, 250, 3]
+    want, want_tokens = greedy(eager, prompt, 8, "off")
+    got, got_tokens = greedy(compiled, prompt, 8, "off")
+    assert got_tokens == want_tokens
+    assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item() <= 0.02
 
 
 def test_fused_projections_compute_the_same_model() -> None:
