@@ -132,7 +132,11 @@ def attention(
     keys, values = keys[:, :span], values[:, :span]
     if keys.dtype == torch.float32:
         out = F.scaled_dot_product_attention(
-            qk[:, :heads, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=heads != kv_heads
+            qk[:, :heads, None],
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask,
+            enable_gqa=heads != kv_heads,
         )
     else:
         out = single_query_attention(qk[:, :heads], keys, values, mask, kv_heads)
@@ -175,7 +179,8 @@ def block_parts(model) -> list[BlockParts]:
     """Every layer's `BlockParts`, cached on the model (its modules are fixed once the weights are prepared)."""
     layers = model.model.layers
     cached = getattr(model, "_block_parts", None)
-    if cached is None or len(cached) != len(layers) or any(p.mlp is not b.mlp for p, b in zip(cached, layers)):
+    stale = cached is None or len(cached) != len(layers)
+    if stale or any(p.mlp is not b.mlp for p, b in zip(cached, layers, strict=True)):
         cached = [BlockParts(b.input_layernorm, b.self_attn, b.post_attention_layernorm, b.mlp) for b in layers]
         model._block_parts = cached
     return cached
@@ -281,6 +286,7 @@ def _block_shape(block, x, keys, values, rows, slots, mask, cos, sin, span, subs
 def _stack_shape(blocks, x, *rest) -> tuple:
     return (len(blocks), x.shape[0] == 1)
 
+
 # Blocks per stack call. Compiled, a stack of 3 decoded the default model 8-10% faster than one block a call
 # (int8 and int4, batch 1); stacks of 6 and 10 were no faster and took longer to compile (a compiled stack is
 # that many blocks of code). With 3, student routing's stacks (the dense runs between STT layers) come in two
@@ -318,7 +324,9 @@ def decode_plan(model, student: bool) -> list[Segment]:
     return plan
 
 
-def dense_layers(steps: DecodeSteps, blocks: list[BlockParts], x: torch.Tensor, state: StepState, cache: KVCache, segment: Segment):
+def dense_layers(
+    steps: DecodeSteps, blocks: list[BlockParts], x: torch.Tensor, state: StepState, cache: KVCache, segment: Segment
+):
     """Layers `segment` storing and computing every row's token: (output, each layer's input, their LayerWrites)."""
     span = range(segment.start, segment.stop)
     out, inputs = steps.stack(
@@ -337,7 +345,13 @@ def dense_layers(steps: DecodeSteps, blocks: list[BlockParts], x: torch.Tensor, 
 
 
 def routed_layer(
-    steps: DecodeSteps, block: BlockParts, x: torch.Tensor, selected: torch.Tensor, state: StepState, cache: KVCache, index: int
+    steps: DecodeSteps,
+    block: BlockParts,
+    x: torch.Tensor,
+    selected: torch.Tensor,
+    state: StepState,
+    cache: KVCache,
+    index: int,
 ):
     """An STT layer under student routing: only `selected` (B,) rows run the block and store their token."""
     lengths = cache.lengths[index]
@@ -354,7 +368,8 @@ def routed_layer(
     if picked.numel() == 0:
         return x, write
     if picked.numel() == x.shape[0]:
-        out = steps.block(block, x, keys, values, state.rows, lengths, state.bias[index], state.cos, state.sin, state.span, False)
+        mask = state.bias[index]
+        out = steps.block(block, x, keys, values, state.rows, lengths, mask, state.cos, state.sin, state.span, False)
         return out, LayerWrite(lengths, state.grown[index])
     out = steps.block(
         block,
@@ -392,7 +407,9 @@ def compile_decode(model) -> None:
     fx_config.use_duck_shape = False
     # Each compiled copy holds one graph, or a few more when a model in another dtype shares the process.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    model.compiled_steps = DecodeSteps(CompiledByShape(block_step, _block_shape), CompiledByShape(stack_step, _stack_shape))
+    model.compiled_steps = DecodeSteps(
+        CompiledByShape(block_step, _block_shape), CompiledByShape(stack_step, _stack_shape)
+    )
     # Warm up as the engine decodes, or the first reply recompiles: the cache made outside inference mode and the
     # step run inside it (tensors made there carry other dispatch keys, which the graphs' guards check), a few
     # tokens already cached (one key is a shape of its own, which decode never sees), batch 1 and batch 2 (batch 1
