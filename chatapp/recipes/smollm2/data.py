@@ -383,8 +383,16 @@ def _operands(rng: random.Random, op: str) -> tuple[int, int]:
 _OP_WORDS = {"*": "×", "+": "+", "-": "-", "/": "÷"}
 
 
-def tool_questions(rng: random.Random, count: int, held_out: bool) -> list[tuple[ToolQuestion, str]]:
-    """`count` tool questions with an answer sentence each, mixed over kinds; held-out phrasings when asked."""
+# The held-out set's mix (the evaluation's numbers compare across recipes only while it stays this).
+EVAL_KINDS = ("arithmetic", "word problem", "percent", "letters", "letters")
+# Training's mix: word problems twice, as they are the weakest kind (the model picks the wrong operation).
+TRAIN_KINDS = ("arithmetic", "word problem", "word problem", "percent", "letters", "letters")
+
+
+def tool_questions(
+    rng: random.Random, count: int, held_out: bool, kinds: tuple[str, ...] = EVAL_KINDS
+) -> list[tuple[ToolQuestion, str]]:
+    """`count` tool questions with an answer sentence each, cycling over `kinds`; held-out phrasings when asked."""
     arith = _ARITH_HELD_OUT if held_out else _ARITH_TRAIN
     words = _WORD_HELD_OUT if held_out else _WORD_TRAIN
     percents = _PERCENT_HELD_OUT if held_out else _PERCENT_TRAIN
@@ -392,7 +400,7 @@ def tool_questions(rng: random.Random, count: int, held_out: bool) -> list[tuple
     vocab = _WORDS_HELD_OUT if held_out else _WORDS_TRAIN
     out: list[tuple[ToolQuestion, str]] = []
     for index in range(count):
-        kind = ("arithmetic", "word problem", "percent", "letters", "letters")[index % 5]
+        kind = kinds[index % len(kinds)]
         if kind == "arithmetic":
             template, op = rng.choice(arith)
             a, b = _operands(rng, op)
@@ -448,15 +456,35 @@ def chained_conversations(
 ) -> list[list[Message]]:
     """`count` conversations of 2-3 exchanges drawn from single-exchange `tools` and `general` ones: tool questions
     in a row and tool and general turns interleaved. Each call must come from its own question: a model that only
-    ever saw one tool exchange per conversation learns to repeat the call already in its context."""
+    ever saw one tool exchange per conversation learns to repeat the call already in its context.
+
+    `SWITCH_SHARE` of them are switches: a letter count asked after a numeric call, or the other way round, with
+    a general exchange between them a third of the time. A letter count after arithmetic is the measured weak
+    spot (the model repeated the arithmetic call), so that direction gets three in four switches."""
+    letters = [t for t in tools if _is_letter_count(t)]
+    numeric = [t for t in tools if not _is_letter_count(t)]
     out = []
     for _ in range(count):
-        turns = rng.choice([2, 2, 3])
-        picks = [rng.choice(tools if rng.random() < 0.7 else general) for _ in range(turns)]
-        if not any(p in tools for p in picks):
-            picks[rng.randrange(turns)] = rng.choice(tools)
+        if letters and numeric and rng.random() < SWITCH_SHARE:
+            first, second = (numeric, letters) if rng.random() < 0.75 else (letters, numeric)
+            picks = [rng.choice(first), rng.choice(second)]
+            if general and rng.random() < 1 / 3:
+                picks.insert(1, rng.choice(general))
+        else:
+            turns = rng.choice([2, 2, 3])
+            picks = [rng.choice(tools if rng.random() < 0.7 else general) for _ in range(turns)]
+            if not any(p in tools for p in picks):
+                picks[rng.randrange(turns)] = rng.choice(tools)
         out.append([message for exchange in picks for message in exchange])
     return out
+
+
+SWITCH_SHARE = 0.4
+
+
+def _is_letter_count(exchange: list[Message]) -> bool:
+    call = exchange[1]["content"]
+    return isinstance(call, list) and ".count(" in call[0]["text"]
 
 
 # ------------------------------------------------------------------------------------------------- general

@@ -41,7 +41,7 @@ CAUSAL_ROUTER_HIDDEN = 64
 
 @dataclass(frozen=True)
 class Recipe:
-    tool_conversations: int = 1100
+    tool_conversations: int = 1320  # 220 per entry of data.TRAIN_KINDS
     recall_conversations: int = 480
     chained_conversations: int = 360
     general_repeats: int = 1
@@ -99,7 +99,7 @@ def conversations(general: list[tuple[str, str]], seed: int, recipe: Recipe) -> 
     """The training mix: tool calls, the base model's own general answers, recall, and chains of exchanges."""
     rng = random.Random(seed + 1)
     tool = [
-        data.tool_conversation(q, a) for q, a in data.tool_questions(rng, recipe.tool_conversations, held_out=False)
+        data.tool_conversation(q, a) for q, a in data.tool_questions(rng, recipe.tool_conversations, held_out=False, kinds=data.TRAIN_KINDS)
     ]
     plain = [[{"role": "user", "content": p}, {"role": "assistant", "content": a}] for p, a in general]
     middles = [(c[0]["content"], c[1]["content"]) for c in plain + tool[: len(plain) // 2]]
