@@ -176,14 +176,9 @@ class BlockParts(NamedTuple):
 
 
 def block_parts(model) -> list[BlockParts]:
-    """Every layer's `BlockParts`, cached on the model (its modules are fixed once the weights are prepared)."""
-    layers = model.model.layers
-    cached = getattr(model, "_block_parts", None)
-    stale = cached is None or len(cached) != len(layers)
-    if stale or any(p.mlp is not b.mlp for p, b in zip(cached, layers, strict=True)):
-        cached = [BlockParts(b.input_layernorm, b.self_attn, b.post_attention_layernorm, b.mlp) for b in layers]
-        model._block_parts = cached
-    return cached
+    """Every layer's `BlockParts` (built each step, ~15 us: a copy cached on the model could go stale when a
+    weight format swaps a module)."""
+    return [BlockParts(b.input_layernorm, b.self_attn, b.post_attention_layernorm, b.mlp) for b in model.model.layers]
 
 
 def block_step(
