@@ -95,6 +95,32 @@ def follow_up_tool_score(engine: Any, count: int) -> Score:
     return score
 
 
+def switch_tool_scores(engine: Any, count: int) -> dict[str, Score]:
+    """A letter count asked right after an arithmetic exchange, and arithmetic right after a letter count: `count`
+    pairs each. The first is where a model repeats the call already in its context ("repeats" counts those)."""
+    items = data.tool_questions(random.Random(999), 10 * count, held_out=True)
+    arithmetic = [i for i in items if i[0].kind == "arithmetic"][:count]
+    letters = [i for i in items if i[0].kind == "letters"][:count]
+    scores: dict[str, Score] = {"letters after arithmetic": Score(), "arithmetic after letters": Score()}
+    repeats = Score()
+    for name, (firsts, seconds) in (
+        ("letters after arithmetic", (arithmetic, letters)),
+        ("arithmetic after letters", (letters, arithmetic)),
+    ):
+        conversations = [
+            [*data.tool_conversation(*first), {"role": "user", "content": second.question}]
+            for first, (second, _) in zip(firsts, seconds, strict=True)
+        ]
+        results = _generate(engine, conversations, "student")
+        for (first, _), (second, _), result in zip(firsts, seconds, results, strict=True):
+            scores[name].add(_tool_correct(result, second), f"{first.question} / {second.question} -> {result.text!r:.160}")
+            if name == "letters after arithmetic":
+                call = result.text.split(engine.chat_format.tool_markers.call_end)[0]
+                repeats.add(first.expression in call, f"{first.expression} in {call!r:.80}")
+    scores["repeats"] = repeats
+    return scores
+
+
 def general_score(engine: Any, routing: str) -> Score:
     questions = list(data.FACT_QUESTIONS)
     results = _generate(engine, [[{"role": "user", "content": q.question}] for q in questions], routing)
@@ -184,6 +210,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     follow_up = follow_up_tool_score(engine, 10 if args.quick else 40)
     results["follow_up_tool"] = asdict(follow_up) | {"rate": follow_up.rate}
     print(f"follow-up tool {follow_up.right}/{follow_up.total}", flush=True)
+    switches = switch_tool_scores(engine, 6 if args.quick else 24)
+    results["switch_tool"] = {name: asdict(score) | {"rate": score.rate} for name, score in switches.items()}
+    print(", ".join(f"{name} {score.right}/{score.total}" for name, score in switches.items()), flush=True)
     general_ours = general_score(engine, "student")
     results["general"] = asdict(general_ours) | {"rate": general_ours.rate}
     print(f"general {general_ours.right}/{general_ours.total}", flush=True)
