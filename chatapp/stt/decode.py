@@ -301,7 +301,7 @@ def decode_plan(model, student: bool) -> list[Segment]:
     """The step's segments. Without routing every layer runs every row, so the layers go in stacks of
     `STACK_LAYERS`; under student routing each STT layer is a segment of its own (which rows it runs is decided
     just before it) and the dense layers between them are stacked."""
-    key = ("plan", student, len(model.model.layers))
+    key = (student, len(model.model.layers))
     cached = getattr(model, "_decode_plans", {})
     if key in cached:
         return cached[key]
@@ -341,7 +341,7 @@ def dense_layers(
 
 def routed_layer(
     steps: DecodeSteps,
-    block: BlockParts,
+    blocks: list[BlockParts],
     x: torch.Tensor,
     selected: torch.Tensor,
     state: StepState,
@@ -357,17 +357,18 @@ def routed_layer(
         # No host sync: every row is computed, unselected rows write to the trash slot and see every key (their
         # discarded output stays finite).
         mask = state.visible[index] | ~selected[:, None, None, None]
-        out = steps.block(block, x, keys, values, state.rows, slots, mask, state.cos, state.sin, state.span, False)
+        out = steps.block(
+            blocks[index], x, keys, values, state.rows, slots, mask, state.cos, state.sin, state.span, False
+        )
         return torch.where(selected[:, None], out, x), write
     picked = selected.nonzero().squeeze(1)  # the host read: on a CPU it is free, and a skipped row costs nothing
     if picked.numel() == 0:
         return x, write
-    if picked.numel() == x.shape[0]:
-        mask = state.bias[index]
-        out = steps.block(block, x, keys, values, state.rows, lengths, mask, state.cos, state.sin, state.span, False)
-        return out, LayerWrite(lengths, state.grown[index])
+    if picked.numel() == x.shape[0]:  # every row selected: the layer runs as a stack of one
+        out, _, (write,) = dense_layers(steps, blocks, x, state, cache, Segment(index, index + 1, False))
+        return out, write
     out = steps.block(
-        block,
+        blocks[index],
         x.index_select(0, picked),
         keys,
         values,
@@ -446,7 +447,7 @@ def decode_step(
     for segment in decode_plan(model, student):
         if segment.routed:
             selected = route(segment.start, x) >= cutoff
-            x, write = routed_layer(steps, blocks[segment.start], x, selected, state, cache, segment.start)
+            x, write = routed_layer(steps, blocks, x, selected, state, cache, segment.start)
             chosen.append(selected)
             writes.append(write)
             continue

@@ -451,6 +451,10 @@ def tool_conversation(item: ToolQuestion, answer: str) -> list[Message]:
     ]
 
 
+# Share of chained conversations that switch between a numeric call and a letter count (see below).
+SWITCH_SHARE = 0.4
+
+
 def chained_conversations(
     rng: random.Random, count: int, tools: list[list[Message]], general: list[list[Message]]
 ) -> list[list[Message]]:
@@ -477,9 +481,6 @@ def chained_conversations(
                 picks[rng.randrange(turns)] = rng.choice(tools)
         out.append([message for exchange in picks for message in exchange])
     return out
-
-
-SWITCH_SHARE = 0.4
 
 
 def _is_letter_count(exchange: list[Message]) -> bool:

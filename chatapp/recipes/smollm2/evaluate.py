@@ -29,6 +29,7 @@ from typing import Any
 from chatapp.recipes.smollm2 import data
 
 HELD_OUT_SEED = 1234  # held-out items are drawn from their own stream, apart from the training seed's
+SWITCH_SEED = 999  # the switch pairs' own draw (the model card's 24 pairs)
 
 
 @dataclass
@@ -98,7 +99,7 @@ def follow_up_tool_score(engine: Any, count: int) -> Score:
 def switch_tool_scores(engine: Any, count: int) -> dict[str, Score]:
     """A letter count asked right after an arithmetic exchange, and arithmetic right after a letter count: `count`
     pairs each. The first is where a model repeats the call already in its context ("repeats" counts those)."""
-    items = data.tool_questions(random.Random(999), 10 * count, held_out=True)
+    items = data.tool_questions(random.Random(SWITCH_SEED), 10 * count, held_out=True)
     arithmetic = [i for i in items if i[0].kind == "arithmetic"][:count]
     letters = [i for i in items if i[0].kind == "letters"][:count]
     scores: dict[str, Score] = {"letters after arithmetic": Score(), "arithmetic after letters": Score()}
