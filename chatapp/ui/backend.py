@@ -12,7 +12,7 @@ be closed while another thread is inside it), so `cancel` is only ever called by
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -176,6 +176,16 @@ class EngineBackend(BackendState):
         from chatapp.models import load_engine, resolve_model
 
         return cls(load_engine(model, device=device), model_dir=resolve_model(model))
+
+    def compile_in_background(self, log: Callable[[str], None] | None = None) -> threading.Thread | None:
+        """Start compiling the decode step in the background when the model wants it
+        (`chatapp.models.loader.wants_background_compile`); replies run eagerly until it is done. Returns the
+        compiling thread, or None when there is nothing to compile."""
+        from chatapp.models.loader import compile_in_background, wants_background_compile
+
+        if not wants_background_compile(self._engine.model):
+            return None
+        return compile_in_background(self._engine.model, log)
 
     # --- session ----------------------------------------------------------------------------------------------
     def builtin_programs(self) -> Sequence[str]:

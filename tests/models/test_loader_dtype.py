@@ -79,3 +79,47 @@ def test_compile_env_and_failures_are_clear(tiny_model_dir: Path, monkeypatch) -
     with pytest.raises(ChatappError, match="No working C\\+\\+ compiler found") as info:
         load_model(tiny_model_dir, device="cpu", compile=True)
     assert "without --compile" in info.value.hint
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile needs g++")
+def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Path, monkeypatch) -> None:
+    """The TUI's engine compiles the decode step in a thread of its own (`EngineBackend.compile_in_background`),
+    for a quantized model on a CPU unless $CHATAPP_COMPILE says otherwise; the model decodes eagerly meanwhile and
+    gives the same tokens once it is switched over."""
+    from chatapp.models.loader import wants_background_compile
+    from chatapp.ui.backend import EngineBackend
+
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    monkeypatch.setenv(DTYPE_ENV, "int8")
+    backend = EngineBackend.load(tiny_model_dir, device="cpu")
+    engine = backend._engine
+    eager = greedy_replies(engine, "What is 12 times 7?")
+    lines: list[str] = []
+    thread = backend.compile_in_background(lines.append)
+    assert thread is not None
+    thread.join(timeout=600)
+    assert engine.model.compiled_steps is not None, lines
+    assert lines and lines[0].startswith("the decode step is compiled")
+    assert greedy_replies(engine, "What is 12 times 7?") == eager
+
+    monkeypatch.setenv(COMPILE_ENV, "0")  # never
+    assert not wants_background_compile(engine.model)
+    monkeypatch.setenv(COMPILE_ENV, "1")  # compiled at load instead
+    assert not wants_background_compile(engine.model)
+    monkeypatch.delenv(COMPILE_ENV)
+    assert not wants_background_compile(load_model(tiny_model_dir, device="cpu", dtype="float32").model)
+
+
+def test_a_failed_background_compile_leaves_the_model_eager(tiny_model_dir: Path, monkeypatch) -> None:
+    import chatapp.stt.decode as decode
+    from chatapp.models.loader import compile_in_background
+
+    def no_compiler(model) -> None:
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(decode, "compiled_decode_steps", no_compiler)
+    model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
+    lines: list[str] = []
+    compile_in_background(model, lines.append).join(timeout=60)
+    assert getattr(model, "compiled_steps", None) is None
+    assert lines == ["the decode step stays eager: compiling it failed: InvalidCxxCompiler: No working C++ compiler found"]

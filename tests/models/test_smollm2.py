@@ -95,14 +95,16 @@ def test_general_question_is_answered_without_a_tool(model_dir: Path) -> None:
     assert "count(" not in out
 
 
-def test_int4_keeps_the_adapters_apart_and_uses_the_calculator(model_dir: Path) -> None:
-    """int4 re-quantizes the Q4_1 base onto its own grid and runs the merged LoRA beside it (`LowRankLinear`)."""
+def test_default_format_is_int4_with_the_adapters_apart(model_dir: Path) -> None:
+    """On a CPU the default format is int4: it re-quantizes the Q4_1 base onto its own grid and runs the merged LoRA
+    beside it (`LowRankLinear`). int8, which quantizes the merged weights, still answers through the tool."""
     from chatapp.models import load_model
-    from chatapp.stt.weights import LowRankLinear
+    from chatapp.stt.weights import LowRankLinear, weight_format
 
-    model = load_model(model_dir, dtype="int4").model
+    model = load_model(model_dir, device="cpu").model
+    assert weight_format(model) == "int4"
     assert len([m for m in model.modules() if isinstance(m, LowRankLinear)]) == 4 * model.config.num_hidden_layers
-    out = generate("What is 37*45?", "--model", str(model_dir), "--dtype", "int4")
+    out = generate("What is 37*45?", "--model", str(model_dir), "--dtype", "int8")
     assert "1665" in out
 
 
@@ -142,7 +144,11 @@ def test_routing_on_held_out_chat(model_dir: Path) -> None:
 
 
 def test_long_conversation_fits_the_8k_context(model_dir: Path) -> None:
-    """A ~6,000-token conversation still answers: the cache grows on demand up to the model's 8192 positions."""
+    """A ~6,000-token conversation still answers: the cache grows on demand up to the model's 8192 positions.
+
+    (At this length a router near its threshold can decide differently under another weight format's rounding:
+    "What is 12*12?" went through the calculator under int8 and int4 with the kernel's prefill, and was answered
+    "120" without it under int4's dequantized prefill; 23*19 goes through it under all three.)"""
     from chatapp.models import load_engine
     from chatapp.settings import GenerationSettings
 
@@ -151,12 +157,12 @@ def test_long_conversation_fits_the_8k_context(model_dir: Path) -> None:
     messages = []
     for turn in range(24):
         messages += [{"role": "user", "content": f"Note {turn}: {filler}"}, {"role": "assistant", "content": "Noted."}]
-    messages.append({"role": "user", "content": "What is 12*12?"})
+    messages.append({"role": "user", "content": "What is 23*19?"})
     prompt = engine.chat_format.render_for_completion(messages)
     assert 5500 <= len(prompt) <= 7900
     [result] = engine.generate_batch([prompt], GenerationSettings(max_tokens=24))
     assert result.finish_reason == "stop", result
-    assert "144" in result.text
+    assert "437" in result.text
 
 
 def test_builtin_calc_program_runs_on_the_models_own_tool_markers(model_dir: Path) -> None:

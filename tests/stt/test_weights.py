@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from chatapp.errors import ChatappError
 from chatapp.stt.weights import (
     DEQUANT_ROWS,
+    INT4_DEQUANT_ROWS,
     INT4_GROUP,
     Int4Linear,
     Int8Linear,
@@ -80,16 +81,20 @@ def test_quantize_int4_rounds_each_group_to_its_nearest_level() -> None:
     assert (error <= scales / 2 + 1e-5).all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 80])
+@pytest.mark.parametrize("rows", [1, 5, 80, INT4_DEQUANT_ROWS + 1])
 def test_int4_linear_equals_its_dequantized_weight(rows: int) -> None:
-    """The kernel computes x @ W.T + b for the dequantized W, at decode and prefill sizes alike."""
+    """Both paths (the kernel for decode, a dequantized product for prefill) compute x @ W.T + b for the same W."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
     int4 = Int4Linear.from_linear(linear)
     q, scales_and_zeros = quantize_int4(linear.weight, INT4_GROUP, torch.bfloat16)
     dequantized = (q.float() - 8).view(48, 2, INT4_GROUP) * scales_and_zeros[..., 0].t().float()[..., None]
     dequantized = (dequantized + scales_and_zeros[..., 1].t().float()[..., None]).view(48, 64)
-    torch.testing.assert_close(int4.weight.float(), dequantized, rtol=0.01, atol=0.01)
+    torch.testing.assert_close(int4.weight, dequantized, rtol=0, atol=0)
+    # The kernel's own weight, read back through an identity input, is that W too.
+    eye = torch.eye(64, dtype=torch.bfloat16)
+    kernel_weight = torch._weight_int4pack_mm_for_cpu(eye, int4.weight_int4, INT4_GROUP, int4.scales_and_zeros).t()
+    torch.testing.assert_close(kernel_weight.float(), dequantized.bfloat16().float(), rtol=0, atol=0)
     x = torch.randn(rows, 64).bfloat16()
     expected = F.linear(x.float(), dequantized, int4.bias.float())
     torch.testing.assert_close(int4(x).float(), expected, rtol=0.02, atol=0.03)
@@ -258,7 +263,7 @@ def test_default_format_by_size() -> None:
 
     cpu = torch.device("cpu")
     assert default_format(cpu, 3_350_000) == "float32"
-    assert default_format(cpu, 135_000_000) == "int8"
+    assert default_format(cpu, 135_000_000) == "int4"
     assert default_format(torch.device("cuda"), 135_000_000) == "float32"
 
 
