@@ -402,6 +402,26 @@ def compiled_decode_steps(model) -> DecodeSteps:
     the whole step measured faster still but took minutes to compile, too long for a command that answers one
     prompt; stacks of `STACK_LAYERS` blocks measured as fast as longer ones (int8 and int4, batch 1).
     """
+    configure_compiler()
+    steps = DecodeSteps(CompiledByShape(block_step, _block_shape), CompiledByShape(stack_step, _stack_shape))
+    # Warm up as the engine decodes, or the first reply recompiles: the cache made and the step run in inference
+    # mode (tensors made there carry other dispatch keys, which the graphs' guards check; the engine makes its
+    # caches there), a few tokens already cached (one key is a shape of its own, which decode never sees), batch 1
+    # and batch 2 (batch 1 is a shape of its own), with routing off and under the student's routing when the model
+    # has one.
+    for rows in (1, 2):
+        for student in (False, True) if model.routing_active else (False,):
+            with torch.inference_mode():
+                cache = model.new_cache(rows, 64)
+                ids = torch.zeros(rows, 3, dtype=torch.long, device=model.device)
+                model.extend(ids, torch.full((rows,), 3, device=model.device), cache, routing="off")
+                decode_step(model, ids[:, 0], cache, student, model.config.router_threshold, steps)
+    return steps
+
+
+def configure_compiler() -> None:
+    """The compiler settings the decode graphs are made with. torch keeps its config per thread, so a thread that
+    may recompile them (the engine's, when a shape comes up that the warm-up did not cover) calls this too."""
     import torch._dynamo
     import torch.fx.experimental._config as fx_config
 
@@ -410,19 +430,6 @@ def compiled_decode_steps(model) -> DecodeSteps:
     fx_config.use_duck_shape = False
     # Each compiled copy holds one graph, or a few more when a model in another dtype shares the process.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    steps = DecodeSteps(CompiledByShape(block_step, _block_shape), CompiledByShape(stack_step, _stack_shape))
-    # Warm up as the engine decodes, or the first reply recompiles: the cache made outside inference mode and the
-    # step run inside it (tensors made there carry other dispatch keys, which the graphs' guards check), a few
-    # tokens already cached (one key is a shape of its own, which decode never sees), batch 1 and batch 2 (batch 1
-    # is a shape of its own), with routing off and under the student's routing when the model has one.
-    for rows in (1, 2):
-        for student in (False, True) if model.routing_active else (False,):
-            cache = model.new_cache(rows, 64)
-            ids = torch.zeros(rows, 3, dtype=torch.long, device=model.device)
-            with torch.inference_mode():
-                model.extend(ids, torch.full((rows,), 3, device=model.device), cache, routing="off")
-                decode_step(model, ids[:, 0], cache, student, model.config.router_threshold, steps)
-    return steps
 
 
 def decode_step(
