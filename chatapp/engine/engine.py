@@ -60,7 +60,10 @@ class Engine:
         context_size: int | None = None,
         max_expression_tokens: int = DEFAULT_MAX_EXPRESSION_TOKENS,
         fast_forward: Literal["auto", "always"] = "auto",
+        tool_grammar: bool = True,
     ) -> None:
+        """`tool_grammar`: constrain the model's tool calls to each tool's grammar (`FunctionTool.grammar`; the
+        calculator's allows arithmetic and `"word".count("x")`); False lets the model write any call."""
         self.model = model
         self.tokenizer = tokenizer
         self.chat_format = chat_format
@@ -74,6 +77,7 @@ class Engine:
             decode=chat_format.decode,
             max_expression_tokens=max_expression_tokens,
             markers=getattr(chat_format, "tool_markers", None),
+            grammar=self._call_grammar if tool_grammar else None,
         )
         self.toolbox = box if chat_format.supports_tools and box else None
         self._constraint_vocab: Any = None
@@ -266,3 +270,9 @@ class Engine:
 
     def _regex_constraint(self, pattern: str) -> Constraint:
         return self.constraint(regex=pattern)
+
+    def _call_grammar(self, pattern: str, end_id: int) -> Constraint:
+        """A tool's grammar over this model's vocabulary, ending at the call's end marker (see `tools.py`)."""
+        from chatapp.trie.constraint import Constraint
+
+        return Constraint.regex(pattern, self.constraint_vocab, end_id)

@@ -93,6 +93,14 @@ class RowState:
     sampled: int = 0
     finished: bool = False
 
+    @property
+    def grammar(self) -> ConstraintLike | None:
+        """The grammar that masks and fast-forwards the row now: its request's constraint, else the open tool call's
+        (`tools.py`). A request's constraint covers its tool calls too."""
+        if self.constraint is not None:
+            return self.constraint
+        return None if self.tools is None else self.tools.grammar
+
 
 @dataclass(frozen=True)
 class KnownRun:
@@ -329,8 +337,8 @@ class DecodeLoop:
         rows, program = batch.rows, batch.program
         # The model's own view of the next token, taken before the grammar masks the logits in place.
         head_log_probs = model_log_probs(batch.logits) if batch.top_n else None
-        if any(row.constraint is not None and not row.finished for row in rows):
-            apply_masks(batch.logits, [None if r.finished else r.constraint for r in rows], batch.logits.shape[-1])
+        if any(row.grammar is not None and not row.finished for row in rows):
+            apply_masks(batch.logits, [None if r.finished else r.grammar for r in rows], batch.logits.shape[-1])
         if batch.top_n:
             sampled, sampling_log_probs = sample_with_log_probs(batch.logits, batch.params, batch.counters)
         else:
@@ -457,7 +465,7 @@ class DecodeLoop:
         if row.tools is not None and row.tools.queue:
             queue = row.tools.queue
             return KnownRun("tool", [queue.popleft() for _ in range(min(len(queue), count))])
-        if row.constraint is not None and (known := row.constraint.ff_tokens()):
+        if row.grammar is not None and (known := row.grammar.ff_tokens()):
             return KnownRun("grammar", [ForcedToken(t) for t in known[:count]])
         return None
 

@@ -9,6 +9,10 @@ Follows nanochat's machine (seeds/engine.md §6) with the gaps closed:
   `<|python_end|>` itself and then a refusal block, so a looping model cannot grow an expression forever.
 - A row that ends inside a call (stop token, max_tokens, full context) gets a `refusal` ToolEvent on its last
   token saying so; nothing is forced after the row ended.
+- A tool with a grammar (`FunctionTool.grammar`, the calculator's) constrains its calls: while a call is open the
+  row's `grammar` is a fresh `chatapp.trie` Constraint of it, ending at the call's end marker, and the loop masks
+  and fast-forwards by it as by a request's own constraint. The model still chooses the expression; it cannot
+  write one the tool would reject as malformed (`"word"count("x")` without its dot, an answer inside the call).
 
 Forced tokens wait in a per-row host queue (`collections.deque`). Tool calls are rare, so a host structure is
 cheaper than device bookkeeping; the engine's hot path only checks whether any row has a non-empty queue. Each
@@ -21,8 +25,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from chatapp.engine.constraints import fresh_constraint
 from chatapp.engine.events import ToolEvent
+from chatapp.errors import ChatappError
 from chatapp.tools import Tool
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 
@@ -38,6 +45,11 @@ class BoundTool:
     end_id: int
     output_start_id: int | None  # None: the call's end marker also opens the output (nothing forced for it)
     output_end_id: int
+
+    @property
+    def grammar(self) -> str | None:
+        """The regex a call's expression must match, when the tool has one."""
+        return getattr(self.tool, "grammar", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +74,12 @@ class ToolBox:
         decode: Callable[[Sequence[int]], str],
         max_expression_tokens: int = DEFAULT_MAX_EXPRESSION_TOKENS,
         markers: ToolMarkers | None = None,
+        grammar: Callable[[str, int], Any] | None = None,
     ) -> None:
         """`markers`: the chat format's tool protocol. A tool written for nanochat's markers (the default of
         `FunctionTool` and the calculator) speaks the format's markers instead; a tool with markers of its own keeps
-        them."""
+        them. `grammar(pattern, end_id)` builds a Constraint for a tool's grammar (None: calls are not
+        constrained); it is called once per tool, on its first call."""
         self.by_start: dict[int, BoundTool] = {}
         for tool in tools:
             names = (tool.start_marker, tool.end_marker, tool.output_start_marker, tool.output_end_marker)
@@ -83,9 +97,20 @@ class ToolBox:
         self.encode_text = encode_text
         self.decode = decode
         self.max_expression_tokens = max_expression_tokens
+        self._build_grammar = grammar
+        self._grammars: dict[int, Any] = {}  # start id -> the compiled grammar, copied for each call
 
     def __bool__(self) -> bool:
         return bool(self.by_start)
+
+    def call_grammar(self, call: BoundTool) -> Any | None:
+        """A fresh Constraint for one call of `call`'s tool, or None when calls of it are not constrained."""
+        if self._build_grammar is None or call.grammar is None:
+            return None
+        compiled = self._grammars.get(call.start_id)
+        if compiled is None:
+            compiled = self._grammars[call.start_id] = self._build_grammar(call.grammar, call.end_id)
+        return fresh_constraint(compiled, self._build_grammar)
 
 
 class ToolMachine:
@@ -96,6 +121,7 @@ class ToolMachine:
         self._call: BoundTool | None = None
         self._expression: list[int] = []
         self.queue: deque[ForcedToken] = deque()
+        self.grammar: Any | None = None  # the open call's Constraint (see the module docstring)
 
     def observe(self, token: int) -> ToolEvent | None:
         """Advance on a token the model sampled; returns the ToolEvent this token carries (the `call` event on
@@ -104,10 +130,16 @@ class ToolMachine:
         if call is None:
             self._call = self._box.by_start.get(token)
             self._expression = []
+            self.grammar = None if self._call is None else self._box.call_grammar(self._call)
             return None
         if token == call.end_id:
             return self._close(call, forced_end=False)
         self._expression.append(token)
+        if self.grammar is not None:
+            try:
+                self.grammar.consume(token)
+            except ChatappError:  # a program fed the call a token outside the grammar: the call goes on unconstrained
+                self.grammar = None
         if len(self._expression) >= self._box.max_expression_tokens:
             self._close(call, forced_end=True)
         return None
@@ -117,7 +149,7 @@ class ToolMachine:
         call = self._call
         if call is None:
             return None
-        self._call = None
+        self._call = self.grammar = None
         return ToolEvent("refusal", call.tool.name, self._expression_text(), f"unfinished call: {why}")
 
     def _expression_text(self) -> str:
@@ -125,7 +157,7 @@ class ToolMachine:
 
     def _close(self, call: BoundTool, *, forced_end: bool) -> ToolEvent | None:
         """Run the tool and queue the output block; with `forced_end`, queue the closing marker first."""
-        self._call = None
+        self._call = self.grammar = None
         expression = self._expression_text()
         name = call.tool.name
         call_event = ToolEvent("call", name, expression)

@@ -87,7 +87,12 @@ class Tool(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class FunctionTool:
-    """A `Tool` backed by a plain function; markers default to nanochat's python/output tokens."""
+    """A `Tool` backed by a plain function; markers default to nanochat's python/output tokens.
+
+    `grammar`: a regex (fully anchored, the `chatapp.trie` dialect) of the expressions the tool takes. A tool that
+    has one gets its calls constrained by the engine: between the start and end markers the model can only write
+    text the grammar allows, so it may still call with the wrong numbers but never with a malformed expression
+    (a tool without the attribute is called with whatever the model writes)."""
 
     name: str
     function: Callable[[str], ToolResult]
@@ -95,6 +100,7 @@ class FunctionTool:
     end_marker: str = PYTHON_END
     output_start_marker: str = OUTPUT_START
     output_end_marker: str = OUTPUT_END
+    grammar: str | None = None
 
     def run(self, expression: str) -> ToolResult:
         return self.function(expression)

@@ -241,4 +241,14 @@ def _strip_fraction_zeros(text: str) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
-CALCULATOR = FunctionTool(name="calculator", function=evaluate)
+# What a call may spell (the engine constrains the model's calls to it, see `FunctionTool.grammar`): arithmetic
+# over digits, operators, parentheses and spaces, or a quoted string's `.count(...)` of another. Looser than the
+# evaluator (it does not balance parentheses), so it never blocks an expression the calculator would take, and
+# tighter than text: no words, no `=`, no answer written inside the call.
+CALCULATOR_GRAMMAR = (
+    r"[0-9(.+\-][0-9+\-*/%(). ]*"
+    r"""|"[^"\n]*"\.count\("[^"\n]*"\)"""
+    r"""|'[^'\n]*'\.count\('[^'\n]*'\)"""
+)
+
+CALCULATOR = FunctionTool(name="calculator", function=evaluate, grammar=CALCULATOR_GRAMMAR)

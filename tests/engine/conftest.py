@@ -131,6 +131,10 @@ def ids(chat_format):
             return chat_format.encode_text(s)
 
         @staticmethod
+        def decode(tokens: list[int]) -> str:
+            return chat_format.decode(tokens)
+
+        @staticmethod
         def prompt(s: str = "What is 3*4?") -> list[int]:
             return chat_format.render_for_completion([{"role": "user", "content": s}])
 

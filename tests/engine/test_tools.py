@@ -1,11 +1,17 @@
-"""The tool state machine driven by a scripted model, and fast-forward against the one-token-per-step path."""
+"""The tool state machine driven by a scripted model, fast-forward against the one-token-per-step path, and tool
+calls held to the tool's grammar."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from chatapp.engine.events import ToolEvent
 from chatapp.settings import GenerationSettings
+from chatapp.tools.calculator import CALCULATOR_GRAMMAR
 
 GREEDY = GenerationSettings(max_tokens=40, routing="off")
 
@@ -151,3 +157,45 @@ def test_auto_policy_fast_forwards_a_lone_row_only_on_cpu(scripted, ids) -> None
     model.calls.clear()
     engine.generate_batch([prompt, prompt], settings)
     assert max(width for _, width in model.calls[1:]) == 1
+
+
+def test_a_call_is_held_to_the_tools_grammar(scripted, ids) -> None:
+    """The calculator's grammar (`CALCULATOR_GRAMMAR`) constrains what the model writes inside a call: after a
+    quoted word only `.count("` can follow, so the engine forces it (flagged forced) rather than let the model
+    write `"ab"count(...)` or an answer; the rest of the call is the model's own choice within the grammar."""
+    prompt = ids.prompt()
+    opening = [ids.start, *ids.text('"ab"')]
+    engine, _ = scripted(script_at(len(prompt), opening), max_expression_tokens=24)
+    result = engine.generate_batch([prompt], GREEDY.with_(max_tokens=40))[0]
+    assert result.tokens[: len(opening)] == opening
+    run = result.forced[len(opening) :].index(False)
+    forced_text = ids.decode(result.tokens[len(opening) : len(opening) + run])
+    assert forced_text.startswith(".count(") and '.count("'.startswith(forced_text), forced_text
+    call, outcome = result.tool_events[:2]
+    assert call.kind == "call" and call.expression.startswith('"ab".count(')
+    assert outcome.kind == "refusal" or re.fullmatch(CALCULATOR_GRAMMAR, call.expression)
+
+
+def test_without_the_tool_grammar_a_call_is_whatever_the_model_writes(scripted, ids) -> None:
+    prompt = ids.prompt()
+    call = [ids.start, *ids.text('"ab"count("a")'), ids.end]
+    engine, _ = scripted(script_at(len(prompt), call), tool_grammar=False)
+    result = engine.generate_batch([prompt], GREEDY.with_(max_tokens=len(call)))[0]
+    assert result.tokens[: len(call)] == call and not any(result.forced[: len(call)])
+    assert result.tool_events[0].expression == '"ab"count("a")'
+    assert result.tool_events[1].kind == "refusal"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1), temperature=st.sampled_from([0.7, 1.0, 1.5]))
+def test_every_sampled_call_matches_the_grammar(scripted, ids, seed: int, temperature: float) -> None:
+    """Whatever the model samples after a call opens, the expression the calculator gets is in its grammar (or,
+    cut at `max_expression_tokens`, as far as it got: every token of it passed the grammar's mask)."""
+    prompt = ids.prompt()
+    engine, _ = scripted(script_at(len(prompt), [ids.start]), max_expression_tokens=12)
+    sampling = GREEDY.with_(max_tokens=24, temperature=temperature, seed=seed)
+    events = engine.generate_batch([prompt], sampling)[0].tool_events
+    assert events and events[0].kind == "call"  # the scripted call closed by the model or cut at the limit
+    for call, outcome in zip(events[0::2], events[1::2], strict=False):
+        if call.kind == "call" and not outcome.output.startswith("expression longer than"):
+            assert re.fullmatch(CALCULATOR_GRAMMAR, call.expression), call.expression
