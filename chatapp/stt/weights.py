@@ -246,6 +246,14 @@ class LowRankLinear(nn.Module):
         return both[: self.out_features] + self.lora_B_t.t() @ both[self.out_features :]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if x.numel() // shape[-1] > INT4_DEQUANT_ROWS:
+            # Prefill sizes: the adapter merged into the dequantized weight (one more small product per call)
+            # rather than carried through every row (a split, a float32 product and a sum the size of the output).
+            both = self.base.dequantized()
+            weight = both[: self.out_features].addmm_(self.lora_B_t.t(), both[self.out_features :])
+            bias = None if self.base.bias is None else self.base.bias[: self.out_features]
+            return F.linear(x.to(self.base.scales_and_zeros.dtype), weight.to(x.dtype), bias)
         out, low = self.base(x).split((self.out_features, self.rank), dim=-1)
         delta = torch.mm(low.reshape(-1, self.rank).float(), self.lora_B_t)
         return out + delta.view(out.shape).to(out.dtype)

@@ -224,6 +224,22 @@ def test_int4_runs_merged_adapters_apart_and_recovers_the_base_grid() -> None:
     assert requantized_error > 3 * split_error
 
 
+@pytest.mark.parametrize("rows", [1, 7, INT4_DEQUANT_ROWS + 1, 300])
+def test_low_rank_linear_computes_base_plus_adapter_at_every_size(rows: int) -> None:
+    """Decode sizes run the 4-bit kernel with the adapter's B product beside it; prefill sizes merge the adapter
+    into the dequantized weight. Both compute x @ (W_base + B A).T + b within bfloat16's rounding."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 64) * 0.1, torch.randn(48) * 0.1
+    a, b = torch.randn(16, 64) * 0.05, torch.randn(48, 16) * 0.02
+    layer = LowRankLinear(weight, bias, a, b)
+    x = torch.randn(rows, 64).bfloat16()
+    both = layer.base.weight
+    a_level = both[48:]  # A as the kernel holds it: on the 4-bit grid, like the base
+    expected = F.linear(x.float(), both[:48] + b @ a_level, bias.bfloat16().float())
+    torch.testing.assert_close(layer(x).float(), expected, rtol=0.02, atol=0.03)
+    torch.testing.assert_close(layer.weight, both[:48] + b @ a_level)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile needs g++")
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_compiled_decode_of_quantized_formats_matches_eager(fmt: str) -> None:
