@@ -201,6 +201,13 @@ class Engine:
             self._constraint_vocab = ConstraintVocab.from_tokenizer(self.tokenizer, self.model.config.vocab_size)
         return self._constraint_vocab
 
+    def prepare_tool_grammars(self) -> None:
+        """Build what constraining a tool call needs (the vocabulary index, ~0.5 s for a 49k vocabulary) now, rather
+        than when the model first opens a call; a no-op when no tool has a grammar. Safe to run in a thread of its
+        own while the engine serves (the index is only read once built)."""
+        if self.toolbox is not None and self.toolbox.has_grammars:
+            _ = self.constraint_vocab  # built on first use
+
     def constraint(self, *, regex: str | None = None, json_schema: Any = None) -> Constraint:
         """A `chatapp.trie` Constraint over this model's vocabulary for a regex or a JSON schema, ending at the chat
         format's end of turn. Raises `ConstraintError` naming what is wrong with the pattern or schema."""

@@ -103,6 +103,11 @@ class ToolBox:
     def __bool__(self) -> bool:
         return bool(self.by_start)
 
+    @property
+    def has_grammars(self) -> bool:
+        """Whether any call will be constrained (a grammar builder and a tool with a grammar)."""
+        return self._build_grammar is not None and any(c.grammar is not None for c in self.by_start.values())
+
     def call_grammar(self, call: BoundTool) -> Any | None:
         """A fresh Constraint for one call of `call`'s tool, or None when calls of it are not constrained."""
         if self._build_grammar is None or call.grammar is None:

@@ -177,6 +177,13 @@ class EngineBackend(BackendState):
 
         return cls(load_engine(model, device=device), model_dir=resolve_model(model))
 
+    def prepare_in_background(self) -> threading.Thread:
+        """Build, in a thread of its own, what the first tool call would otherwise wait for (the grammar's
+        vocabulary index, `Engine.prepare_tool_grammars`), while the user writes the first message."""
+        thread = threading.Thread(target=self._engine.prepare_tool_grammars, name="chatapp-prepare", daemon=True)
+        thread.start()
+        return thread
+
     def compile_in_background(self, log: Callable[[str], None] | None = None) -> threading.Thread | None:
         """Start compiling the decode step in the background when the model wants it
         (`chatapp.models.loader.wants_background_compile`); replies run eagerly until it is done. Returns the

@@ -259,8 +259,10 @@ def serve(conn: Connection, model_dir: str, device: str | None, log_path: str | 
         conn.send(("error", ModelDirError(f"cannot load {model_dir}: {type(err).__name__}: {err}")))
         return
     conn.send(("ok", (backend.info, backend.settings, tuple(backend.builtin_programs()))))
-    # The compiled decode step is worth its 15-35 s in a process that lives for a conversation; replies decode
-    # eagerly until it is ready (its progress and result go to the engine log).
+    # Work the first replies would otherwise wait for, done while the user writes: the tool grammar's index
+    # (~0.5 s), and the compiled decode step, worth its 10-35 s in a process that lives for a conversation (replies
+    # decode eagerly until it is ready; its result goes to the engine log).
+    backend.prepare_in_background()
     backend.compile_in_background()
     while True:
         try:

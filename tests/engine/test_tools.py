@@ -199,3 +199,15 @@ def test_every_sampled_call_matches_the_grammar(scripted, ids, seed: int, temper
     for call, outcome in zip(events[0::2], events[1::2], strict=False):
         if call.kind == "call" and not outcome.output.startswith("expression longer than"):
             assert re.fullmatch(CALCULATOR_GRAMMAR, call.expression), call.expression
+
+
+def test_tool_grammars_can_be_prepared_ahead(scripted) -> None:
+    """The TUI's engine builds the grammar's vocabulary index before the first call (`prepare_tool_grammars`);
+    an engine whose calls are not constrained builds nothing."""
+    engine, _ = scripted({})
+    assert engine.toolbox.has_grammars and engine._constraint_vocab is None
+    engine.prepare_tool_grammars()
+    assert engine._constraint_vocab is not None
+    unconstrained, _ = scripted({}, tool_grammar=False)
+    unconstrained.prepare_tool_grammars()
+    assert not unconstrained.toolbox.has_grammars and unconstrained._constraint_vocab is None
