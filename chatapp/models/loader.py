@@ -157,8 +157,9 @@ def wants_background_compile(model: STTForCausalLM) -> bool:
 
 def compile_in_background(model: STTForCausalLM, log: Callable[[str], None] | None = None) -> threading.Thread:
     """Compile `model`'s decode step in a daemon thread and switch the model over to it once it is warm; until then
-    the model keeps decoding eagerly in the calling thread, so replies never wait for the compile. A failure (no C++ compiler, say) leaves
-    the model eager and is reported through `log` (default: stdout), one line, as is the time the compile took."""
+    the model keeps decoding eagerly in the calling thread, so replies never wait for the compile. A failure (no C++
+    compiler, say) leaves the model eager and is reported through `log` (default: stdout), one line, as is the time
+    the compile took."""
     from chatapp.stt.decode import compiled_decode_steps, configure_compiler
 
     log = log or (lambda line: print(line, flush=True))

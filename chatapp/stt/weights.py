@@ -253,7 +253,8 @@ class LowRankLinear(nn.Module):
             both = self.base.dequantized()
             weight = both[: self.out_features].addmm_(self.lora_B_t.t(), both[self.out_features :])
             bias = None if self.base.bias is None else self.base.bias[: self.out_features]
-            return F.linear(x.to(self.base.scales_and_zeros.dtype), weight.to(x.dtype), bias)
+            dtype = self.base.scales_and_zeros.dtype  # the activations' dtype, as on the kernel's path
+            return F.linear(x.to(dtype), weight.to(dtype), bias)
         out, low = self.base(x).split((self.out_features, self.rank), dim=-1)
         delta = torch.mm(low.reshape(-1, self.rank).float(), self.lora_B_t)
         return out + delta.view(out.shape).to(out.dtype)
