@@ -145,6 +145,7 @@ class STTForCausalLM(nn.Module):
         lengths = lengths.to(device=self.device, dtype=torch.long)
         # A first chunk that fills every row (a prompt into an empty cache) attends with plain causal attention,
         # which skips the masked half of the scores: about twice as fast as the same attention given a mask.
+        # STT layers qualify too: `_run_block` lays each row's selected tokens out as a prefix first.
         causal = cache.host_bound == 0 and bool((lengths == width).all())
         span = max(cache.reserve(lengths, width), 1)
         steps = torch.arange(width, device=self.device)
@@ -167,7 +168,7 @@ class STTForCausalLM(nn.Module):
             prob = self._router_probs(layer, hidden, lengths, cache, stt_slot)
             selected = valid & (prob >= cutoff) if student else valid
             hidden = self._run_block(
-                layer, index, hidden, cos, sin, positions, selected, cache, span, compact, causal=causal and not student
+                layer, index, hidden, cos, sin, positions, selected, cache, span, compact, causal=causal
             )
             probs.append(prob)
             chosen.append(selected)
@@ -231,8 +232,10 @@ class STTForCausalLM(nn.Module):
 
         With `compact`, rows without a selected token are dropped and each remaining row's selected tokens are
         gathered (in order) into a (B', S) batch, S = the largest selected count. Otherwise all B x T tokens are
-        computed and the outputs of unselected ones are discarded. `causal`: every token of every row is selected
-        and the layer's cache was empty, so the attention mask is plain causal and need not be built.
+        computed and the outputs of unselected ones are discarded. `causal`: the layer's cache was empty and every
+        row is a whole chunk. Once each row's selected tokens are gathered into a prefix of the row (always, under
+        `causal`), the k-th of them lands in cache slot k and sees exactly slots 0..k: plain causal attention, with
+        no mask to build.
         """
         rows = gather = None
         x = hidden
@@ -240,7 +243,7 @@ class STTForCausalLM(nn.Module):
             counts = selected.sum(1)
             active = counts > 0
             # The one host sync of a compacted call: the compacted batch's shape depends on the routing.
-            num_rows, width = torch.stack((active.sum(), counts.max())).tolist()
+            num_rows, width, total = torch.stack((active.sum(), counts.max(), counts.sum())).tolist()
             if num_rows == 0:
                 return hidden
             if num_rows < hidden.shape[0]:
@@ -248,7 +251,7 @@ class STTForCausalLM(nn.Module):
                 x, cos, sin, positions, selected, counts = (
                     t.index_select(0, rows) for t in (hidden, cos, sin, positions, selected, counts)
                 )
-            if width < hidden.shape[1]:
+            if width < hidden.shape[1] or (causal and total < num_rows * width):
                 gather = torch.argsort((~selected).to(torch.uint8), dim=1, stable=True)[:, :width]
                 selected = torch.arange(width, device=hidden.device)[None, :] < counts[:, None]
                 dim = hidden.shape[-1]
