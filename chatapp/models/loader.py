@@ -92,7 +92,9 @@ def load_model(
 
     `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16", "int8" or "int4"; None or "auto" takes
     `$CHATAPP_DTYPE` when set, else the per-device default (`weight_format_for`). The weights are read as float32
-    and converted once, here. `compile` (None: `$CHATAPP_COMPILE`) compiles the decode step (`compile_decode`).
+    and converted once, here. `compile` (None: `$CHATAPP_COMPILE`) compiles the decode step now; left None with
+    `$CHATAPP_COMPILE` unset, a compiled step saved by an earlier process is loaded in the background
+    (`load_saved_compiled_steps`).
     """
     import torch
 
@@ -131,6 +133,8 @@ def load_model(
     model.eval()
     if compile if compile is not None else _env_flag(COMPILE_ENV):
         _compile_decode(model, model_dir)
+    elif compile is None:
+        load_saved_compiled_steps(model)
     return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
 
 
@@ -144,10 +148,11 @@ def _env_flag(name: str) -> bool:
 
 
 def wants_background_compile(model: STTForCausalLM) -> bool:
-    """Whether a long-lived process (the TUI's engine) should compile `model`'s decode step in the background
+    """Whether a process should switch `model` to the compiled decode step in the background
     (`compile_in_background`): unless `$CHATAPP_COMPILE` says either way (1 compiles at load, 0 never), for a model
-    in a quantized format on a CPU, where the compiled step measured 1.2-1.35x faster (README). A one-reply command
-    (`chatapp generate`) does not: compiling costs 15-35 s on 2 cores, more than most replies take."""
+    in a quantized format on a CPU, where the compiled step measured ~1.5x faster than eager (README). The TUI's
+    engine compiles it when no saved one exists; a one-reply command (`chatapp generate`) only loads a saved one:
+    compiling costs 20-60 s on 2 cores, more than most replies take."""
     from chatapp.stt.weights import weight_format
 
     if os.environ.get(COMPILE_ENV, "").strip():
@@ -155,29 +160,90 @@ def wants_background_compile(model: STTForCausalLM) -> bool:
     return model.device.type == "cpu" and weight_format(model) in ("int8", "int4")
 
 
-def compile_in_background(model: STTForCausalLM, log: Callable[[str], None] | None = None) -> threading.Thread:
-    """Compile `model`'s decode step in a daemon thread and switch the model over to it once it is warm; until then
-    the model keeps decoding eagerly in the calling thread, so replies never wait for the compile. A failure (no C++
-    compiler, say) leaves the model eager and is reported through `log` (default: stdout), one line, as is the time
-    the compile took."""
-    from chatapp.stt.decode import compiled_decode_steps, configure_compiler
+def compiled_steps_dir(model: STTForCausalLM) -> Path:
+    """Where the compiled decode step of `model` is saved: one directory per `precompile.artifact_key`."""
+    from chatapp.settings import data_dir
+    from chatapp.stt.precompile import artifact_key
+
+    return data_dir() / "compiled" / artifact_key(model)
+
+
+def saved_or_new_compiled_steps(model: STTForCausalLM, *, compile_if_missing: bool) -> tuple[Any, str | None]:
+    """(decode steps, what was done): the compiled decode step saved for this model and machine, loaded; or, when
+    there is none (or it cannot be read) and `compile_if_missing`, compiled now and saved for later processes.
+    (None, None) when there is nothing to load and nothing was to be compiled. Compile failures propagate."""
+    from chatapp.stt import precompile
+
+    directory = compiled_steps_dir(model)
+    start = time.perf_counter()
+    try:
+        compiled = precompile.load(directory)
+    except precompile.PrecompileError as err:
+        if not compile_if_missing:
+            return None, f"the decode step stays eager: {_first_line(err)}"
+        compiled = None
+    if compiled is not None:
+        return precompile.steps_from(compiled), f"the saved compiled decode step is loaded ({_seconds(start)})"
+    if not compile_if_missing:
+        return None, None
+    compiled = precompile.precompile(model)
+    try:
+        precompile.save(compiled, directory)
+        saved = f"saved in {directory}"
+    except (OSError, RuntimeError) as err:  # a full or read-only disk: this process still has it
+        saved = f"not saved: {_first_line(err)}"
+    return precompile.steps_from(compiled), f"the decode step is compiled ({_seconds(start)}), {saved}"
+
+
+def _seconds(start: float) -> str:
+    elapsed = time.perf_counter() - start
+    return f"{elapsed:.1f} s" if elapsed < 10 else f"{elapsed:.0f} s"
+
+
+def compile_in_background(
+    model: STTForCausalLM, log: Callable[[str], None] | None = None, *, compile_if_missing: bool = True
+) -> threading.Thread:
+    """Switch `model` to its compiled decode step from a daemon thread: the saved one loaded, or (with
+    `compile_if_missing`) one compiled and saved. Until it is ready the model keeps decoding eagerly in the calling
+    thread, so replies never wait for it. A failure (no C++ compiler, say) leaves the model eager and is reported
+    through `log` (default: stdout), one line, as is what was done and how long it took."""
+    from chatapp.stt.decode import configure_compiler
 
     log = log or (lambda line: print(line, flush=True))
     configure_compiler()  # in this thread too: it runs the compiled step, and any recompile happens here
+    earlier = getattr(model, "compile_thread", None)
 
     def run() -> None:
-        start = time.perf_counter()
+        if earlier is not None:  # a load started at `load_model`: its result first
+            earlier.join()
+            if getattr(model, "compiled_steps", None) is not None:
+                log(getattr(model, "compile_note", None) or "the saved compiled decode step is loaded")
+                return
         try:
-            steps = compiled_decode_steps(model)
+            steps, note = saved_or_new_compiled_steps(model, compile_if_missing=compile_if_missing)
         except Exception as err:  # torch.compile's failures have no common type (compiler missing, backend errors)
             log(f"the decode step stays eager: compiling it failed: {_first_line(err)}")
             return
-        model.compiled_steps = steps
-        log(f"the decode step is compiled ({time.perf_counter() - start:.0f} s)")
+        if steps is not None:
+            model.compiled_steps = steps
+        model.compile_note = note
+        if note:
+            log(note)
 
     thread = threading.Thread(target=run, name="chatapp-compile-decode", daemon=True)
+    model.compile_thread = thread
     thread.start()
     return thread
+
+
+def load_saved_compiled_steps(model: STTForCausalLM) -> threading.Thread | None:
+    """For a one-reply command: switch `model` to its saved compiled decode step, loaded in the background (about a
+    second), when it wants one (`wants_background_compile`) and one is saved; nothing is compiled."""
+    from chatapp.stt.precompile import MANIFEST
+
+    if not wants_background_compile(model) or not (compiled_steps_dir(model) / MANIFEST).is_file():
+        return None
+    return compile_in_background(model, lambda line: None, compile_if_missing=False)
 
 
 def _first_line(err: Exception) -> str:
@@ -186,11 +252,15 @@ def _first_line(err: Exception) -> str:
 
 
 def _compile_decode(model: STTForCausalLM, model_dir: Path) -> None:
-    """Compile the decode step, or say why it cannot be and how to go on without it."""
+    """Compile the decode step now (on a CPU: load the saved one, or compile and save it), or say why it cannot be
+    and how to go on without it."""
     from chatapp.stt.decode import compile_decode
 
     try:
-        compile_decode(model)
+        if model.device.type == "cpu":
+            model.compiled_steps, _ = saved_or_new_compiled_steps(model, compile_if_missing=True)
+        else:
+            compile_decode(model)
     except Exception as err:  # torch.compile's failures have no common type (compiler missing, backend errors)
         model.compiled_steps = None
         raise ModelDirError(

@@ -64,7 +64,7 @@ def test_compiled_decode_gives_the_eager_tokens(tiny_model_dir: Path, monkeypatc
 
 
 def test_compile_env_and_failures_are_clear(tiny_model_dir: Path, monkeypatch) -> None:
-    import chatapp.stt.decode as decode
+    import chatapp.stt.precompile as precompile
 
     monkeypatch.setenv(COMPILE_ENV, "perhaps")
     with pytest.raises(ChatappError, match="CHATAPP_COMPILE='perhaps' is not a yes/no value"):
@@ -75,7 +75,7 @@ def test_compile_env_and_failures_are_clear(tiny_model_dir: Path, monkeypatch) -
     def no_compiler(model) -> None:
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
 
-    monkeypatch.setattr(decode, "compile_decode", no_compiler)
+    monkeypatch.setattr(precompile, "precompile", no_compiler)
     with pytest.raises(ChatappError, match="No working C\\+\\+ compiler found") as info:
         load_model(tiny_model_dir, device="cpu", compile=True)
     assert "without --compile" in info.value.hint
@@ -99,8 +99,19 @@ def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Pa
     assert thread is not None
     thread.join(timeout=600)
     assert engine.model.compiled_steps is not None, lines
-    assert lines and lines[0].startswith("the decode step is compiled")
+    assert lines and lines[0].startswith("the decode step is compiled") and "saved in" in lines[0], lines
     assert greedy_replies(engine, "What is 12 times 7?") == eager
+
+    # The next process (any command) loads the saved step in the background instead of compiling it.
+    later = load_model(tiny_model_dir, device="cpu").model
+    later.compile_thread.join(timeout=120)
+    assert later.compiled_steps is not None
+    assert later.compile_note.startswith("the saved compiled decode step is loaded")
+    tui = EngineBackend.load(tiny_model_dir, device="cpu")
+    lines.clear()
+    tui.compile_in_background(lines.append).join(timeout=120)
+    assert lines and lines[0].startswith("the saved compiled decode step is loaded"), lines
+    assert greedy_replies(tui._engine, "What is 12 times 7?") == eager
 
     monkeypatch.setenv(COMPILE_ENV, "0")  # never
     assert not wants_background_compile(engine.model)
@@ -111,15 +122,38 @@ def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Pa
 
 
 def test_a_failed_background_compile_leaves_the_model_eager(tiny_model_dir: Path, monkeypatch) -> None:
-    import chatapp.stt.decode as decode
+    import chatapp.stt.precompile as precompile
     from chatapp.models.loader import compile_in_background
 
     def no_compiler(model) -> None:
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
 
-    monkeypatch.setattr(decode, "compiled_decode_steps", no_compiler)
+    monkeypatch.setattr(precompile, "precompile", no_compiler)
     model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
     lines: list[str] = []
     compile_in_background(model, lines.append).join(timeout=60)
     assert getattr(model, "compiled_steps", None) is None
     assert lines == ["the decode step stays eager: compiling it failed: InvalidCxxCompiler: No working C++ compiler found"]
+
+
+def test_a_corrupt_saved_step_leaves_a_command_eager_and_the_tui_compiles_anew(tiny_model_dir: Path, monkeypatch):
+    """A saved step that cannot be read (a torn file) costs a line in the log, never a reply: a command decodes
+    eagerly, the TUI's engine compiles and saves it again."""
+    import chatapp.stt.precompile as precompile
+    from chatapp.models.loader import compile_in_background, compiled_steps_dir
+
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
+    assert getattr(model, "compile_thread", None) is None  # nothing saved yet: nothing to load
+    directory = compiled_steps_dir(model)
+    directory.mkdir(parents=True)
+    (directory / precompile.MANIFEST).write_text('{"steps": [{"kind": "stack", "shape": [1, true], "file": "x"}]}')
+    model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
+    model.compile_thread.join(timeout=60)
+    assert getattr(model, "compiled_steps", None) is None
+    assert model.compile_note.startswith("the decode step stays eager: cannot load the compiled decode step in")
+    calls = []
+    monkeypatch.setattr(precompile, "precompile", lambda m: calls.append(m) or {})
+    lines: list[str] = []
+    compile_in_background(model, lines.append).join(timeout=60)
+    assert calls == [model] and lines[0].startswith("the decode step is compiled"), lines

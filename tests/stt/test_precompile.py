@@ -1,0 +1,97 @@
+"""The decode step compiled ahead of time (`chatapp.stt.precompile`): saved, loaded back with Dynamo's guard check
+off, and run against the eager step over every call shape, batch sizes it was not compiled at, routing on and off,
+other cache sizes and spans. Whatever the loaded artifacts were not made for must go to the fallback."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatapp.stt import precompile
+from chatapp.stt.decode import EAGER_STEPS, DecodeSteps, decode_step
+from chatapp.stt.weights import prepare_weights
+
+from .conftest import VOCAB, routed_model
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile needs g++"
+)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory):
+    """A routed model, its call shapes compiled ahead of time, saved, and loaded back from disk."""
+    model = routed_model(seed=3).eval()
+    directory = tmp_path_factory.mktemp("compiled") / precompile.artifact_key(model)
+    precompile.save(precompile.precompile(model), directory)
+    return model, directory, precompile.load(directory)
+
+
+def refuse(*args):
+    raise AssertionError("a call the saved artifacts should have taken went to the fallback")
+
+
+def decode_tokens(model, steps: DecodeSteps, lengths: list[int], max_len: int, student: bool, tokens: int = 10):
+    """Prefill random prompts of `lengths`, then decode `tokens` random tokens with `steps`: each step's outputs."""
+    generator = torch.Generator().manual_seed(sum(lengths) + max_len)
+    ids = torch.randint(0, VOCAB, (len(lengths), max(lengths)), generator=generator)
+    outputs = []
+    with torch.inference_mode():
+        cache = model.new_cache(len(lengths), max_len)
+        model.extend(ids, torch.tensor(lengths), cache, routing="off")
+        for _ in range(tokens):
+            token = torch.randint(0, VOCAB, (len(lengths),), generator=generator)
+            outputs.append(decode_step(model, token, cache, student, model.config.router_threshold, steps))
+    return outputs, cache
+
+
+@pytest.mark.parametrize("student", [True, False], ids=["student", "off"])
+@pytest.mark.parametrize(("lengths", "max_len"), [([5], 64), ([9, 3], 40), ([17, 2, 11, 6, 30], 300)])
+def test_loaded_steps_decode_like_eager(saved, lengths, max_len, student):
+    model, _, compiled = saved
+    loaded = precompile.steps_from(compiled, fallback=DecodeSteps(refuse, refuse))
+    fast, fast_cache = decode_tokens(model, loaded, lengths, max_len, student)
+    slow, slow_cache = decode_tokens(model, EAGER_STEPS, lengths, max_len, student)
+    for (logits, probs, selected), (logits_ref, probs_ref, selected_ref) in zip(fast, slow, strict=True):
+        torch.testing.assert_close(logits, logits_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(probs, probs_ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(selected, selected_ref)
+    assert torch.equal(fast_cache.lengths, slow_cache.lengths)
+    for layer in range(fast_cache.num_layers):
+        torch.testing.assert_close(fast_cache.keys[layer], slow_cache.keys[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_every_call_shape_is_captured_and_spans_under_two_fall_back(saved):
+    model, _, compiled = saved
+    shapes = set(compiled)
+    # Stacks at batch 1 and more, and routed subsets of one row and of several.
+    assert {("block", (True, True)), ("block", (False, True))} <= shapes
+    assert {shape for kind, shape in shapes if kind == "stack"} >= {(1, True), (1, False)}
+    calls = []
+    steps = precompile.steps_from(compiled, fallback=DecodeSteps(refuse, lambda *a: calls.append(a) or refuse()))
+    with torch.inference_mode(), pytest.raises(AssertionError, match="fallback"):
+        cache = model.new_cache(1, 16)  # an empty cache: the first token's span is 1, a size the graphs never saw
+        decode_step(model, torch.tensor([3]), cache, False, 0.5, steps)
+    assert calls and calls[0][9] == 1
+
+
+def test_artifact_key_tracks_what_the_graphs_assume(saved):
+    model, _, _ = saved
+    key = precompile.artifact_key(model)
+    assert precompile.artifact_key(copy.deepcopy(model)) == key
+    assert precompile.artifact_key(routed_model(seed=3, num_hidden_layers=3)) != key
+    assert precompile.artifact_key(prepare_weights(copy.deepcopy(model), "int8")) != key
+
+
+def test_missing_and_corrupt_artifacts(saved, tmp_path: Path):
+    _, directory, _ = saved
+    assert precompile.load(tmp_path / "nothing-here") is None
+    broken = tmp_path / "broken"
+    shutil.copytree(directory, broken)
+    next(broken.glob("stack-*.bin")).write_bytes(b"not a compiled function")
+    with pytest.raises(precompile.PrecompileError, match="cannot load the compiled decode step in .*broken"):
+        precompile.load(broken)
