@@ -115,6 +115,8 @@ def load_model(
 
     chat_format = chat_format_for(tokenizer, model_dir)
     resolved = resolve_device(device)
+    if compile is None:
+        _warm_compiled_runtime(resolved)
     try:
         model = STTForCausalLM.from_pretrained(model_dir, device=resolved, dtype=torch.float32)
     except ModelDirError:
@@ -234,6 +236,18 @@ def compile_in_background(
     model.compile_thread = thread
     thread.start()
     return thread
+
+
+def _warm_compiled_runtime(device: torch.device) -> None:
+    """When this machine has saved compiled steps (of any model) and this load may use one, start the first
+    load's one-time work (`precompile.warm_runtime`, ~1.5 s) now, in a thread, while the weights load."""
+    from chatapp.settings import data_dir
+
+    if device.type != "cpu" or os.environ.get(COMPILE_ENV, "").strip() or not (data_dir() / "compiled").is_dir():
+        return
+    from chatapp.stt.precompile import warm_runtime
+
+    threading.Thread(target=warm_runtime, name="chatapp-warm-compiled", daemon=True).start()
 
 
 def load_saved_compiled_steps(model: STTForCausalLM) -> threading.Thread | None:

@@ -100,12 +100,12 @@ def test_generate_logprobs_prints_a_table(model_dir) -> None:
 def test_generate_and_batch_say_when_the_decode_step_cannot_compile(model_dir, tmp_path, monkeypatch) -> None:
     """`--compile` asks for the compiled decode step; when torch.compile cannot run (no C++ compiler), both
     commands exit 1 naming the cause and the way on, with no traceback and no records lost."""
-    import chatapp.stt.decode as decode
+    import chatapp.stt.precompile as precompile
 
     def no_compiler(model) -> None:
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found in cpp_builder.py")
 
-    monkeypatch.setattr(decode, "compile_decode", no_compiler)
+    monkeypatch.setattr(precompile, "precompile", no_compiler)
     result = CliRunner().invoke(app, ["generate", "Hello", "--model", str(model_dir), "--compile"])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "No working C++ compiler found" in result.output and "--compile" in result.output

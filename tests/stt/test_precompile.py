@@ -93,5 +93,5 @@ def test_missing_and_corrupt_artifacts(saved, tmp_path: Path):
     broken = tmp_path / "broken"
     shutil.copytree(directory, broken)
     next(broken.glob("stack-*.bin")).write_bytes(b"not a compiled function")
-    with pytest.raises(precompile.PrecompileError, match="cannot load the compiled decode step in .*broken"):
+    with pytest.raises(precompile.PrecompileError, match=r"cannot load the compiled decode step in .*broken"):
         precompile.load(broken)
