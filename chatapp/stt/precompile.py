@@ -53,6 +53,11 @@ CallShape = tuple[str, tuple]  # ("block" | "stack", the shape key of `decode._b
 _SPAN_ARG = 9
 
 
+def available() -> bool:
+    """Whether this torch has the precompile API (2.9 and later); older ones compile in every process."""
+    return hasattr(torch.compiler, "load_compiled_function")
+
+
 class PrecompileError(RuntimeError):
     """Compiling, saving or loading the precompiled steps failed (the caller decodes without them)."""
 
