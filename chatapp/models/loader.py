@@ -94,8 +94,7 @@ def load_model(
     `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16", "int8" or "int4"; None or "auto" takes
     `$CHATAPP_DTYPE` when set, else the per-device default (`weight_format_for`). The weights are read as float32
     and converted once, here. `compile` (None: `$CHATAPP_COMPILE`) compiles the decode step now; left None with
-    `$CHATAPP_COMPILE` unset, a compiled step saved by an earlier process is loaded in the background
-    (`load_saved_compiled_steps`).
+    `$CHATAPP_COMPILE` unset, a compiled step saved by an earlier process is loaded (`load_saved_compiled_steps`).
     """
     import torch
 
@@ -224,14 +223,11 @@ def compile_in_background(
 
     log = log or (lambda line: print(line, flush=True))
     configure_compiler()  # in this thread too: it runs the compiled step, and any recompile happens here
-    earlier = getattr(model, "compile_thread", None)
 
     def run() -> None:
-        if earlier is not None:  # a load started at `load_model`: its result first
-            earlier.join()
-            if getattr(model, "compiled_steps", None) is not None:
-                log(getattr(model, "compile_note", None) or "the saved compiled decode step is loaded")
-                return
+        if getattr(model, "compiled_steps", None) is not None:  # loaded with the model (`load_saved_compiled_steps`)
+            log(getattr(model, "compile_note", None) or "the decode step is compiled")
+            return
         try:
             steps, note = saved_or_new_compiled_steps(model, compile_if_missing=compile_if_missing)
         except Exception as err:  # torch.compile's failures have no common type (compiler missing, backend errors)
@@ -244,7 +240,6 @@ def compile_in_background(
             log(note)
 
     thread = threading.Thread(target=run, name="chatapp-compile-decode", daemon=True)
-    model.compile_thread = thread
     thread.start()
     return thread
 
@@ -261,14 +256,19 @@ def _warm_compiled_runtime(device: torch.device) -> None:
     threading.Thread(target=warm_runtime, name="chatapp-warm-compiled", daemon=True).start()
 
 
-def load_saved_compiled_steps(model: STTForCausalLM) -> threading.Thread | None:
-    """For a one-reply command: switch `model` to its saved compiled decode step, loaded in the background (about a
-    second), when it wants one (`wants_background_compile`) and one is saved; nothing is compiled."""
+def load_saved_compiled_steps(model: STTForCausalLM) -> str | None:
+    """Switch `model` to the compiled decode step saved for it, when it wants one (`wants_background_compile`) and
+    one is saved: loaded now, in ~0.5 s once `_warm_compiled_runtime` has run beside the weights' load (loading it
+    in the background instead slowed the first prefill by as much, and decoded eagerly meanwhile). Nothing is
+    compiled. Returns what was done (None: nothing to load); a step that cannot be read leaves the model eager."""
     from chatapp.stt.precompile import MANIFEST
 
     if not wants_background_compile(model) or not (compiled_steps_dir(model) / MANIFEST).is_file():
         return None
-    return compile_in_background(model, lambda line: None, compile_if_missing=False)
+    steps, note = saved_or_new_compiled_steps(model, compile_if_missing=False)
+    model.compiled_steps = steps
+    model.compile_note = note
+    return note
 
 
 def _first_line(err: Exception) -> str:

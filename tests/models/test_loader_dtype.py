@@ -102,9 +102,8 @@ def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Pa
     assert lines and lines[0].startswith("the decode step is compiled") and "saved in" in lines[0], lines
     assert greedy_replies(engine, "What is 12 times 7?") == eager
 
-    # The next process (any command) loads the saved step in the background instead of compiling it.
+    # The next process (any command) loads the saved step with the model instead of compiling it.
     later = load_model(tiny_model_dir, device="cpu").model
-    later.compile_thread.join(timeout=120)
     assert later.compiled_steps is not None
     assert later.compile_note.startswith("the saved compiled decode step is loaded")
     tui = EngineBackend.load(tiny_model_dir, device="cpu")
@@ -137,20 +136,19 @@ def test_a_failed_background_compile_leaves_the_model_eager(tiny_model_dir: Path
 
 
 def test_a_corrupt_saved_step_leaves_a_command_eager_and_the_tui_compiles_anew(tiny_model_dir: Path, monkeypatch):
-    """A saved step that cannot be read (a torn file) costs a line in the log, never a reply: a command decodes
-    eagerly, the TUI's engine compiles and saves it again."""
+    """A saved step that cannot be read (a torn file) costs a note, never a reply: a command decodes eagerly, the
+    TUI's engine compiles and saves it again."""
     import chatapp.stt.precompile as precompile
     from chatapp.models.loader import compile_in_background, compiled_steps_dir
 
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
-    assert getattr(model, "compile_thread", None) is None  # nothing saved yet: nothing to load
+    assert getattr(model, "compile_note", None) is None  # nothing saved yet: nothing to load
     directory = compiled_steps_dir(model)
     directory.mkdir(parents=True)
     (directory / precompile.MANIFEST).write_text('{"steps": [{"kind": "stack", "shape": [1, true], "file": "x"}]}')
     model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
-    model.compile_thread.join(timeout=60)
-    assert getattr(model, "compiled_steps", None) is None
+    assert model.compiled_steps is None
     assert model.compile_note.startswith("the decode step stays eager: cannot load the compiled decode step in")
     calls = []
     monkeypatch.setattr(precompile, "precompile", lambda m: calls.append(m) or {})
