@@ -65,7 +65,8 @@ CompileOption = Annotated[
     bool | None,
     typer.Option(
         "--compile/--no-compile",
-        help="Compile the decode step with torch.compile (needs g++; seconds at start; default $CHATAPP_COMPILE).",
+        help="Use the compiled decode step before the first token: the one saved for this machine, or compile and "
+        "save it (needs g++; 20-60 s once). --no-compile: eager. Default: a saved one if any ($CHATAPP_COMPILE).",
     ),
 ]
 ProgramOption = Annotated[
