@@ -185,9 +185,10 @@ class EngineBackend(BackendState):
         return thread
 
     def compile_in_background(self, log: Callable[[str], None] | None = None) -> threading.Thread | None:
-        """Start compiling the decode step in the background when the model wants it
-        (`chatapp.models.loader.wants_background_compile`); replies run eagerly until it is done. Returns the
-        compiling thread, or None when there is nothing to compile."""
+        """Switch to the compiled decode step in the background when the model wants it
+        (`chatapp.models.loader.wants_background_compile`): one was loaded with the model (the thread only logs
+        so), or it is compiled and saved now, replies running eagerly until it is done. Returns the thread, or None
+        when the model wants none."""
         from chatapp.models.loader import compile_in_background, wants_background_compile
 
         if not wants_background_compile(self._engine.model):

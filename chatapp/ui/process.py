@@ -260,8 +260,8 @@ def serve(conn: Connection, model_dir: str, device: str | None, log_path: str | 
         return
     conn.send(("ok", (backend.info, backend.settings, tuple(backend.builtin_programs()))))
     # Work the first replies would otherwise wait for, done while the user writes: the tool grammar's index
-    # (~0.5 s), and the compiled decode step, worth its 10-35 s in a process that lives for a conversation (replies
-    # decode eagerly until it is ready; its result goes to the engine log).
+    # (~0.5 s), and, the first time on a machine, the compiled decode step (20-60 s, then saved for every later
+    # process; replies decode eagerly until it is ready; what was done goes to the engine log).
     backend.prepare_in_background()
     backend.compile_in_background()
     while True:
