@@ -35,7 +35,7 @@ DTYPE_ENV = "CHATAPP_DTYPE"
 # torch's CPU thread count for generation (see `configure_threads`).
 THREADS_ENV = "CHATAPP_THREADS"
 # "1" compiles the decode step (`chatapp.stt.decode.compile_decode`) at load when no `compile` argument says
-# otherwise; "0" never compiles it, not even in the background (`wants_background_compile`).
+# otherwise; "0" never compiles it, not even in the background (`wants_compiled_step`).
 COMPILE_ENV = "CHATAPP_COMPILE"
 
 _REBUILD_HINT = "run `make train-tiny` to rebuild the shipped tiny model"
@@ -149,12 +149,12 @@ def _env_flag(name: str) -> bool:
     raise ModelDirError(f"{name}={os.environ[name]!r} is not a yes/no value", hint=f"set {name}=1 or {name}=0")
 
 
-def wants_background_compile(model: STTForCausalLM) -> bool:
-    """Whether a process should switch `model` to the compiled decode step in the background
-    (`compile_in_background`): unless `$CHATAPP_COMPILE` says either way (1 compiles at load, 0 never), for a model
-    in a quantized format on a CPU, where the compiled step measured ~1.5x faster than eager (README). The TUI's
-    engine compiles it when no saved one exists; a one-reply command (`chatapp generate`) only loads a saved one:
-    compiling costs 20-60 s on 2 cores, more than most replies take."""
+def wants_compiled_step(model: STTForCausalLM) -> bool:
+    """Whether `model` should decode with the compiled step unasked: unless `$CHATAPP_COMPILE` says either way (1
+    compiles at load, 0 never), for a model in a quantized format on a CPU, where the compiled step measured ~1.5x
+    faster than eager (README). Every process loads a saved one (`load_saved_compiled_steps`); only the TUI's engine
+    compiles one when none is saved (`compile_in_background`): compiling costs 20-60 s on 2 cores, more than most
+    one-reply commands take."""
     from chatapp.stt.weights import weight_format
 
     if os.environ.get(COMPILE_ENV, "").strip():
@@ -257,13 +257,13 @@ def _warm_compiled_runtime(device: torch.device) -> None:
 
 
 def load_saved_compiled_steps(model: STTForCausalLM) -> str | None:
-    """Switch `model` to the compiled decode step saved for it, when it wants one (`wants_background_compile`) and
+    """Switch `model` to the compiled decode step saved for it, when it wants one (`wants_compiled_step`) and
     one is saved: loaded now, in ~0.5 s once `_warm_compiled_runtime` has run beside the weights' load (loading it
     in the background instead slowed the first prefill by as much, and decoded eagerly meanwhile). Nothing is
     compiled. Returns what was done (None: nothing to load); a step that cannot be read leaves the model eager."""
     from chatapp.stt.precompile import MANIFEST
 
-    if not wants_background_compile(model) or not (compiled_steps_dir(model) / MANIFEST).is_file():
+    if not wants_compiled_step(model) or not (compiled_steps_dir(model) / MANIFEST).is_file():
         return None
     steps, note = saved_or_new_compiled_steps(model, compile_if_missing=False)
     model.compiled_steps = steps

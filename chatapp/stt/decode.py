@@ -23,6 +23,7 @@ outputs, cache contents), and tests/stt/test_inference.py compares routing-off d
 
 from __future__ import annotations
 
+import itertools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -390,9 +391,9 @@ def compile_decode(model) -> None:
 
 
 def compiled_decode_steps(model) -> DecodeSteps:
-    """`block_step` and `stack_step` compiled for `model` and warmed up, without switching the model over to them:
-    a model serving replies meanwhile (`chatapp.models.loader.compile_in_background`) keeps decoding eagerly until
-    it is given the result.
+    """`block_step` and `stack_step` compiled for `model` in this process and warmed up, Dynamo's guards on,
+    without switching the model over to them: `compile_decode` (CUDA), and on a CPU whose torch cannot save a
+    compiled step (`chatapp.stt.precompile.available`; otherwise the step is compiled once and saved there).
 
     The graphs serve every layer: the step functions see tensors and modules of one shape, no layer index
     (torch.compile treats a module's parameters as inputs), and a dense layer's parts have an STT layer's types.
@@ -404,19 +405,39 @@ def compiled_decode_steps(model) -> DecodeSteps:
     """
     configure_compiler()
     steps = DecodeSteps(CompiledByShape(block_step, _block_shape), CompiledByShape(stack_step, _stack_shape))
-    # Warm up as the engine decodes, or the first reply recompiles: the cache made and the step run in inference
-    # mode (tensors made there carry other dispatch keys, which the graphs' guards check; the engine makes its
-    # caches there), a few tokens already cached (one key is a shape of its own, which decode never sees), batch 1
-    # and batch 2 (batch 1 is a shape of its own), with routing off and under the student's routing when the model
-    # has one.
+    warm_up(model, steps)
+    return steps
+
+
+def warm_up(model, steps: DecodeSteps) -> None:
+    """Decode one token with `steps` in every call shape a decode step of `model` makes, as the engine decodes, so
+    that compiling (`compiled_decode_steps`) or capturing (`precompile.capture_calls`) them leaves none for the
+    first reply.
+
+    As the engine: the cache made and the step run in inference mode (tensors made there carry other dispatch keys,
+    which compiled graphs' guards check; the engine makes its caches there), a few tokens already cached (one key
+    is a shape of its own, which decode never sees). Batch 1 and batch 2 (batch 1 is a shape of its own), routing
+    off and, when the model routes, the student's routing; then batches of 3 whose rows the first routed layer
+    splits, the cutoff put between their router probabilities, so that a routed subset of one row and of several
+    both come up.
+    """
+
+    def run(rows: int, student: bool, cutoff: float) -> torch.Tensor:
+        with torch.inference_mode():
+            cache = model.new_cache(rows, 64)
+            ids = (torch.arange(rows * 3, device=model.device).view(rows, 3) * 7919 + 11) % model.config.vocab_size
+            model.extend(ids, torch.full((rows,), 3, device=model.device), cache, routing="off")
+            return decode_step(model, ids[:, 0], cache, student, cutoff, steps)[1]
+
+    threshold = model.config.router_threshold
     for rows in (1, 2):
         for student in (False, True) if model.routing_active else (False,):
-            with torch.inference_mode():
-                cache = model.new_cache(rows, 64)
-                ids = torch.zeros(rows, 3, dtype=torch.long, device=model.device)
-                model.extend(ids, torch.full((rows,), 3, device=model.device), cache, routing="off")
-                decode_step(model, ids[:, 0], cache, student, model.config.router_threshold, steps)
-    return steps
+            run(rows, student, threshold)
+    if model.routing_active:
+        first = run(3, False, threshold)[0, :, 0].sort().values.tolist()  # the first routed layer's probabilities
+        for low, high in itertools.pairwise(first):
+            if low < high:
+                run(3, True, (low + high) / 2)
 
 
 def configure_compiler() -> None:

@@ -86,7 +86,7 @@ def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Pa
     """The TUI's engine compiles the decode step in a thread of its own (`EngineBackend.compile_in_background`),
     for a quantized model on a CPU unless $CHATAPP_COMPILE says otherwise; the model decodes eagerly meanwhile and
     gives the same tokens once it is switched over."""
-    from chatapp.models.loader import wants_background_compile
+    from chatapp.models.loader import wants_compiled_step
     from chatapp.ui.backend import EngineBackend
 
     monkeypatch.delenv(COMPILE_ENV, raising=False)
@@ -113,11 +113,11 @@ def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Pa
     assert greedy_replies(tui._engine, "What is 12 times 7?") == eager
 
     monkeypatch.setenv(COMPILE_ENV, "0")  # never
-    assert not wants_background_compile(engine.model)
+    assert not wants_compiled_step(engine.model)
     monkeypatch.setenv(COMPILE_ENV, "1")  # compiled at load instead
-    assert not wants_background_compile(engine.model)
+    assert not wants_compiled_step(engine.model)
     monkeypatch.delenv(COMPILE_ENV)
-    assert not wants_background_compile(load_model(tiny_model_dir, device="cpu", dtype="float32").model)
+    assert not wants_compiled_step(load_model(tiny_model_dir, device="cpu", dtype="float32").model)
 
 
 def test_a_failed_background_compile_leaves_the_model_eager(tiny_model_dir: Path, monkeypatch) -> None:
