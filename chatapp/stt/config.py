@@ -1,8 +1,13 @@
 """STTConfig: a Qwen2 configuration plus the routing, loss and optimiser settings of `seeds/stt.md` §4–§6.
 
-The config stays `model_type = "qwen2"` on disk so an STT directory still loads into stock
+The config stays `model_type = "qwen2"` on disk, with every Qwen2 field, so an STT directory still loads into stock
 `transformers.Qwen2ForCausalLM` (the router weights are then ignored). An STT directory is recognised by the
 `stt_layers` key in its config.json; a plain Qwen2 config loads with fresh routers and `routing_trained = False`.
+
+It is a plain dataclass, not `transformers.Qwen2Config`: importing transformers' configuration machinery costs about
+0.7 s of every command's start-up, and nothing at run time needs it. Like transformers' config it takes the keys it
+does not know (`architectures`, `torch_dtype`, ...) and writes them back unchanged, reads the older top-level
+`rope_theta`, and checks every known key's type when it is built (`TypeError` / `ValueError` naming the key).
 
 Defaults follow the public STT code (REFERENCES.md), with deliberate changes that address its failure modes
 (`normalize_surprise` is the third, explained in `layers.PredictiveRouter`):
@@ -17,11 +22,13 @@ Defaults follow the public STT code (REFERENCES.md), with deliberate changes tha
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Literal
-
-from huggingface_hub.dataclasses import strict
-from transformers import Qwen2Config
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
 
 BetaScheduleKind = Literal["cosine", "linear", "constant"]
 
@@ -29,11 +36,37 @@ BetaScheduleKind = Literal["cosine", "linear", "constant"]
 MAX_PARAMETERS = 10**11
 """Rough upper bound on a model's parameters (layers x hidden x widest matrix) before anything is allocated."""
 
+DEFAULT_ROPE_THETA = 10000.0
 
-@strict
-class STTConfig(Qwen2Config):
+
+@dataclass(init=False)
+class STTConfig:
     """Qwen2 plus Subjective Timescale Transformer settings. Every field is saved in config.json."""
 
+    # ---- Qwen2 (the names and defaults of transformers' Qwen2Config)
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 22016
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 32
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    max_window_layers: int = 28
+    layer_types: list[str] | None = None
+    attention_dropout: float = 0.0
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    # ---- STT
     # Which decoder layers are STT layers (ordered). None: every other layer, starting at layer 1.
     stt_layers: list[int] | None = None
     # Fixed-capacity (top-k) fraction γ of tokens an STT layer processes.
@@ -81,11 +114,82 @@ class STTConfig(Qwen2Config):
     # False until the routers were trained: then "student" routing runs every token (routing effectively off).
     routing_trained: bool = False
 
-    def __post_init__(self, **kwargs) -> None:
+    # Keys of config.json this class does not know, kept to be written back as they were.
+    extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __init__(self, **values: Any) -> None:
+        """Build from keyword values (the keys of config.json). Unknown keys go to `extra`; a known key of the wrong
+        type raises TypeError naming it. `rope_theta` (older configs) becomes `rope_parameters`."""
+        values.pop("model_type", None)
+        rope_theta = values.pop("rope_theta", None)
+        rope_scaling = values.pop("rope_scaling", None)
+        known = {f.name: f for f in fields(self) if f.name != "extra"}
+        self.extra = {k: values.pop(k) for k in list(values) if k not in known}
+        if "extra" in values:
+            self.extra.update(values.pop("extra") or {})
+        hints = _field_types()
+        for name, spec in known.items():
+            value = values[name] if name in values else _default(spec)
+            setattr(self, name, _checked(name, value, hints[name]))
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.rope_parameters is None:
+            theta = DEFAULT_ROPE_THETA if rope_theta is None else _checked("rope_theta", rope_theta, float)
+            self.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+        if rope_scaling:  # transformers' name for a non-default rope; kept so the check below can name it
+            self.rope_parameters = {**self.rope_parameters, **dict(rope_scaling)}
+        self.rope_parameters.setdefault("rope_type", self.rope_parameters.pop("type", "default"))
+        self.rope_parameters.setdefault("rope_theta", DEFAULT_ROPE_THETA if rope_theta is None else rope_theta)
+        if not self.use_sliding_window:
+            self.sliding_window = None
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
         if self.stt_layers is None:
             self.stt_layers = list(range(1, self.num_hidden_layers, 2))
         self.stt_layers = sorted(set(self.stt_layers))
-        super().__post_init__(**kwargs)
+
+    # ------------------------------------------------------------------------------------------ reading, writing
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters["rope_theta"])
+
+    @property
+    def head_width(self) -> int:
+        """Each attention head's width: `head_dim` when the config names one, else hidden_size / heads."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, the unknown keys read with it, and `model_type`: what config.json holds."""
+        out = dict(self.extra)
+        out.update({f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "extra"})
+        if out.get("head_dim") is None:
+            out.pop("head_dim", None)
+        out["model_type"] = "qwen2"
+        return out
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> STTConfig:
+        return cls(**values)
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> STTConfig:
+        """Read a config.json (OSError, json.JSONDecodeError, TypeError or ValueError on a bad file)."""
+        values = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(values, dict):
+            raise TypeError(f"{path} does not hold a JSON object")
+        return cls(**values)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> STTConfig:
+        return cls.from_json_file(Path(model_dir) / "config.json")
+
+    def save_pretrained(self, model_dir: str | Path) -> None:
+        path = Path(model_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(self.to_json_string(), encoding="utf-8")
 
     def validate_stt(self) -> None:
         """Reject settings that cannot describe a model, as ValueError (callers reading a user's file turn it into a
@@ -97,8 +201,7 @@ class STTConfig(Qwen2Config):
             value = getattr(self, name, None)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        head_dim = getattr(self, "head_dim", None)
-        if head_dim is None and self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
             )
@@ -121,6 +224,14 @@ class STTConfig(Qwen2Config):
             raise ValueError(f"ma_window must be >= 1, got {self.ma_window}")
         if self.use_sliding_window:
             raise ValueError("sliding-window attention is not supported by the STT model")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (Qwen2 models use 'silu')")
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"rope type {rope_type!r} is not supported (only the default rotary embedding)")
+        theta = self.rope_parameters.get("rope_theta")
+        if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
+            raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
 
 
 def schedule_value(start: float, end: float, step: int, steps: int, kind: str) -> float:
@@ -151,3 +262,54 @@ def config_problem(err: Exception) -> str:
     for prefix in ("ValueError: ", "TypeError: "):
         last = last.removeprefix(prefix)
     return last if len(last) <= 500 else last[:500] + "..."
+
+
+def _default(spec: Any) -> Any:
+    from dataclasses import MISSING
+
+    return spec.default_factory() if spec.default_factory is not MISSING else spec.default
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(STTConfig)
+
+
+def _checked(name: str, value: Any, kind: Any) -> Any:
+    """`value` if it is of the annotated `kind` (an int also passes as a float and becomes one), else TypeError."""
+    options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        base = typing.get_origin(option) or option
+        if base is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if base is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if base in (bool, str, dict) and isinstance(value, base):
+            return value
+        if base is list and isinstance(value, list | tuple):
+            (item,) = typing.get_args(option) or (Any,)
+            if item is Any or all(_is(v, item) for v in value):
+                return list(value)
+        if base is Literal and value in typing.get_args(option):
+            return value
+    raise TypeError(f"{name} must be of type {_type_name(kind)}, got {value!r}")
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _type_name(kind: Any) -> str:
+    return str(kind).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready copy (lists and dicts copied, so `to_dict` never aliases the config's own)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value

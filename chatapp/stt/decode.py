@@ -88,16 +88,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 def step_state(model, cache: KVCache, span: int) -> StepState:
     """The tensors every layer of this step shares (see `StepState`)."""
-    rotary = model.model.rotary_emb
     device = cache.device
-    if rotary.rope_type == "default":
-        cos_table, sin_table = rope_tables(model, span, model.dtype)
-        cos, sin = cos_table[cache.seen], sin_table[cache.seen]
-    else:  # scaled rotary variants may depend on the sequence length: ask the module every step
-        probe = torch.empty(0, device=device, dtype=model.dtype)
-        cos, sin = rotary(probe, cache.seen[:, None])
-        half = cos.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    cos_table, sin_table = rope_tables(model, span, model.dtype)
+    cos, sin = cos_table[cache.seen], sin_table[cache.seen]
     grown = cache.lengths + 1
     slot_ids = torch.arange(span, device=device)
     visible = (slot_ids < grown[..., None])[:, :, None, None, :]

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -91,7 +90,7 @@ def load_config(model_dir: str | Path) -> tuple[STTConfig, bool]:
     try:
         config = STTConfig.from_dict(raw)
         config.validate_stt()
-    except (TypeError, ValueError, StrictDataclassError) as err:
+    except (TypeError, ValueError) as err:
         raise ModelDirError(
             f"{path} is not a valid model config: {config_problem(err)}", hint="fix or regenerate config.json"
         ) from None

@@ -3,7 +3,7 @@ the teacher's predictive router, the student's causal router and the STT layer t
 
 Module and parameter names mirror `transformers`' Qwen2 (`self_attn.q_proj`, `mlp.gate_proj`,
 `input_layernorm`, ...) so a Qwen2 state dict loads unchanged. The norm, MLP and rotary maths are transformers'
-own; attention is written here because it runs over chatapp's per-layer sparse KV cache, where which keys a query
+(`stt.qwen2`); attention is written here because it runs over chatapp's per-layer sparse KV cache, where which keys a query
 may see depends on stored absolute positions rather than on slot order.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm, apply_rotary_pos_emb
 
 from chatapp.stt.config import STTConfig
+from chatapp.stt.qwen2 import MLP, RMSNorm, apply_rotary_pos_emb
 
 # Stores a block's new keys/values and returns what its queries attend to: (keys, values, mask). Keys and values
 # are (B, Tk, H_kv, D); mask is a bool (B, S, Tk) "query may see key", or None for plain causal self-attention.
@@ -45,7 +45,7 @@ def routed_causal_mask(key_selected: torch.Tensor) -> torch.Tensor:
     return mask | (causal & ~key_selected[:, :, None])
 
 
-def rms_norm(norm: Qwen2RMSNorm, x: torch.Tensor) -> torch.Tensor:
+def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """`norm(x)` in one fused op. In float32 it is bit-identical to transformers' module (which upcasts to float32
     anyway and multiplies the same factors); in bfloat16 the fused op also accumulates in float32 but rounds once,
     after the weight, where the module rounds before it too (a difference of one bfloat16 rounding)."""
@@ -59,7 +59,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = config.head_width
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=True)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
@@ -111,9 +111,9 @@ class DecoderBlock(nn.Module):
     def __init__(self, config: STTConfig) -> None:
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = Qwen2MLP(config)
-        self.input_layernorm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: KVSink) -> torch.Tensor:
         """The block's output for every token of `x` (the TF-Block of the spec)."""
@@ -130,7 +130,7 @@ class TransitionNetwork(nn.Module):
     def __init__(self, config: STTConfig) -> None:
         super().__init__()
         width = config.transition_hidden_size or config.hidden_size
-        self.norm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.up = nn.Linear(config.hidden_size, width)
         self.down = nn.Linear(width, config.hidden_size)
         nn.init.zeros_(self.down.weight)
@@ -204,8 +204,8 @@ class CausalRouter(nn.Module):
     def __init__(self, config: STTConfig) -> None:
         super().__init__()
         d, width = config.hidden_size, config.causal_router_hidden_size
-        self.norm_current = Qwen2RMSNorm(d, eps=config.rms_norm_eps)
-        self.norm_previous = Qwen2RMSNorm(d, eps=config.rms_norm_eps)
+        self.norm_current = RMSNorm(d, eps=config.rms_norm_eps)
+        self.norm_previous = RMSNorm(d, eps=config.rms_norm_eps)
         self.up = nn.Linear(2 * d, width)
         self.out = nn.Linear(width, 1)
         rate = min(max(config.capacity, 1e-3), 1 - 1e-3)

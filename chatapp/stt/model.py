@@ -19,12 +19,12 @@ from typing import Literal
 
 import torch
 from torch import nn
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, Qwen2RotaryEmbedding
 
 from chatapp.stt.cache import KVCache
 from chatapp.stt.config import STTConfig
 from chatapp.stt.decode import decode_step
 from chatapp.stt.layers import DecoderBlock, STTLayer
+from chatapp.stt.qwen2 import RMSNorm, RotaryEmbedding
 from chatapp.stt.teacher import EvalMode, EvalOutput, TrainOutput, forward_eval, forward_train
 
 Routing = Literal["student", "off"]
@@ -49,8 +49,8 @@ class STTModel(nn.Module):
         self.layers = nn.ModuleList(
             [STTLayer(config) if i in stt else DecoderBlock(config) for i in range(config.num_hidden_layers)]
         )
-        self.norm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen2RotaryEmbedding(config=config)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
 
 
 class STTForCausalLM(nn.Module):
