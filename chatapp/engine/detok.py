@@ -37,7 +37,8 @@ def _byte_level_decoder_map() -> dict[str, int]:
 
 def _decoder_kinds(tokenizer: Tokenizer) -> set[str]:
     """The decoder types in a tokenizer's pipeline (a Sequence decoder contributes each of its parts)."""
-    spec = json.loads(tokenizer.to_str()).get("decoder") or {}
+    decoder = tokenizer.decoder  # its own JSON only: the whole tokenizer's is megabytes to parse
+    spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
     parts = spec.get("decoders", [spec]) if spec.get("type") == "Sequence" else [spec]
     return {part.get("type", "") for part in parts if isinstance(part, dict)}
 

@@ -10,7 +10,9 @@ any weights are touched where possible.
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -92,8 +94,9 @@ def load_model(
     """Load a model: a registered name (`tiny`, `default`), a model directory, or `None` for the default model.
 
     `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16", "int8" or "int4"; None or "auto" takes
-    `$CHATAPP_DTYPE` when set, else the per-device default (`weight_format_for`). The weights are read as float32
-    and converted once, here. `compile` (None: `$CHATAPP_COMPILE`) compiles the decode step now; left None with
+    `$CHATAPP_DTYPE` when set, else the per-device default (`stt.weights.default_format`, by the checkpoint's size).
+    A quantized format is read from its stored served format (`_served_model`), converted from the float32 weights
+    and stored the first time. `compile` (None: `$CHATAPP_COMPILE`) compiles the decode step now; left None with
     `$CHATAPP_COMPILE` unset, a compiled step saved by an earlier process is loaded (`load_saved_compiled_steps`).
     """
     import torch
@@ -109,27 +112,15 @@ def load_model(
     tokenizer = _load_tokenizer(model_dir, hint)
 
     from chatapp.chat import chat_format_for
-    from chatapp.stt import STTForCausalLM
-    from chatapp.stt.io import load_merged_adapters
-    from chatapp.stt.weights import prepare_weights
+    from chatapp.stt.weights import default_format
 
     chat_format = chat_format_for(tokenizer, model_dir)
     resolved = resolve_device(device)
     if compile is None:
         _warm_compiled_runtime(resolved)
-    try:
-        model = STTForCausalLM.from_pretrained(model_dir, device=resolved, dtype=torch.float32)
-    except ModelDirError:
-        raise
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise ModelDirError(
-            f"cannot load the weights in {model_dir}: {err}",
-            hint=hint or "check that config.json and the safetensors files come from the same checkpoint",
-        ) from None
+    fmt = fmt or default_format(resolved, _parameter_count(model_dir, hint))
+    model = _served_model(model_dir, resolved, fmt, hint)
     _check_vocab(model_dir, tokenizer, int(model.config.vocab_size), hint)
-    _check_finite(model_dir, model, hint)  # before any weight-format conversion
-    fmt = fmt or weight_format_for(model, resolved)
-    prepare_weights(model, fmt, load_merged_adapters(model_dir) if fmt == "int4" else None)
     if resolved.type == "cpu":
         configure_threads(model)
     model.eval()
@@ -138,6 +129,109 @@ def load_model(
     elif compile is None:
         load_saved_compiled_steps(model)
     return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
+
+
+def _served_model(model_dir: Path, device: torch.device, fmt: str, hint: str | None) -> STTForCausalLM:
+    """The model of `model_dir` in weight format `fmt` on `device`: from its stored served format when there is
+    one (`stt.served`: memory-mapped, nothing converted), else converted from the checkpoint's weights and stored
+    for the next process. float32 needs no store (the checkpoint is memory-mapped as it is), nor does a GPU (not
+    measured there). A store that cannot be read is rebuilt, with a one-line notice on stderr; one that cannot be
+    written leaves this process its converted model."""
+    from chatapp.stt import served
+
+    if fmt == "float32" or device.type != "cpu":
+        return _converted_model(model_dir, device, fmt, hint)
+    directory = served_dir(model_dir, fmt)
+    if (directory / served.LAYOUT_FILE).is_file():
+        try:
+            return served.read(directory, device)
+        except served.ServedFormatError as err:
+            _notice(f"{_first_line(err)}; converting the weights again")
+    model = _converted_model(model_dir, device, fmt, hint)
+    try:
+        _store_served(model, directory)
+    except OSError as err:  # a full or read-only disk: this process still has its model
+        _notice(f"the {fmt} weights are not stored for the next start ({_first_line(err)})")
+    return model
+
+
+def served_dir(model_dir: Path, fmt: str) -> Path:
+    """Where the served format `fmt` of `model_dir` is stored: the data directory, one entry per `served_key`."""
+    from chatapp.settings import data_dir
+    from chatapp.stt.served import ServedSource, served_key
+
+    source = ServedSource(files=tuple(_source_files(model_dir)), weight_format=fmt)
+    return data_dir() / "served" / served_key(source)
+
+
+def _source_files(model_dir: Path) -> list[Path]:
+    from chatapp.stt.io import MERGED_ADAPTERS_NAME, SHARD_INDEX_NAME
+
+    extra = [model_dir / name for name in ("config.json", MERGED_ADAPTERS_NAME, SHARD_INDEX_NAME)]
+    return _weight_files(model_dir) + [path for path in extra if path.is_file()]
+
+
+def _store_served(model: STTForCausalLM, directory: Path) -> None:
+    """Write the served format into a staging directory beside `directory` and rename it into place."""
+    import shutil
+    import tempfile
+
+    from chatapp.stt import served
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
+    try:
+        served.write(model, staging)
+        if directory.exists():
+            shutil.rmtree(directory)
+        staging.rename(directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _converted_model(model_dir: Path, device: torch.device, fmt: str, hint: str | None) -> STTForCausalLM:
+    """The checkpoint's float32 weights, checked, put in weight format `fmt` (`stt.weights.prepare_weights`)."""
+    import torch
+
+    from chatapp.stt import STTForCausalLM
+    from chatapp.stt.io import load_merged_adapters
+    from chatapp.stt.weights import prepare_weights
+
+    try:
+        model = STTForCausalLM.from_pretrained(model_dir, device=device, dtype=torch.float32)
+    except ModelDirError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise ModelDirError(
+            f"cannot load the weights in {model_dir}: {err}",
+            hint=hint or "check that config.json and the safetensors files come from the same checkpoint",
+        ) from None
+    _check_finite(model_dir, model, hint)  # before any weight-format conversion
+    return prepare_weights(model, fmt, load_merged_adapters(model_dir) if fmt == "int4" else None)
+
+
+def _parameter_count(model_dir: Path, hint: str | None) -> int:
+    """The checkpoint's number of weights, from the safetensors headers (no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    total = 0
+    for path in _weight_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (the handle is not iterable)
+                    shape = handle.get_slice(name).get_shape()
+                    total += math.prod(shape)
+        except (OSError, SafetensorError) as err:
+            raise ModelDirError(
+                f"cannot read the weights in {path}: {err}",
+                hint=hint or "re-copy the safetensors files from the checkpoint",
+            ) from None
+    return total
+
+
+def _notice(line: str) -> None:
+    print(f"chatapp: {line}", file=sys.stderr, flush=True)
 
 
 def _env_flag(name: str) -> bool:
@@ -292,17 +386,6 @@ def _compile_decode(model: STTForCausalLM, model_dir: Path) -> None:
             f"compiling the decode step of {model_dir} failed: {_first_line(err)}",
             hint=f"on a CPU torch.compile needs a C++ compiler (g++); or run without --compile / {COMPILE_ENV}=1",
         ) from None
-
-
-def weight_format_for(model: STTForCausalLM, device: torch.device) -> str:
-    """The default weight format of `model` on `device`, chosen by measurement (benchmarks/cpu_decode.py, README):
-    on a CPU int4 for a model whose float32 weights outgrow the caches (SmolLM2-135M decodes ~3x faster than in
-    float32, within the quality guard, and fastest compiled), float32 for a small one (the tiny model is
-    dispatch-bound: quantizing gains nothing and float32 is exact); float32 on CUDA, where nothing has been
-    measured yet."""
-    from chatapp.stt.weights import default_format
-
-    return default_format(device, sum(p.numel() for p in model.parameters()))
 
 
 def configure_threads(model: STTForCausalLM) -> int:

@@ -163,7 +163,9 @@ def load_model(
     model_dir = Path(model_dir)
     config, is_stt = load_config(model_dir)
     state = load_state_dict(model_dir)
-    model = STTForCausalLM(config)
+    # Built on the meta device (no memory, no random initialisation) when the checkpoint holds every weight;
+    # a plain Qwen2 checkpoint has no routers, and those need their initialisation.
+    model = STTForCausalLM.empty(config) if is_stt else STTForCausalLM(config)
     expected = set(model.state_dict())
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -191,7 +193,9 @@ def load_model(
             hint="the directory mixes files from different models; re-copy it from one source",
         )
     try:
-        model.load_state_dict(state, strict=False)
+        # `assign` keeps the file's tensors (memory-mapped by safetensors) instead of copying them into the model's.
+        model.load_state_dict(state, strict=False, assign=is_stt)
+        model.finish_load()
     except RuntimeError as err:
         raise ModelDirError(f"weights in {model_dir} do not load: {str(err)[:500]}", hint="re-copy the model") from None
     device = torch.device(device) if device is not None else torch.device("cpu")

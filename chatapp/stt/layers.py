@@ -9,6 +9,7 @@ may see depends on stored absolute positions rather than on slot order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -209,7 +210,7 @@ class CausalRouter(nn.Module):
         self.up = nn.Linear(2 * d, width)
         self.out = nn.Linear(width, 1)
         rate = min(max(config.capacity, 1e-3), 1 - 1e-3)
-        nn.init.constant_(self.out.bias, float(torch.logit(torch.tensor(rate))))
+        nn.init.constant_(self.out.bias, math.log(rate / (1 - rate)))  # logit(rate)
 
     def forward(self, current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """Logits (B, T) from current (B, T, D) and previous (B, T, D) layer inputs, in the router's own dtype

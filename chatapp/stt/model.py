@@ -13,6 +13,8 @@ so it is read on the host once per STT layer; on the CPU the read is free and a 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -37,6 +39,21 @@ class ExtendOutput:
     logits: torch.Tensor  # (B, V) at each row's last new token, or (B, T, V) with all_logits
     router_probs: torch.Tensor  # (L_stt, B, T) float32 causal-router probabilities
     selected: torch.Tensor  # (L_stt, B, T) bool: the STT layer ran its block for this token (False at padding)
+
+
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """Modules built inside are on the meta device, and their initialisers do not run (see `STTForCausalLM.empty`)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "constant_", "trunc_normal_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 class STTModel(nn.Module):
@@ -65,6 +82,27 @@ class STTForCausalLM(nn.Module):
         self._init_base_weights()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def empty(cls, config: STTConfig) -> STTForCausalLM:
+        """The model's structure on the meta device, for a state dict to be assigned into (`load_state_dict(...,
+        assign=True)`, then `finish_load`): no memory, and none of the initialisers run. (On the meta device they
+        would do nothing, yet `normal_` there goes through torch's Python reference ops, whose first use imports
+        torch._dynamo: 1.3 s of a command's start.)"""
+        with on_meta():
+            return cls(config)
+
+    def finish_load(self) -> None:
+        """After a state dict was assigned into a model built on the meta device: tie the head to the embedding again
+        (assigning replaced the tied parameter), rebuild the rotary frequencies (not part of any checkpoint), and
+        check that nothing was left unloaded."""
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # not a quantized copy
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if self.model.rotary_emb.inv_freq.is_meta:
+            self.model.rotary_emb.reset_inv_freq(self.model.embed_tokens.weight.device)
+        missing = [name for name, t in (*self.named_parameters(), *self.named_buffers()) if t.is_meta]
+        if missing:
+            raise RuntimeError(f"tensors never loaded: {missing[:4]}")
 
     def _init_base_weights(self) -> None:
         """Qwen2's initialisation for the base model; the STT modules keep the inits they chose themselves."""

@@ -52,7 +52,8 @@ class MLP(nn.Module):
 def inverse_frequencies(config: STTConfig) -> torch.Tensor:
     """The default rotary embedding's inverse frequencies (head_dim / 2 of them), in float32."""
     dim = config.head_width
-    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()  # real even inside a meta-device build
+    return 1.0 / (config.rope_theta ** (steps / dim))
 
 
 class RotaryEmbedding(nn.Module):

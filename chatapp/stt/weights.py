@@ -326,6 +326,19 @@ def fuse_projections(model: nn.Module, adapters: dict[str, Adapter] | None = Non
     return adapters
 
 
+def fuse_structure(model: nn.Module) -> None:
+    """The module structure of `fuse_projections` without its weights: each layer's `qkv_proj` and the MLP's
+    `gate_up_proj` are placeholders, for a stored model to put its fused projections in (`stt.served`)."""
+    from chatapp.stt.layers import FusedMLP
+
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = nn.Identity()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            delattr(attn, name)
+        layer.mlp = FusedMLP(nn.Identity(), mlp.down_proj, mlp.gate_proj.out_features)
+
+
 def prepare_weights(model: nn.Module, fmt: str, adapters: dict[str, Adapter] | None = None) -> nn.Module:
     """Put an STTForCausalLM's weights in format `fmt` in place (once, at load) and return it.
 
@@ -339,7 +352,8 @@ def prepare_weights(model: nn.Module, fmt: str, adapters: dict[str, Adapter] | N
 
     The causal routers stay float32 under every format: their threshold decides which tokens run, so they should
     decide as trained, and at their size (2D -> 64 -> 1) a float32 product on a CPU is several times faster than a
-    bfloat16 one.
+    bfloat16 one. So do the rotary embedding's frequencies (cos and sin are then rounded once, to the activations'
+    dtype, as transformers does).
     """
     fmt = parse_format(fmt) or "float32"
     if fmt == "int4" and model.device.type != "cpu":
@@ -362,6 +376,9 @@ def prepare_weights(model: nn.Module, fmt: str, adapters: dict[str, Adapter] | N
     kept = [(router, {k: v.clone() for k, v in router.state_dict().items()}) for router in routers]
     low_rank = [(module, module.lora_B_t) for module in model.modules() if isinstance(module, LowRankLinear)]
     model.to(dtype=activation_dtype(fmt))
+    # The rotary frequencies too: rounded to bfloat16 they are off by up to 2**-9 of themselves, a phase error that
+    # grows with the position (radians by a few thousand tokens).
+    model.model.rotary_emb.reset_inv_freq(model.device)
     for router, state in kept:
         router.float().load_state_dict(state)
     for module, lora_b in low_rank:

@@ -1,0 +1,90 @@
+"""The stored served format (`chatapp.stt.served`): a model written after `prepare_weights` and read back on the meta
+device computes bit-identical logits and routing to the model converted in memory, in every quantized format."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatapp.stt import served
+from chatapp.stt.weights import prepare_weights
+
+from .conftest import routed_model
+
+
+def _adapters(model, rank: int = 8, seed: int = 3) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Low-rank updates for every q/k/v/o and MLP projection, merged into `model`'s weights (as preparation does)."""
+    generator = torch.Generator().manual_seed(seed)
+    adapters = {}
+    for name, module in model.named_modules():
+        if name.endswith(("_proj",)) and isinstance(module, torch.nn.Linear):
+            a = torch.randn(rank, module.in_features, generator=generator) * 0.05
+            b = torch.randn(module.out_features, rank, generator=generator) * 0.05
+            with torch.no_grad():
+                module.weight += b @ a
+            adapters[name] = (a, b)
+    return adapters
+
+
+def _run(model, ids: torch.Tensor, steps: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits, selected) of a prefill of `ids` (2 rows) and of `steps` greedy decode steps."""
+    outputs = []
+    with torch.inference_mode():
+        cache = model.new_cache(ids.shape[0], 64)
+        out = model.extend(ids, torch.tensor([ids.shape[1], ids.shape[1] - 3]), cache)
+        outputs.append((out.logits, out.selected))
+        for _ in range(steps):
+            out = model.decode(out.logits.argmax(-1), cache)
+            outputs.append((out.logits, out.selected))
+    return outputs
+
+
+@pytest.mark.parametrize(("fmt", "with_adapters"), [("int4", True), ("int4", False), ("int8", False), ("bfloat16", False)])
+def test_stored_format_computes_what_the_in_memory_conversion_does(tmp_path: Path, fmt: str, with_adapters: bool):
+    base = routed_model(seed=2)
+    adapters = _adapters(base) if with_adapters else None
+    converted = prepare_weights(copy.deepcopy(base), fmt, copy.deepcopy(adapters)).eval()
+    served.write(converted, tmp_path)
+    stored = served.read(tmp_path)
+
+    assert stored.weight_format == fmt
+    assert [type(m).__name__ for m in stored.modules()] == [type(m).__name__ for m in converted.modules()]
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    for (logits, selected), (logits_stored, selected_stored) in zip(
+        _run(converted, ids), _run(stored, ids), strict=True
+    ):
+        assert torch.equal(selected, selected_stored)
+        assert torch.equal(logits, logits_stored)
+
+
+def test_the_stored_tensors_stay_memory_mapped(tmp_path: Path):
+    converted = prepare_weights(routed_model(), "int8").eval()
+    served.write(converted, tmp_path)
+    stored = served.read(tmp_path)
+    size = (tmp_path / served.WEIGHTS_FILE).stat().st_size
+    start = tmp_path.joinpath(served.WEIGHTS_FILE)
+    assert start.is_file()
+    # A memory-mapped tensor's storage is the file's mapping: every stored buffer lies within one `size`-byte span.
+    pointers = [t.untyped_storage().data_ptr() for t in stored.state_dict().values()]
+    assert max(pointers) - min(pointers) < size
+
+
+def test_a_torn_store_is_refused_with_its_directory_named(tmp_path: Path):
+    converted = prepare_weights(routed_model(), "int4").eval()
+    served.write(converted, tmp_path)
+    weights = tmp_path / served.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(served.ServedFormatError, match=str(tmp_path)):
+        served.read(tmp_path)
+
+
+def test_a_layout_from_other_code_is_refused(tmp_path: Path):
+    converted = prepare_weights(routed_model(), "int4").eval()
+    served.write(converted, tmp_path)
+    layout = tmp_path / served.LAYOUT_FILE
+    layout.write_text(layout.read_text().replace('"Int4Linear"', '"Int5Linear"'))
+    with pytest.raises(served.ServedFormatError):
+        served.read(tmp_path)
