@@ -33,13 +33,12 @@ from tokenizers import Tokenizer
 from chatapp.errors import ConversationError, ModelDirError
 from chatapp.special_tokens import ASSISTANT_END, CHAT_TOKENS, OUTPUT_END, OUTPUT_START, PYTHON_END, PYTHON_START
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
+from chatapp.tools.parts import PART_TYPES, PartType
 
 # tokenizer_config.json key naming a checkpoint's tool markers (written by the default model's preparation).
 TOOL_MARKERS_KEY = "chatapp_tool_markers"
 
 Role = Literal["system", "user", "assistant"]
-PartType = Literal["text", "python", "python_output"]
-PART_TYPES: tuple[str, ...] = ("text", "python", "python_output")
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,12 +489,7 @@ class TemplateChatFormat:
                 "a message has a tool call, but this model's chat template has no tool markers",
                 hint="use a model with tool markers (the default model, or a chatapp checkpoint) for calculator calls",
             )
-        wrap = {
-            "text": ("", ""),
-            "python": (markers.call_start, markers.call_end),
-            "python_output": (markers.output_start or "", markers.output_end),
-        }
-        return "".join(wrap[p.type][0] + p.text + wrap[p.type][1] for p in turn.parts)
+        return "".join(markers.wrap(p.type)[0] + p.text + markers.wrap(p.type)[1] for p in turn.parts)
 
     def _messages(self, turns: list[Turn]) -> list[dict[str, str]]:
         return [{"role": turn.role, "content": self._flat_text(turn)} for turn in turns]

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 from chatapp.errors import ToolError
 from chatapp.special_tokens import OUTPUT_END, OUTPUT_START, PYTHON_END, PYTHON_START
+from chatapp.tools.parts import PartType
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,26 @@ class ToolMarkers:
     def output_opener(self) -> str:
         """The token that opens the tool's output block."""
         return self.output_start or self.call_end
+
+    def part_after(self, text: str) -> PartType | None:
+        """The content part a marker token with this text starts (None: not one of these markers): the one mapping
+        between markers and parts. The output opener wins: with markers whose call end also opens the output
+        (SmolLM2's), that token starts the output."""
+        if text == self.output_opener:
+            return "python_output"
+        if text == self.call_start:
+            return "python"
+        if text in (self.call_end, self.output_end):
+            return "text"
+        return None
+
+    def wrap(self, part: PartType) -> tuple[str, str]:
+        """The marker names a part of this type is written between (how a chat template sees a tool call)."""
+        if part == "python":
+            return self.call_start, self.call_end
+        if part == "python_output":
+            return self.output_start or "", self.output_end
+        return "", ""
 
     def to_json(self) -> dict[str, str | None]:
         return {
