@@ -36,6 +36,7 @@ from textual.widgets import Collapsible, Static
 from chatapp.engine.events import TokenEvent
 from chatapp.engine.reply import Reply
 from chatapp.engine.reply import Segment as TokenSegment
+from chatapp.tools import TOOLS
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 from chatapp.ui.tokens import display_text
 from chatapp.ui.widgets.probability import probability_background
@@ -314,14 +315,13 @@ class ToolCallBlock(Collapsible):
         self.set_class(outcome is not None and outcome.kind == "refusal", "-refused")
 
     def _describe(self) -> str:
+        """The call's title, by its tool's own renderer (`Tool.describe`)."""
         call, outcome = self._segment.call, self._segment.outcome
         if call is None:
-            return "calculator …"
-        if outcome is None:
-            return f"{call.tool}: {call.expression}"
-        if outcome.kind == "refusal":
-            return f"{call.tool}: {call.expression}  ✗ refused"
-        return f"{call.tool}: {call.expression} = {outcome.output}"
+            return "tool call …"
+        refused = outcome is not None and outcome.kind == "refusal"
+        output = None if outcome is None or refused else outcome.output
+        return TOOLS.describe(call.tool, call.expression, output, refused)
 
 
 class AssistantMessage(Vertical, can_focus=True):
