@@ -325,7 +325,7 @@ def generate(
 ) -> None:
     """Stream a reply to PROMPT: sampled tokens plain, forced tokens (tool output) in italic cyan. Into a pipe or
     a file it writes exactly the reply's text (timing and errors go to stderr)."""
-    from chatapp.engine.quick import stream_reply
+    from chatapp.cli_render import stream_reply
     from chatapp.models import load_engine
     from chatapp.settings import GenerationSettings
     from chatapp.validation import check_prompt_chars, check_text, longest_token_chars

@@ -100,14 +100,6 @@ def check_logprobs(value: object) -> None:
         raise SettingsError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {shown}", hint=hint)
 
 
-def check_samples(samples: int, name: str = "samples") -> None:
-    if not 1 <= samples <= MAX_SAMPLES:
-        raise SettingsError(
-            f"{name} must be between 1 and {MAX_SAMPLES}, got {samples}",
-            hint=f"split the request into lines of at most {MAX_SAMPLES} samples",
-        )
-
-
 def check_regex_source(pattern: str) -> None:
     """Size limit of a regex constraint, before it is parsed."""
     check_text("the regex", pattern)

@@ -14,7 +14,7 @@ from chatapp.cli import app as cli
 from chatapp.settings import GenerationSettings
 from chatapp.ui import make_app
 from chatapp.ui.backend import EngineBackend
-from chatapp.ui.tokens import message_content
+from chatapp.ui.history import HistoryStore
 from chatapp.ui.widgets.panels import StatsPanel
 from tests.ui.conftest import SIZE, FixedClock, send_and_wait
 
@@ -43,13 +43,22 @@ async def test_cli_batch_and_tui_report_the_same_answer_alike(routed_model_dir: 
     tui = make_app(backend=backend, db_path=tmp_path / "h.sqlite3", clock=FixedClock(), cursor_blink=False)
     async with tui.run_test(size=SIZE) as pilot:
         await send_and_wait(pilot, PROMPT)
-        events = tui.transcript.answers()[-1].events
+        answer = tui.transcript.answers()[-1]
+        events = answer.events
+        shown = answer.reply.content
         panel = str(tui.query_one(StatsPanel).render())
+    (conversation,) = HistoryStore(tmp_path / "h.sqlite3").list_conversations()
+    stored = HistoryStore(tmp_path / "h.sqlite3").load(conversation.id).messages[-1]
+    [direct] = backend._engine.generate_batch(
+        [backend._engine.chat_format.render_for_completion([{"role": "user", "content": PROMPT}])],
+        GenerationSettings(max_tokens=MAX_TOKENS),
+    )
 
-    # The reply: the pipe gets exactly the record's text, and the TUI stores the same message.
+    # The reply: the pipe gets exactly the record's text, and the TUI stores the message it showed, which is the
+    # engine's own fold of the same tokens (one fold: the TUI does not rebuild it).
     assert quick.stdout == record["text"]
-    assert message_content(events) == record["text"]
-    assert [e.token for e in events] == record["tokens"]
+    assert stored.content == shown == direct.content == record["text"]
+    assert [e.token for e in stored.tokens] == [e.token for e in events] == record["tokens"]
 
     # The numbers: emitted tokens, forced share, compute saved over the reply's decoder-layer work.
     tokens, forced = len(record["tokens"]), sum(record["forced"])

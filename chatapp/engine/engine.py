@@ -9,7 +9,6 @@ caller can get wrong (settings, programs, constraints, a prompt that leaves no r
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -20,6 +19,7 @@ from chatapp.engine.events import Step
 from chatapp.engine.loop import DecodeLoop, RowState
 from chatapp.engine.protocols import ChatFormatLike, KVCacheLike, ModelLike
 from chatapp.engine.reply import Reply, fold_replies
+from chatapp.engine.session import ChatSession, TurnRequest
 from chatapp.engine.tools import DEFAULT_MAX_EXPRESSION_TOKENS, ToolBox, ToolMachine
 from chatapp.errors import ContextOverflowError, ConversationError, SettingsError
 from chatapp.settings import GenerationSettings
@@ -29,22 +29,12 @@ from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from chatapp.engine.session import ChatSession
     from chatapp.trie.constraint import Constraint
     from chatapp.ttfa import Program
 
 __all__ = ["ChatFormatLike", "Engine", "ModelLike", "TurnRequest"]
 
 CACHE_SLACK = 64  # extra cache slots allocated up front for forced tool output
-
-
-@dataclass(frozen=True)
-class TurnRequest:
-    """One row's validated request (settings, compiled program, compiled constraint), from `Engine.turn_request`."""
-
-    settings: GenerationSettings
-    program: Program | None = None
-    constraint: Constraint | None = None  # in its start state
 
 
 class Engine:
@@ -165,8 +155,6 @@ class Engine:
 
     def session(self, system: str | None = None) -> ChatSession:
         """A multi-turn chat that keeps its KV cache between turns (`chatapp.engine.session.ChatSession`)."""
-        from chatapp.engine.session import ChatSession
-
         return ChatSession(self, system=system)
 
     def turn_request(

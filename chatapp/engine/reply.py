@@ -39,20 +39,7 @@ from typing import Any, Literal
 
 from chatapp.engine.events import Alternative, FinishReason, PromptInfo, Step, TokenEvent, TokenLogprobs, ToolEvent
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
-
-PartType = Literal["text", "python", "python_output"]
-
-
-def part_after(markers: ToolMarkers, text: str) -> PartType | None:
-    """The content part a tool-marker token with this text starts (None: not a tool marker). The output opener
-    wins: with markers whose call end also opens the output (SmolLM2's), that token starts the output."""
-    if text == markers.output_opener:
-        return "python_output"
-    if text == markers.call_start:
-        return "python"
-    if text in (markers.call_end, markers.output_end):
-        return "text"
-    return None
+from chatapp.tools.parts import Content, PartType
 
 
 def is_structural(event: TokenEvent) -> bool:
@@ -61,9 +48,38 @@ def is_structural(event: TokenEvent) -> bool:
 
 
 @dataclass
+class Segment:
+    """A run of a reply's tokens shown as one block: plain text, or one tool call (indices into `Reply.events`).
+
+    A tool segment runs from the call's start marker to the output's end marker inclusive, so the expression, the
+    forced result and their markers live inside the collapsible block while the prose around it stays in the text.
+    """
+
+    kind: Literal["text", "tool"]
+    start: int
+    end: int
+    call: ToolEvent | None = None
+    outcome: ToolEvent | None = None  # the result or refusal, once it arrived
+    closed: bool = False  # a tool segment closes with its output end marker; text after it starts a new segment
+
+
+@dataclass(frozen=True, slots=True)
+class ContentPiece:
+    """Text the reply's content gained: appended to part `part` (a new part when `part` is past the last one)."""
+
+    part: int
+    type: PartType
+    text: str
+
+
+@dataclass
 class Reply:
     """One row's reply, folded from its events as they stream. `num_layers` (all of the model's decoder layers) is
-    the denominator of `compute_saved`; `stt_layers` (their indices) key `layer_computed`."""
+    the denominator of `compute_saved`; `stt_layers` (their indices) key `layer_computed`.
+
+    The fold is incremental and the only one: each token adds to the content parts (`parts`), the display segments
+    (`segments`) and the statistics once, so a consumer reads them instead of folding again, and `pieces_since`
+    hands a store only the content added since its last write."""
 
     row: int = 0
     num_layers: int = 0
@@ -86,6 +102,19 @@ class Reply:
     surprise_count: int = 0
     # Per STT layer, over routed tokens with log-probs: [surprise sum, count] of the computed, then of the skipped.
     layer_surprise_sums: list[list[float]] = field(default_factory=list)
+    parts: list[dict[str, str]] = field(default_factory=list)  # the content so far, as parts
+    segments: list[Segment] = field(default_factory=list)  # every event's display block, the stop token included
+    _mode: PartType = "text"
+    _held: TokenEvent | None = None  # a stop token: content only if more tokens follow it
+    _pieces: list[ContentPiece] = field(default_factory=list)  # every content addition, in order
+
+    @classmethod
+    def of(cls, events: Iterable[TokenEvent], markers: ToolMarkers = NANOCHAT_TOOL_MARKERS) -> Reply:
+        """The reply of a finished (or stored) token stream, e.g. a message read back from the history."""
+        reply = cls(markers=markers)
+        for event in events:
+            reply.add(event)
+        return reply
 
     # ------------------------------------------------------------------------------------------------ folding
     def start(self, prompt: PromptInfo) -> None:
@@ -99,6 +128,10 @@ class Reply:
     def add(self, event: TokenEvent) -> str:
         """Fold one token; returns the text it adds to the reply ("" for a final stop token)."""
         self.stop_token = None  # a stop token followed by more tokens was not final
+        if self._held is not None:
+            self._add_content(self._held)
+            self._held = None
+        self._add_segment(len(self.events), event)
         self.events.append(event)
         self.forced_count += event.forced
         if event.computed is not None:
@@ -119,8 +152,50 @@ class Reply:
             self.error = event.error
             if event.finish_reason == "stop":
                 self.stop_token = event.token
+                self._held = event
                 return ""
+        self._add_content(event)
         return event.text
+
+    def _add_content(self, event: TokenEvent) -> None:
+        """Fold one reply token into the content parts: a tool marker switches the part, chat framing is left out."""
+        if event.special and (after := self.markers.part_after(event.text)) is not None:
+            self._mode = after
+            return
+        if is_structural(event) or not event.text:
+            return
+        if not self.parts or self.parts[-1]["type"] != self._mode:
+            self.parts.append({"type": self._mode, "text": ""})
+        self.parts[-1]["text"] += event.text
+        self._pieces.append(ContentPiece(len(self.parts) - 1, self._mode, event.text))
+
+    def _add_segment(self, index: int, event: TokenEvent) -> None:
+        """Fold one token into the display segments: a call start marker opens a tool segment, which its output end
+        marker closes."""
+        current = self.segments[-1] if self.segments else None
+        if event.special and event.text == self.markers.call_start:
+            current = Segment("tool", index, index)
+            self.segments.append(current)
+        elif current is None or current.closed:
+            current = Segment("text", index, index)
+            self.segments.append(current)
+        current.end = index + 1
+        if event.tool is not None:
+            if event.tool.kind == "call":
+                current.call = event.tool
+            else:
+                current.outcome = event.tool
+        if event.special and event.text == self.markers.output_end:
+            current.closed = True
+
+    def pieces_since(self, mark: int) -> tuple[list[ContentPiece], int]:
+        """The content added since `mark` (0: from the start) and the mark to pass next time: what a store appends
+        per batch instead of rewriting the whole content."""
+        return self._pieces[mark:], len(self._pieces)
+
+    def segments_since(self, index: int) -> list[Segment]:
+        """The segments holding events from `index` on (those a batch starting there created or grew), in order."""
+        return [segment for segment in self.segments if segment.end > index]
 
     def add_step(self, step: Step) -> str:
         """Fold one Step of a stream this row runs in (its seconds, the prompt on the first one, this row's tokens);
@@ -166,23 +241,9 @@ class Reply:
         return "".join(event.text for event in self._reply_events())
 
     @property
-    def content(self) -> str | list[dict[str, str]]:
+    def content(self) -> Content:
         """The chat message content: plain text, or nanochat's parts (text / python / python_output)."""
-        parts: list[dict[str, str]] = []
-        mode: PartType = "text"
-        for event in self._reply_events():
-            if event.special and (after := part_after(self.markers, event.text)) is not None:
-                mode = after
-                continue
-            if is_structural(event):
-                continue
-            if parts and parts[-1]["type"] == mode:
-                parts[-1]["text"] += event.text
-            else:
-                parts.append({"type": mode, "text": event.text})
-        if all(part["type"] == "text" for part in parts):
-            return "".join(part["text"] for part in parts)
-        return parts
+        return parts_content(self.parts)
 
     @property
     def tool_calls(self) -> list[dict[str, str]]:
@@ -210,7 +271,8 @@ class Reply:
     @property
     def sampled_tokens(self) -> int:
         """Reply tokens the model sampled (what `max_tokens` counts)."""
-        return self.forced.count(False)
+        held_sampled = self.stop_token is not None and not self.events[-1].forced
+        return len(self.events) - self.forced_count - held_sampled
 
     @property
     def tokens_per_second(self) -> float:
@@ -278,6 +340,13 @@ class Reply:
         if not events or any(event.logprobs is None for event in events):
             return None
         return [_openai_entry(event.logprobs, _own(event)) for event in events if event.logprobs is not None]
+
+
+def parts_content(parts: Sequence[dict[str, str]]) -> Content:
+    """Content parts as a message's content: one string when all are text."""
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return [dict(part) for part in parts]
 
 
 @dataclass(frozen=True)

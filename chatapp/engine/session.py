@@ -22,21 +22,47 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from chatapp.engine.events import Step
+from chatapp.engine.protocols import ChatFormatLike, KVCacheLike, ModelLike
+from chatapp.engine.reply import Reply
 from chatapp.errors import ContextOverflowError, ConversationError
 from chatapp.settings import GenerationSettings
 
 if TYPE_CHECKING:
-    from chatapp.engine.engine import Engine, TurnRequest
-    from chatapp.engine.protocols import KVCacheLike
     from chatapp.trie.constraint import Constraint
     from chatapp.ttfa import Program
 
 INITIAL_CACHE = 512  # slots allocated at the start of a conversation; the cache grows on demand
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One row's validated request (settings, compiled program, compiled constraint), from `Engine.turn_request`."""
+
+    settings: GenerationSettings
+    program: Program | None = None
+    constraint: Constraint | None = None  # in its start state
+
+
+class TurnEngine(Protocol):
+    """What a session needs from the engine (`chatapp.engine.engine.Engine`), which creates sessions: the session
+    module stays below the engine module."""
+
+    model: ModelLike
+    chat_format: ChatFormatLike
+    context_size: int
+
+    def turn_request(
+        self, settings: GenerationSettings, *, program: Program | None = None, constraint: Any = None
+    ) -> TurnRequest: ...
+
+    def continue_turn(self, cache: KVCacheLike, seen: int, segment: list[int], request: TurnRequest) -> Iterator[Step]: ...
+
+    def new_reply(self, row: int = 0) -> Reply: ...
 
 
 @dataclass
@@ -51,7 +77,7 @@ class _TurnStart:
 class ChatSession:
     """One conversation with the model; see the module docstring. Create with `engine.session(system)`."""
 
-    def __init__(self, engine: Engine, system: str | None = None) -> None:
+    def __init__(self, engine: TurnEngine, system: str | None = None) -> None:
         self.engine = engine
         self.system = system
         self.messages: list[dict[str, Any]] = []

@@ -38,18 +38,54 @@ DEFAULT_MAX_EXPRESSION_TOKENS = 64
 
 @dataclass(frozen=True, slots=True)
 class BoundTool:
-    """A tool with its marker names resolved to this tokenizer's ids."""
+    """The tools sharing one start marker, with the markers resolved to this tokenizer's ids. A call goes to the
+    tool whose `prefix` it starts with, else to the one without a prefix (`Tool` explains prefixes)."""
 
-    tool: Tool
+    tools: tuple[Tool, ...]
     start_id: int
     end_id: int
     output_start_id: int | None  # None: the call's end marker also opens the output (nothing forced for it)
     output_end_id: int
 
     @property
+    def tool(self) -> Tool:
+        """The default tool (no prefix), else the first."""
+        return next((t for t in self.tools if _prefix(t) is None), self.tools[0])
+
+    def pick(self, expression: str) -> tuple[Tool, str] | None:
+        """The tool a call's expression is for and what it runs on (the expression without the prefix); None when
+        no tool takes it (prefixed tools only, and none matches)."""
+        stripped = expression.strip()
+        for tool in self.tools:
+            prefix = _prefix(tool)
+            if prefix is not None and stripped.startswith(prefix):
+                return tool, stripped[len(prefix) :].strip()
+        default = next((t for t in self.tools if _prefix(t) is None), None)
+        return None if default is None else (default, stripped)
+
+    @property
     def grammar(self) -> str | None:
-        """The regex a call's expression must match, when the tool has one."""
-        return getattr(self.tool, "grammar", None)
+        """The regex a call's expression must match: the default tool's grammar or a prefix and its tool's grammar
+        (None when any of the tools takes anything)."""
+        if len(self.tools) == 1 and _prefix(self.tools[0]) is None:
+            return getattr(self.tools[0], "grammar", None)
+        choices = []
+        for tool in self.tools:
+            grammar = getattr(tool, "grammar", None)
+            if grammar is None:
+                return None
+            prefix = _prefix(tool)
+            choices.append(f"({grammar})" if prefix is None else f"{_escape(prefix)} ?({grammar})")
+        return "|".join(choices)
+
+
+def _prefix(tool: Tool) -> str | None:
+    return getattr(tool, "prefix", None)
+
+
+def _escape(text: str) -> str:
+    """`text` as a literal in a `chatapp.trie` regex."""
+    return "".join(f"\\{c}" if c in r".^$*+?()[]{}|\-/" else c for c in text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +129,10 @@ class ToolBox:
                 and out_end is not None
                 and (out_start is not None or names[2] is None)
             ):
-                self.by_start[start] = BoundTool(tool, start, end, out_start, out_end)
+                shared = self.by_start.get(start)
+                self.by_start[start] = BoundTool(
+                    (*(shared.tools if shared else ()), tool), start, end, out_start, out_end
+                )
         self.encode_text = encode_text
         self.decode = decode
         self.max_expression_tokens = max_expression_tokens
@@ -155,7 +194,10 @@ class ToolMachine:
         if call is None:
             return None
         self._call = self.grammar = None
-        return ToolEvent("refusal", call.tool.name, self._expression_text(), f"unfinished call: {why}")
+        expression = self._expression_text()
+        picked = call.pick(expression)
+        name = call.tool.name if picked is None else picked[0].name
+        return ToolEvent("refusal", name, expression, f"unfinished call: {why}")
 
     def _expression_text(self) -> str:
         return self._box.decode(self._expression)
@@ -164,14 +206,19 @@ class ToolMachine:
         """Run the tool and queue the output block; with `forced_end`, queue the closing marker first."""
         self._call = self.grammar = None
         expression = self._expression_text()
-        name = call.tool.name
+        picked = call.pick(expression)
+        name = call.tool.name if picked is None else picked[0].name
         call_event = ToolEvent("call", name, expression)
         if forced_end:
             limit = self._box.max_expression_tokens
             outcome = ToolEvent("refusal", name, expression, f"expression longer than {limit} tokens")
             self.queue.append(ForcedToken(call.end_id, call_event))
+        elif picked is None:
+            known = ", ".join(repr(_prefix(t)) for t in call.tools)
+            outcome = ToolEvent("refusal", name, expression, f"no tool takes this call (start it with {known})")
         else:
-            result = call.tool.run(expression.strip())
+            tool, argument = picked
+            result = tool.run(argument)
             outcome = (
                 ToolEvent("result", name, expression, result.text)
                 if result.ok

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 from chatapp.errors import ToolError
 from chatapp.special_tokens import OUTPUT_END, OUTPUT_START, PYTHON_END, PYTHON_START
+from chatapp.tools.parts import PartType
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,26 @@ class ToolMarkers:
     def output_opener(self) -> str:
         """The token that opens the tool's output block."""
         return self.output_start or self.call_end
+
+    def part_after(self, text: str) -> PartType | None:
+        """The content part a marker token with this text starts (None: not one of these markers): the one mapping
+        between markers and parts. The output opener wins: with markers whose call end also opens the output
+        (SmolLM2's), that token starts the output."""
+        if text == self.output_opener:
+            return "python_output"
+        if text == self.call_start:
+            return "python"
+        if text in (self.call_end, self.output_end):
+            return "text"
+        return None
+
+    def wrap(self, part: PartType) -> tuple[str, str]:
+        """The marker names a part of this type is written between (how a chat template sees a tool call)."""
+        if part == "python":
+            return self.call_start, self.call_end
+        if part == "python_output":
+            return self.output_start or "", self.output_end
+        return "", ""
 
     def to_json(self) -> dict[str, str | None]:
         return {
@@ -69,7 +90,15 @@ class ToolResult:
 
 @runtime_checkable
 class Tool(Protocol):
-    """A tool the model can call inline. `run` must finish quickly in any thread and never raise."""
+    """A tool the model can call inline. `run` must finish quickly in any thread and never raise.
+
+    What a tool declares, and all a new tool needs (one file plus `TOOLS.register(tool)`):
+    - its markers: its own four, or nanochat's (the default), which the engine maps to the chat format's tool markers;
+    - `prefix`: with shared markers, the text a call of this tool starts with (`"echo:"`); the engine dispatches a
+      call by it and runs the tool on the rest. One tool per marker set may have none: the default (the calculator);
+    - `grammar`: the regex its calls are held to (None: unconstrained);
+    - `describe`: how the transcript titles one of its calls.
+    """
 
     @property
     def name(self) -> str: ...
@@ -81,8 +110,21 @@ class Tool(Protocol):
     def output_start_marker(self) -> str: ...
     @property
     def output_end_marker(self) -> str: ...
+    @property
+    def prefix(self) -> str | None: ...
+    @property
+    def grammar(self) -> str | None: ...
 
     def run(self, expression: str) -> ToolResult: ...
+
+    def describe(self, expression: str, output: str | None, refused: bool) -> str: ...
+
+
+def describe_call(name: str, expression: str, output: str | None, refused: bool) -> str:
+    """The transcript's title for a call: `name: expression`, then `= output` or a refusal mark."""
+    if refused:
+        return f"{name}: {expression}  ✗ refused"
+    return f"{name}: {expression}" if output is None else f"{name}: {expression} = {output}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +134,8 @@ class FunctionTool:
     `grammar`: a regex (fully anchored, the `chatapp.trie` dialect) of the expressions the tool takes. A tool that
     has one gets its calls constrained by the engine: between the start and end markers the model can only write
     text the grammar allows, so it may still call with the wrong numbers but never with a malformed expression
-    (a tool without the attribute is called with whatever the model writes)."""
+    (a tool without one is called with whatever the model writes). `prefix`: see `Tool`; the grammar then applies
+    to what follows the prefix."""
 
     name: str
     function: Callable[[str], ToolResult]
@@ -101,13 +144,21 @@ class FunctionTool:
     output_start_marker: str = OUTPUT_START
     output_end_marker: str = OUTPUT_END
     grammar: str | None = None
+    prefix: str | None = None
 
     def run(self, expression: str) -> ToolResult:
         return self.function(expression)
 
+    def describe(self, expression: str, output: str | None, refused: bool) -> str:
+        shown = expression.strip()
+        if self.prefix is not None and shown.startswith(self.prefix):
+            shown = shown[len(self.prefix) :].strip()
+        return describe_call(self.name, shown, output, refused)
+
 
 class ToolRegistry:
-    """Tools by name and by start marker: the engine looks a call up by the marker the model wrote."""
+    """Tools by name and by marker: the engine dispatches a call by the start marker the model wrote and, among
+    the tools sharing that marker, by the call's prefix."""
 
     def __init__(self, tools: Iterable[Tool] = ()) -> None:
         self._by_name: dict[str, Tool] = {}
@@ -115,12 +166,25 @@ class ToolRegistry:
             self.register(tool)
 
     def register(self, tool: Tool) -> None:
-        """Add a tool. Names and start markers must be unique, or a call would be ambiguous."""
+        """Add a tool. Names must be unique, and so must (start marker, prefix) pairs, or a call would be
+        ambiguous."""
         if tool.name in self._by_name:
             raise ToolError(f"a tool named {tool.name!r} is already registered")
-        if self.by_start_marker(tool.start_marker) is not None:
-            raise ToolError(f"start marker {tool.start_marker!r} is already used by another tool")
+        prefix = getattr(tool, "prefix", None)
+        for other in self._by_name.values():
+            if other.start_marker == tool.start_marker and getattr(other, "prefix", None) == prefix:
+                raise ToolError(
+                    f"start marker {tool.start_marker!r} is already used by another tool ({other.name!r})"
+                    + (f" with the prefix {prefix!r}" if prefix else ""),
+                    hint="give the new tool a prefix of its own (calls starting with it go to it), or its own markers",
+                )
         self._by_name[tool.name] = tool
+
+    def unregister(self, name: str) -> Tool:
+        """Remove a tool (an engine built before keeps the tools it was built with)."""
+        tool = self.get(name)
+        del self._by_name[name]
+        return tool
 
     def get(self, name: str) -> Tool:
         try:
@@ -129,7 +193,17 @@ class ToolRegistry:
             raise ToolError(f"unknown tool {name!r}", hint=f"known tools: {', '.join(self.names)}") from None
 
     def by_start_marker(self, marker: str) -> Tool | None:
-        return next((tool for tool in self._by_name.values() if tool.start_marker == marker), None)
+        """The default tool of a start marker (the one without a prefix), else the first that uses it."""
+        tools = [tool for tool in self._by_name.values() if tool.start_marker == marker]
+        return next((tool for tool in tools if getattr(tool, "prefix", None) is None), tools[0] if tools else None)
+
+    def describe(self, name: str, expression: str, output: str | None, refused: bool) -> str:
+        """A call's title by its tool's own renderer (a generic one for a tool not registered here)."""
+        tool = self._by_name.get(name)
+        describe = getattr(tool, "describe", None)
+        if describe is None:
+            return describe_call(name, expression, output, refused)
+        return describe(expression, output, refused)
 
     @property
     def names(self) -> list[str]:

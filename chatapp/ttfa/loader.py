@@ -14,6 +14,9 @@ from chatapp.ttfa.source import ProgramSource, load_program_source
 
 PROGRAMS_DIR = Path(__file__).with_name("programs")
 BUILTIN_PROGRAMS: tuple[str, ...] = ("chat", "think", "calc", "json")
+# A built-in whose marker tokens a tokenizer may lack, and the variant that writes those markers as text instead
+# (compiled when the built-in itself does not compile for the tokenizer, e.g. SmolLM2 has no `</think>` token).
+TEXT_MARKER_VARIANTS: dict[str, str] = {"think": "think_text"}
 
 
 def program_path(name_or_path: str | Path) -> Path:
@@ -43,5 +46,17 @@ def load_program(
     budget: ProgramBudget | None = None,
 ) -> Program:
     """Load a built-in program by name (chat, think, calc, json) or a `.toml` file, compiled for `tokenizer` within
-    `budget`; a chat format's `program_aliases` let a program written with nanochat's token names run on its model."""
-    return compile_program(load_program_source_by_name(name_or_path), tokenizer, aliases, budget)
+    `budget`; a chat format's `program_aliases` let a program written with nanochat's token names run on its model.
+
+    A built-in that names marker tokens the tokenizer lacks (`think` on SmolLM2) is compiled from its text-marker
+    variant (`TEXT_MARKER_VARIANTS`); when that fails too, the built-in's own error is raised, saying why."""
+    try:
+        return compile_program(load_program_source_by_name(name_or_path), tokenizer, aliases, budget)
+    except ProgramError as err:
+        variant = TEXT_MARKER_VARIANTS.get(str(name_or_path))
+        if variant is None:
+            raise
+        try:
+            return compile_program(load_program_source(PROGRAMS_DIR / f"{variant}.toml"), tokenizer, aliases, budget)
+        except ProgramError:
+            raise err from None

@@ -26,6 +26,7 @@ from chatapp.engine.events import Step, TokenEvent
 from chatapp.engine.reply import Reply
 from chatapp.errors import ChatappError
 from chatapp.settings import config_dir, data_dir, engine_log_path, history_db_path
+from chatapp.tools.parts import content_text
 from chatapp.ui.backend import ChatBackend, StepStream
 from chatapp.ui.commands import ChatCommands
 from chatapp.ui.compare import Comparison
@@ -37,7 +38,6 @@ from chatapp.ui.screens.history import HistoryScreen, ResumeChoice
 from chatapp.ui.screens.program import ProgramChoice, ProgramScreen
 from chatapp.ui.screens.settings import SettingsChoice, SettingsScreen
 from chatapp.ui.streaming import BATCH_INTERVAL, FirstTokens, Generation, GenerationEnded, Outcome
-from chatapp.ui.tokens import message_content, plain_text
 from chatapp.ui.widgets.heatmap import RoutingHeatmap
 from chatapp.ui.widgets.panels import StatsPanel, TokenInspector, ZonePills
 from chatapp.ui.widgets.probability import LEGEND
@@ -227,9 +227,10 @@ class ChatApp(App[None]):
         a thread worker."""
         assert self.conversation_id is not None
         message_id = self.store.add_message(self.conversation_id, "assistant", "", status="streaming")
-        answer = AssistantMessage(message_id=message_id, markers=self.backend.info.tool_markers)
+        reply = self._new_reply()
+        answer = AssistantMessage(message_id=message_id, reply=reply)
         self.transcript.add(*([user] if user else []), answer)
-        self.generation = Generation(answer, message_id, self._new_reply())
+        self.generation = Generation(answer, message_id, reply)
         self.query_one(RoutingHeatmap).start(self.backend.settings.max_tokens)
         self.query_one(TokenInspector).show(None)
         self.query_one(StatsPanel).show(self.generation.reply)
@@ -294,10 +295,9 @@ class ChatApp(App[None]):
                 detail = "stopped at max tokens" if last.finish_reason == "length" else "context is full"
         elif last is not None and last.finish_reason == "cancelled":
             outcome = "interrupted"
+        # What the answer showed is what is stored: the one reply fold's content.
         self.store.finish_message(
-            generation.message_id,
-            "complete" if outcome == "complete" else "interrupted",
-            message_content(answer.events, self.backend.info.tool_markers),
+            generation.message_id, "complete" if outcome == "complete" else "interrupted", generation.reply.content
         )
         if answer.is_attached:
             answer.set_status(outcome, detail)
@@ -309,21 +309,20 @@ class ChatApp(App[None]):
         second while streaming; the last batch (`final`) settles the heatmap and shows the final figures."""
         answer = generation.answer
         assert isinstance(answer, AssistantMessage)
-        events: list[TokenEvent] = []
+        reply = generation.reply
         for step in steps:
-            generation.reply.add_step(step)
-            events.extend(event for event in step.tokens if event.row == generation.reply.row)
+            reply.add_step(step)
+        events = reply.events[generation.written :]
         generation.steps += len(steps)
         current = self.generation is generation
         if events:
-            self.store.append_tokens(
-                generation.message_id, generation.written, events, generation.reply.content
-            )
+            pieces, generation.pieces_written = reply.pieces_since(generation.pieces_written)
+            self.store.append_tokens(generation.message_id, generation.written, events, pieces)
             generation.written += len(events)
             if answer.is_attached:
                 transcript = self._panels.transcript
                 at_bottom = transcript.is_at_bottom
-                answer.extend(events)
+                answer.show_new()
                 transcript.follow_if(at_bottom)
             if current:
                 self._panels.heatmap.extend(events)
@@ -477,7 +476,7 @@ class ChatApp(App[None]):
         widgets: list[UserMessage | AssistantMessage] = []
         for stored in conversation.messages:
             if stored.role == "user":
-                widgets.append(UserMessage(plain_text(stored.content), message_id=stored.id))
+                widgets.append(UserMessage(content_text(stored.content), message_id=stored.id))
             else:
                 widgets.append(
                     AssistantMessage(
@@ -509,7 +508,7 @@ class ChatApp(App[None]):
         if answer is None:
             self.notify("No answer to copy yet.", severity="warning")
             return
-        self.copy_to_clipboard(plain_text(message_content(answer.events, self.backend.info.tool_markers)))
+        self.copy_to_clipboard(content_text(answer.reply.content))
         self.notify("Copied the last answer.")
 
     def _last_answer(self) -> AssistantMessage | None:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from chatapp.tools.parts import MARKDOWN_WRAP, content_text
 from chatapp.ui.history import Conversation, StoredMessage
 
 
@@ -24,15 +25,7 @@ def to_markdown(conversation: Conversation) -> str:
 def _markdown_content(message: StoredMessage) -> str:
     if isinstance(message.content, str):
         return message.content
-    pieces: list[str] = []
-    for part in message.content:
-        if part["type"] == "python":
-            pieces.append(f"\n\n```python\n{part['text']}\n```\n")
-        elif part["type"] == "python_output":
-            pieces.append(f"\n```text\n{part['text']}\n```\n\n")
-        else:
-            pieces.append(part["text"])
-    return "".join(pieces).strip()
+    return content_text(message.content, MARKDOWN_WRAP).strip()
 
 
 def to_json(conversation: Conversation) -> dict[str, Any]:

@@ -2,6 +2,9 @@
 
 Written incrementally: an assistant message is created as `streaming` before its first token and its tokens are
 appended batch by batch as the UI shows them, so a crash or a kill mid-answer loses nothing that was on screen.
+Append-only: a batch writes its tokens and the text the content gained (`content_pieces`, from the reply fold's
+`pieces_since`), never the whole content again, so an answer costs writes linear in its length; the finished
+message's content is written once, when it ends, and its pieces dropped.
 A message still marked `streaming` when read back was cut off and is reported as `interrupted`, unless its last
 stored token ends the answer (`answer_finished`: only the status write was lost). WAL mode keeps
 those small frequent commits cheap and lets a second instance read while one writes.
@@ -18,7 +21,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from chatapp.engine.events import TokenEvent, ToolEvent
+from chatapp.engine.reply import ContentPiece, parts_content
 from chatapp.errors import HistoryError
+from chatapp.tools.parts import Content
 
 MessageStatus = Literal["complete", "streaming", "interrupted"]
 
@@ -65,6 +70,14 @@ CREATE TABLE IF NOT EXISTS tokens (
     finish_reason TEXT,
     error TEXT,
     PRIMARY KEY (message_id, position)
+);
+CREATE TABLE IF NOT EXISTS content_pieces (  -- a streaming message's content, appended batch by batch
+    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    part INTEGER NOT NULL,            -- index of the content part the text is appended to
+    type TEXT NOT NULL,               -- that part's type
+    text TEXT NOT NULL,
+    PRIMARY KEY (message_id, seq)
 );
 """
 
@@ -171,12 +184,17 @@ class HistoryStore:
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY position", (conversation_id,)
         ).fetchall():
             tokens = self._tokens(m["id"])
+            content = self._pieces_content(m["id"])
             status = m["status"]
             if status == "streaming":
                 status = "complete" if answer_finished(tokens) else "interrupted"
             messages.append(
                 StoredMessage(
-                    id=m["id"], role=m["role"], content=json.loads(m["content"]), status=status, tokens=tokens
+                    id=m["id"],
+                    role=m["role"],
+                    content=json.loads(m["content"]) if content is None else content,
+                    status=status,
+                    tokens=tokens,
                 )
             )
         return Conversation(self._summary(row), messages)
@@ -216,27 +234,31 @@ class HistoryStore:
         message_id: int,
         first_position: int,
         events: Sequence[TokenEvent],
-        content: str | list[dict[str, str]],
+        pieces: Sequence[ContentPiece] = (),
     ) -> None:
-        """Append a batch of an answer's tokens and the answer's content so far, in one transaction."""
+        """Append a batch of an answer's tokens and the content it added (`Reply.pieces_since`), in one
+        transaction."""
         with self._db:
             self._db.executemany(
                 "INSERT OR REPLACE INTO tokens VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [_token_row(message_id, first_position + i, event) for i, event in enumerate(events)],
             )
-            self._db.execute("UPDATE messages SET content = ? WHERE id = ?", (json.dumps(content), message_id))
+            if pieces:
+                (seq,) = self._db.execute(
+                    "SELECT COALESCE(MAX(seq) + 1, 0) FROM content_pieces WHERE message_id = ?", (message_id,)
+                ).fetchone()
+                self._db.executemany(
+                    "INSERT INTO content_pieces VALUES (?, ?, ?, ?, ?)",
+                    [(message_id, seq + i, p.part, p.type, p.text) for i, p in enumerate(pieces)],
+                )
 
-    def finish_message(
-        self, message_id: int, status: MessageStatus, content: str | list[dict[str, str]] | None = None
-    ) -> None:
+    def finish_message(self, message_id: int, status: MessageStatus, content: Content | None = None) -> None:
+        """Set the message's status; with `content`, write its final content (once) in place of its pieces."""
         with self._db:
             if content is not None:
                 self._db.execute("UPDATE messages SET content = ? WHERE id = ?", (json.dumps(content), message_id))
+                self._db.execute("DELETE FROM content_pieces WHERE message_id = ?", (message_id,))
             self._db.execute("UPDATE messages SET status = ? WHERE id = ?", (status, message_id))
-
-    def update_content(self, message_id: int, content: str | list[dict[str, str]]) -> None:
-        with self._db:
-            self._db.execute("UPDATE messages SET content = ? WHERE id = ?", (json.dumps(content), message_id))
 
     def delete_message(self, message_id: int) -> None:
         with self._db:
@@ -245,6 +267,20 @@ class HistoryStore:
     # --- internals ----------------------------------------------------------------------------------------------
     def _touch(self, conversation_id: int, now: float) -> None:
         self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+
+    def _pieces_content(self, message_id: int) -> Content | None:
+        """A message's content rebuilt from its appended pieces (None: it has none, `messages.content` holds it)."""
+        rows = self._db.execute(
+            "SELECT part, type, text FROM content_pieces WHERE message_id = ? ORDER BY seq", (message_id,)
+        ).fetchall()
+        if not rows:
+            return None
+        parts: list[dict[str, str]] = []
+        for row in rows:
+            if row["part"] >= len(parts):
+                parts.append({"type": row["type"], "text": ""})
+            parts[row["part"]]["text"] += row["text"]
+        return parts_content(parts)
 
     def _tokens(self, message_id: int) -> list[TokenEvent]:
         rows = self._db.execute("SELECT * FROM tokens WHERE message_id = ? ORDER BY position", (message_id,))
@@ -309,6 +345,7 @@ _COLUMNS = {
     "messages": {"id", "conversation_id", "position", "role", "content", "status", "created"},
     "tokens": {"message_id", "position", "token", "text", "forced", "special", "zone", "tags", "router_probs",
                "computed", "tool", "finish_reason", "error"},
+    "content_pieces": {"message_id", "seq", "part", "type", "text"},
 }
 
 

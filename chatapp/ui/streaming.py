@@ -59,6 +59,7 @@ class Generation:
     channel: StepChannel = field(default_factory=StepChannel)
     ticker: Timer | None = None  # the UI timer taking batches from the channel
     written: int = 0  # tokens already saved to the database
+    pieces_written: int = 0  # the reply's content pieces already saved (`Reply.pieces_since`)
     steps: int = 0
     started: float = field(default_factory=time.monotonic)
 

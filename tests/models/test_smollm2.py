@@ -174,3 +174,13 @@ def test_builtin_calc_program_runs_on_the_models_own_tool_markers(model_dir: Pat
     out = generate("What is 12*34?", "--model", str(model_dir), "--program", "calc")
     assert out.startswith("<jupyter_code>")  # forced by the program's first zone
     assert "408" in out
+
+
+def test_builtin_think_program_runs_without_think_tokens(model_dir: Path) -> None:
+    """SmolLM2 has no `<think>` / `</think>` tokens: the built-in `think` compiles from its text-marker variant, so
+    `program show think`, `generate --program think` (and `run --program think`, the same loader) work."""
+    result = CliRunner().invoke(app, ["program", "show", "think", "--tokenizer", str(model_dir)])
+    assert result.exit_code == 0, result.output
+    assert "program think" in result.output and '"think"' in result.output
+    out = generate("Why is the sky blue?", "--model", str(model_dir), "--program", "think")
+    assert out.startswith("<think>")  # forced by the program's first zone, as text

@@ -16,10 +16,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from chatapp.engine.events import Alternative, PromptInfo, Step, TokenEvent, TokenLogprobs, ToolEvent
+from chatapp.engine.reply import Reply
 from chatapp.errors import ChatappError, ConstraintError, ProgramError
 from chatapp.settings import GenerationSettings
 from chatapp.ui.backend import BackendState, Message, ModelInfo, ProgramInfo, StepStream
-from chatapp.ui.tokens import message_content
 
 STT_LAYERS = (1, 3, 5, 7)
 INFO = ModelInfo(
@@ -315,7 +315,7 @@ class ScriptedBackend(BackendState):
                 self.dead, self.fail_after = self.fail_after, None
                 raise self.dead
         finally:
-            self.messages.append({"role": "assistant", "content": message_content(emitted)})
+            self.messages.append({"role": "assistant", "content": Reply.of(emitted).content})
 
 
 def _load_program_file(path: Path) -> tuple[str, ...]:

@@ -8,12 +8,12 @@ import time
 import pytest
 from textual.widgets import OptionList
 
+from chatapp.engine.reply import Reply
 from chatapp.errors import ContextOverflowError
 from chatapp.settings import data_dir
 from chatapp.ui.history import HistoryStore
 from chatapp.ui.screens.program import ProgramScreen
 from chatapp.ui.screens.settings import SettingsScreen
-from chatapp.ui.tokens import message_content
 from chatapp.ui.widgets.heatmap import RoutingHeatmap
 from chatapp.ui.widgets.panels import StatsPanel, TokenInspector, ZonePills
 from chatapp.ui.widgets.prompt import PromptInput
@@ -31,7 +31,7 @@ def _texts(app) -> list[tuple[str, str]]:
         if isinstance(widget, UserMessage):
             out.append(("user", widget.text))
         elif isinstance(widget, AssistantMessage):
-            out.append(("assistant", message_content(widget.events)))
+            out.append(("assistant", Reply.of(widget.events).content))
     return out
 
 
@@ -166,9 +166,9 @@ async def test_regenerate_replaces_the_last_answer(build_app, tmp_path):
         await wait_until(pilot, lambda: backend.calls[-1] == ("regenerate", None))
         await wait_until(pilot, lambda: not app.is_generating)
         await pilot.pause()
-        assert _texts(app) == [("user", "hi"), ("assistant", message_content(think_answer()))]
+        assert _texts(app) == [("user", "hi"), ("assistant", Reply.of(think_answer()).content)]
     messages = HistoryStore(tmp_path / "history.sqlite3").load(1).messages
-    assert [(m.role, m.content) for m in messages] == [("user", "hi"), ("assistant", message_content(think_answer()))]
+    assert [(m.role, m.content) for m in messages] == [("user", "hi"), ("assistant", Reply.of(think_answer()).content)]
 
 
 async def test_edit_last_message_and_resend(build_app, tmp_path):
@@ -183,10 +183,10 @@ async def test_edit_last_message_and_resend(build_app, tmp_path):
         await wait_until(pilot, lambda: not app.is_generating and backend.calls[-1][0] == "edit_last")
         await pilot.pause()
         assert backend.calls[-1] == ("edit_last", "what is 37*45?")
-        assert _texts(app) == [("user", "what is 37*45?"), ("assistant", message_content(calculator_answer()))]
+        assert _texts(app) == [("user", "what is 37*45?"), ("assistant", Reply.of(calculator_answer()).content)]
         assert not app.editing
     messages = HistoryStore(tmp_path / "history.sqlite3").load(1).messages
-    assert [m.content for m in messages] == ["what is 37*45?", message_content(calculator_answer())]
+    assert [m.content for m in messages] == ["what is 37*45?", Reply.of(calculator_answer()).content]
 
 
 async def test_tool_call_is_a_collapsible_block(build_app):
@@ -403,7 +403,7 @@ async def test_history_resume_rename_delete(build_app, tmp_path):
         assert app.transcript.answers()[-1].events == shown
         assert backend.sessions[-1] == [
             {"role": "user", "content": "what is 37*45?"},
-            {"role": "assistant", "content": message_content(calculator_answer())},
+            {"role": "assistant", "content": Reply.of(calculator_answer()).content},
         ]
         # The resumed conversation goes on where it stopped.
         await send_and_wait(pilot, "thanks")

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from chatapp.cli import app as cli
+from chatapp.engine.reply import Reply
 from chatapp.errors import ConstraintError, ProgramError
 from chatapp.models import registry
 from chatapp.settings import GenerationSettings
@@ -15,7 +16,6 @@ from chatapp.ui import make_app
 from chatapp.ui.app import close_backend
 from chatapp.ui.backend import EngineBackend
 from chatapp.ui.history import HistoryStore
-from chatapp.ui.tokens import message_content
 from tests.ui.conftest import SIZE, FixedClock, send_and_wait, wait_until
 
 
@@ -46,7 +46,7 @@ async def test_tui_shows_exactly_what_the_engine_generates(tiny_model_dir, tmp_p
         assert backend.info.stt_layers == (1, 3)
         assert all(e.router_probs is None or len(e.router_probs) == 2 for e in shown)
         # The session now holds the exchange, so the next turn continues the conversation.
-        assert backend._session.messages[-1] == {"role": "assistant", "content": message_content(shown)}
+        assert backend._session.messages[-1] == {"role": "assistant", "content": Reply.of(shown).content}
 
 
 async def _resume_latest(pilot) -> None:
@@ -89,7 +89,7 @@ async def test_resumed_chat_can_be_regenerated_and_edited_at_once(tiny_model_dir
         assert edited.status == "complete"
         assert edited.events == _bare_engine_answer(tiny_model_dir, "Paris")
     stored = HistoryStore(db).load(1).messages
-    assert [(m.role, m.content) for m in stored] == [("user", "Paris"), ("assistant", message_content(edited.events))]
+    assert [(m.role, m.content) for m in stored] == [("user", "Paris"), ("assistant", Reply.of(edited.events).content)]
 
 
 def _greedy_backend(model_dir: Path) -> EngineBackend:
@@ -147,7 +147,7 @@ async def test_default_model_answers_headless(tmp_path):
     finally:
         close_backend(app.backend)
     assert answer.status == "complete"
-    assert answer.events and message_content(answer.events)
+    assert answer.events and Reply.of(answer.events).content
     assert answer.events == _bare_engine_answer(DEFAULT_MODEL, "What is the capital of France?")[: len(answer.events)]
 
 

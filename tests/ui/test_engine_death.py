@@ -55,9 +55,9 @@ async def test_history_reads_a_finished_answer_left_streaming_as_complete(tmp_pa
     conversation = store.create_conversation("hi", model="m")
     store.add_message(conversation, "user", "hi")
     finished = store.add_message(conversation, "assistant", "", status="streaming")
-    store.append_tokens(finished, 0, greeting(), "Hello!")
+    store.append_tokens(finished, 0, greeting())
     cut = store.add_message(conversation, "assistant", "", status="streaming")
-    store.append_tokens(cut, 0, greeting()[:3], "Hello")
+    store.append_tokens(cut, 0, greeting()[:3])
     statuses = [m.status for m in store.load(conversation).messages]
     store.close()
     assert statuses == ["complete", "complete", "interrupted"]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from chatapp.engine.reply import Reply
 from chatapp.ui.history import HistoryStore
 from chatapp.ui.screens.compare import CompareScreen
-from chatapp.ui.tokens import message_content
 from chatapp.ui.widgets.transcript import AssistantMessage
 from tests.ui.conftest import SIZE, FixedClock, ready, send_and_wait, submit, wait_until
 from tests.ui.scripted import ScriptedBackend, answer, calculator_answer, greeting, think_answer
@@ -92,7 +92,7 @@ def test_history_list(snap_compare, build_app, db):
         cid = store.create_conversation(title, model="scripted-8L", program=program)
         store.add_message(cid, "user", title)
         mid = store.add_message(cid, "assistant", "", status="streaming")
-        store.append_tokens(mid, 0, events, message_content(events))
+        store.append_tokens(mid, 0, events, Reply.of(events).pieces_since(0)[0])
         store.finish_message(mid, "complete")
     store.close()
     assert snap_compare(build_app(db=db, clock=clock), terminal_size=SIZE, press=["f4"])

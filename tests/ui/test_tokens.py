@@ -1,4 +1,4 @@
-"""Token display, segmentation and content reconstruction (pure functions shared by transcript, store, export)."""
+"""Token display, and the reply fold's segments and content as the transcript, store and export read them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from chatapp.engine.reply import Reply
+from chatapp.tools.parts import content_text
 from chatapp.ui.streaming import StepChannel
-from chatapp.ui.tokens import Segmenter, display_text, marker, message_content, plain_text, segment_events
+from chatapp.ui.tokens import display_text, marker
 from tests.ui.scripted import calculator_answer, greeting, steps, think_answer, tok
 
 
@@ -32,7 +33,7 @@ def test_typed_special_text_stays_text():
 
 def test_tool_call_is_one_segment_between_text():
     events = calculator_answer()
-    segments = segment_events(events)
+    segments = Reply.of(events).segments
     assert [s.kind for s in segments] == ["text", "tool", "text"]
     tool = segments[1]
     assert events[tool.start].text == "<|python_start|>"
@@ -47,23 +48,27 @@ def test_incremental_segmentation_matches_whole(data):
     """Feeding the stream in arbitrary batches gives the same segments as feeding it at once."""
     events = calculator_answer() + calculator_answer("2+2", "4")
     cuts = sorted(data.draw(st.sets(st.integers(1, len(events) - 1), max_size=8)))
-    segmenter = Segmenter()
+    reply = Reply()
+    touched = []
     for start, end in zip([0, *cuts], [*cuts, len(events)], strict=True):
-        segmenter.feed(events[start:end])
-    assert segmenter.segments == segment_events(events)
+        for event in events[start:end]:
+            reply.add(event)
+        touched.append([s.start for s in reply.segments_since(start)])
+        assert touched[-1] and all(s.end > start for s in reply.segments_since(start))
+    assert reply.segments == Reply.of(events).segments
 
 
 def test_message_content_rebuilds_chat_parts():
-    assert message_content(greeting()) == "Hello! How can I help you today?"
-    assert message_content(think_answer()) == "<think>Paris is the capital.</think>The capital of France is Paris."
-    assert message_content(calculator_answer()) == [
+    assert Reply.of(greeting()).content == "Hello! How can I help you today?"
+    assert Reply.of(think_answer()).content == "<think>Paris is the capital.</think>The capital of France is Paris."
+    assert Reply.of(calculator_answer()).content == [
         {"type": "text", "text": "Let me compute that."},
         {"type": "python", "text": "37*45"},
         {"type": "python_output", "text": "1665"},
         {"type": "text", "text": " 37*45 is 1665."},
     ]
     assert (
-        plain_text(message_content(calculator_answer()))
+        content_text(Reply.of(calculator_answer()).content)
         == "Let me compute that.⟨python⟩37*45⟨/python⟩ = 1665 37*45 is 1665."
     )
 

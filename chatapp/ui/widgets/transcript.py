@@ -6,7 +6,7 @@ AND underlined (a cue that survives a colour-blind reader or a monochrome termin
 markers like ⟨python⟩. Every token span carries its index as style meta, so a click resolves to a token without
 any layout arithmetic; the keyboard cursor (←/→ while the answer is focused) does the same.
 
-With the app's probability colouring on (`ChatApp.probability_colours`, ctrl+o), sampled tokens get a background by
+With the app's probability colouring on (`ChatApp.probability_colours`, f6), sampled tokens get a background by
 their probability under the model (`probability.py`: likely tokens stay plain, unlikely ones warm up); forced tokens
 keep their own style, whose underline tells them apart without colour.
 """
@@ -34,9 +34,11 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Static
 
 from chatapp.engine.events import TokenEvent
+from chatapp.engine.reply import Reply
+from chatapp.engine.reply import Segment as TokenSegment
+from chatapp.tools import TOOLS
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
-from chatapp.ui.tokens import Segment as TokenSegment
-from chatapp.ui.tokens import Segmenter, display_text
+from chatapp.ui.tokens import display_text
 from chatapp.ui.widgets.probability import probability_background
 from chatapp.ui.wrap import WrappedText
 
@@ -313,14 +315,13 @@ class ToolCallBlock(Collapsible):
         self.set_class(outcome is not None and outcome.kind == "refusal", "-refused")
 
     def _describe(self) -> str:
+        """The call's title, by its tool's own renderer (`Tool.describe`)."""
         call, outcome = self._segment.call, self._segment.outcome
         if call is None:
-            return "calculator …"
-        if outcome is None:
-            return f"{call.tool}: {call.expression}"
-        if outcome.kind == "refusal":
-            return f"{call.tool}: {call.expression}  ✗ refused"
-        return f"{call.tool}: {call.expression} = {outcome.output}"
+            return "tool call …"
+        refused = outcome is not None and outcome.kind == "refusal"
+        output = None if outcome is None or refused else outcome.output
+        return TOOLS.describe(call.tool, call.expression, output, refused)
 
 
 class AssistantMessage(Vertical, can_focus=True):
@@ -351,22 +352,24 @@ class AssistantMessage(Vertical, can_focus=True):
         message_id: int,
         status: str = "streaming",
         markers: ToolMarkers = NANOCHAT_TOOL_MARKERS,
+        reply: Reply | None = None,
     ) -> None:
+        """`reply`: the live answer's fold, which the app grows and this widget draws (`show_new`); without it the
+        widget folds `events` (a stored answer) into a reply of its own."""
         # Born in its state: a class or text changed after mounting costs another style or layout pass.
         super().__init__(classes="-streaming" if status == "streaming" else "")
         self.message_id = message_id  # its row in the history database
         self.border_title = "assistant"
-        self.events: list[TokenEvent] = []
+        self.reply = reply if reply is not None else Reply.of(events, markers)
+        self._drawn = 0  # events of the reply already drawn
         self.cursor = -1
         self.status = status
-        self._segmenter = Segmenter(markers)
         self._views: dict[int, TokenRun | ToolCallBlock] = {}
         self._first_run = TokenRun(self, 0, 0, growing=status == "streaming")
         self._status_text = ""
         self._status_detail: str | None = None  # kept for `on_mount`: a stream may end before the widget mounts
         self._status_line = Static(classes="status")
         self._status_line.display = False
-        self._initial = list(events)
 
     def compose(self):
         # The first text run comes with the message: mounting it with the first token would lay the screen out
@@ -375,14 +378,25 @@ class AssistantMessage(Vertical, can_focus=True):
         yield self._status_line
 
     def on_mount(self) -> None:
-        if self._initial:
-            self.extend(self._initial)
+        self.show_new()
         self.set_status(self.status, self._status_detail)
 
+    @property
+    def events(self) -> list[TokenEvent]:
+        """Every token of the answer (the reply's events)."""
+        return self.reply.events
+
     def extend(self, new_events: Sequence[TokenEvent]) -> None:
-        """Append streamed tokens and redraw only the segments they touched."""
-        self.events.extend(new_events)
-        for segment in self._segmenter.feed(new_events):
+        """Fold tokens into the answer's reply and draw them."""
+        for event in new_events:
+            self.reply.add(event)
+        self.show_new()
+
+    def show_new(self) -> None:
+        """Draw the reply's tokens not drawn yet, redrawing only the segments they touched."""
+        touched = self.reply.segments_since(self._drawn)
+        self._drawn = len(self.reply.events)
+        for segment in touched:
             view = self._views.get(segment.start)
             if view is None and segment.kind == "text" and segment.start == 0:
                 view = self._views[0] = self._first_run
@@ -418,10 +432,7 @@ class AssistantMessage(Vertical, can_focus=True):
 
     @property
     def segments(self) -> list[TokenSegment]:
-        return self._segmenter.segments
-
-    def tool_blocks(self) -> list[ToolCallBlock]:
-        return list(self.query(ToolCallBlock))
+        return self.reply.segments
 
     def select(self, index: int) -> None:
         """Move the token cursor to `index` and tell the app which token is selected."""
@@ -467,6 +478,3 @@ class Transcript(VerticalScroll):
 
     def answers(self) -> list[AssistantMessage]:
         return list(self.query(AssistantMessage))
-
-    def clear(self) -> None:
-        self.remove_children()

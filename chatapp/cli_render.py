@@ -1,7 +1,7 @@
 """`chatapp generate "PROMPT"`: stream one reply to the terminal, or its exact text to a pipe.
 
 The command (in `chatapp/cli.py`) loads the model and builds the Engine; this module only consumes `Step` events
-and folds them with the engine's reply fold (`reply.py`), so its numbers are the TUI's and the batch records'.
+and folds them with the engine's reply fold (`chatapp/engine/reply.py`), so its numbers are the TUI's and the batch records'.
 
 On a terminal, sampled text prints plain; forced text (tool output) prints italic cyan, so it differs without
 colour too; special tokens print dim; a refused tool call also prints its reason in red; a TTFA zone the reply

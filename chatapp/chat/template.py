@@ -1,21 +1,5 @@
-"""Chat formats: how a conversation becomes token ids, and which of those ids a model is trained on.
-
-A conversation is a list of message dicts, `{"role": "system" | "user" | "assistant", "content": ...}`. User and
-system content is a string; assistant content is a string or a list of parts `{"type": "text" | "python" |
-"python_output", "text": str}` (a calculator call and its result, as nanochat writes them).
-
-Two formats share one interface:
-
-- `ChatFormat`, nanochat's: `<|bos|>`, then `<|user_start|>`text`<|user_end|>` and
-  `<|assistant_start|>`...`<|assistant_end|>` per turn, tool calls as `<|python_start|>`expr`<|python_end|>` and
-  results as `<|output_start|>`value`<|output_end|>`. Used when the tokenizer carries those 9 special tokens.
-- `TemplateChatFormat`, a checkpoint's own Jinja chat template (Qwen's `<|im_start|>` ... `<|im_end|>`), rendered
-  in a sandbox the way `transformers` renders it. No tool markers.
-
-Both keep one promise: text in a message can never produce a structural special token. A user who types
-"<|assistant_end|>" gets those characters as ordinary tokens, so typed text cannot end a turn or fake a tool
-result. Every format therefore owns a private copy of the tokenizer that encodes structural tokens as text; the
-shared tokenizer is never toggled, so formats are safe to use from several threads at once.
+"""A checkpoint's own Jinja chat template (Qwen's and SmolLM2's `<|im_start|>` ... `<|im_end|>`), rendered in a
+sandbox the way `transformers` renders it, with the checkpoint's tool markers when it names them.
 """
 
 from __future__ import annotations
@@ -26,230 +10,17 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from tokenizers import Tokenizer
 
+from chatapp.chat.messages import Part, Role, Turn, _drop_trailing_assistant, _text_tokenizer, parse_messages
 from chatapp.errors import ConversationError, ModelDirError
-from chatapp.special_tokens import ASSISTANT_END, CHAT_TOKENS, OUTPUT_END, OUTPUT_START, PYTHON_END, PYTHON_START
-from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
+from chatapp.special_tokens import ASSISTANT_END, OUTPUT_END, OUTPUT_START, PYTHON_END, PYTHON_START
+from chatapp.tools.base import ToolMarkers
 
 # tokenizer_config.json key naming a checkpoint's tool markers (written by the default model's preparation).
 TOOL_MARKERS_KEY = "chatapp_tool_markers"
-
-Role = Literal["system", "user", "assistant"]
-PartType = Literal["text", "python", "python_output"]
-PART_TYPES: tuple[str, ...] = ("text", "python", "python_output")
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    """One piece of a message's content."""
-
-    type: PartType
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """A validated message: its role and content parts (a plain string becomes one text part)."""
-
-    role: Role
-    parts: tuple[Part, ...]
-
-    @property
-    def text(self) -> str:
-        """The content as one string (meaningful for text-only content)."""
-        return "".join(part.text for part in self.parts)
-
-
-def parse_messages(messages: Sequence[Mapping[str, Any]]) -> list[Turn]:
-    """Validate a conversation and return its turns.
-
-    The shape nanochat trains on: an optional system message first, then user and assistant messages alternating,
-    starting with a user. Errors name the message at fault so a bad JSONL line or history entry is easy to fix.
-    """
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ConversationError(f"a conversation must be a list of messages, got {type(messages).__name__}")
-    turns: list[Turn] = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ConversationError(f"message {index} must be a dict with 'role' and 'content', got {message!r:.80}")
-        role = message.get("role")
-        if role not in ("system", "user", "assistant"):
-            raise ConversationError(f"message {index} has role {role!r}", hint="use 'system', 'user' or 'assistant'")
-        expected = _expected_role(index, has_system=bool(turns) and turns[0].role == "system")
-        if role not in expected:
-            raise ConversationError(
-                f"message {index} is from {role!r} but should be from {' or '.join(repr(r) for r in expected)}",
-                hint="start with an optional system message, then alternate user and assistant messages",
-            )
-        turns.append(Turn(role, _parse_content(index, role, message.get("content"))))
-    return turns
-
-
-def _expected_role(index: int, *, has_system: bool) -> tuple[str, ...]:
-    if index == 0:
-        return ("system", "user")
-    position = index - 1 if has_system else index
-    return ("user",) if position % 2 == 0 else ("assistant",)
-
-
-def _parse_content(index: int, role: str, content: object) -> tuple[Part, ...]:
-    if isinstance(content, str):
-        return (Part("text", content),)
-    if role != "assistant" or not isinstance(content, list):
-        allowed = "a string or a list of parts" if role == "assistant" else "a string"
-        raise ConversationError(f"message {index} ({role}) content must be {allowed}, got {type(content).__name__}")
-    parts = []
-    for part_index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        text = part.get("text") if isinstance(part, Mapping) else None
-        if kind not in PART_TYPES or not isinstance(text, str):
-            raise ConversationError(
-                f"message {index} part {part_index} must be {{'type': one of {', '.join(PART_TYPES)}, "
-                f"'text': str}}, got {part!r:.80}"
-            )
-        parts.append(Part(kind, text))
-    return tuple(parts)
-
-
-def _merge_system(turns: list[Turn]) -> list[Turn]:
-    """nanochat has no system turn: a system message is prepended to the first user message, joined by a blank line."""
-    if not turns or turns[0].role != "system":
-        return turns
-    if len(turns) == 1:
-        raise ConversationError("a system message must be followed by a user message")
-    system, user, *rest = turns
-    return [Turn("user", (Part("text", f"{system.text}\n\n{user.text}"),)), *rest]
-
-
-def _drop_trailing_assistant(turns: list[Turn]) -> list[Turn]:
-    if turns and turns[-1].role == "assistant":
-        turns = turns[:-1]
-    if not turns or turns[-1].role != "user":
-        raise ConversationError("a conversation to complete must contain a user message")
-    return turns
-
-
-def _text_tokenizer(tokenizer: Tokenizer, structural: Collection[str] | None) -> Tokenizer:
-    """A private copy of `tokenizer` that encodes structural special tokens as ordinary text.
-
-    `encode_special_tokens = True` makes the Rust tokenizer skip matching *special* added tokens; non-special added
-    tokens (content markers such as `<think>`) still match. With `structural` given, exactly those tokens are marked
-    special in the copy and every other added token becomes content vocabulary; with None the tokenizer's own
-    special flags decide (Qwen marks its chat tokens special and `<tool_call>`-like markers not).
-    The copy is never mutated after this, so it may be shared by threads.
-    """
-    spec = json.loads(tokenizer.to_str())
-    if structural is not None:
-        for token in spec.get("added_tokens", []):
-            token["special"] = token["content"] in structural
-    clone = Tokenizer.from_str(json.dumps(spec))
-    clone.encode_special_tokens = True
-    return clone
-
-
-class _Builder:
-    """Accumulates ids with their loss-mask value (1 = the model is trained to produce this token)."""
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.mask: list[int] = []
-
-    def add(self, ids: Iterable[int], supervised: bool) -> None:
-        ids = list(ids)
-        self.ids.extend(ids)
-        self.mask.extend([int(supervised)] * len(ids))
-
-
-class ChatFormat:
-    """nanochat's chat format over a tokenizer with the 9 chat special tokens.
-
-    Loss mask: assistant text, the python call (with its markers) and `<|assistant_end|>` are supervised; BOS, user
-    turns, `<|assistant_start|>` and tool output (`<|output_start|>`..`<|output_end|>`, produced by the calculator at
-    run time) are not. Any added token other than the 9 (e.g. `<think>`) is content vocabulary: it encodes to its
-    single id wherever it appears in text.
-    """
-
-    supports_tools = True
-    # Built-in TTFA programs are written with this format's own token names: nothing to translate.
-    program_aliases: dict[str, str] = {}
-    tool_markers: ToolMarkers | None = NANOCHAT_TOOL_MARKERS
-
-    bos_id: int
-    user_start_id: int
-    user_end_id: int
-    assistant_start_id: int
-    assistant_end_id: int
-    python_start_id: int
-    python_end_id: int
-    output_start_id: int
-    output_end_id: int
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        missing = [name for name in CHAT_TOKENS.values() if tokenizer.token_to_id(name) is None]
-        if missing:
-            raise ModelDirError(
-                f"the tokenizer lacks the chat special tokens {', '.join(missing)}",
-                hint="use chat_format_for(tokenizer, model_dir), which falls back to the checkpoint's chat template",
-            )
-        self.tokenizer = tokenizer
-        for attribute, name in CHAT_TOKENS.items():
-            setattr(self, attribute, tokenizer.token_to_id(name))
-        # The row ends when the model emits either; nanochat also stops on a stray <|bos|>.
-        self.stop_token_ids: tuple[int, ...] = (self.assistant_end_id, self.bos_id)
-        self._encoder = _text_tokenizer(tokenizer, structural=set(CHAT_TOKENS.values()))
-
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of `text` as content: chat special-token names in it stay ordinary characters."""
-        return self._encoder.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids`, special tokens written as their names."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    def render_conversation(
-        self, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None
-    ) -> tuple[list[int], list[int]]:
-        """Ids and loss mask (0/1 per id) of a whole conversation, truncated to `max_tokens` if given."""
-        out = _Builder()
-        out.add([self.bos_id], False)
-        for turn in _merge_system(parse_messages(messages)):
-            if turn.role == "user":
-                out.add([self.user_start_id], False)
-                out.add(self.encode_text(turn.text), False)
-                out.add([self.user_end_id], False)
-            else:
-                self._render_assistant(turn, out)
-        if max_tokens is not None:
-            return out.ids[:max_tokens], out.mask[:max_tokens]
-        return out.ids, out.mask
-
-    def _render_assistant(self, turn: Turn, out: _Builder) -> None:
-        out.add([self.assistant_start_id], False)
-        for part in turn.parts:
-            ids = self.encode_text(part.text)
-            if part.type == "text":
-                out.add(ids, True)
-            elif part.type == "python":
-                out.add([self.python_start_id, *ids, self.python_end_id], True)
-            else:  # python_output: written by the calculator at run time, never by the model
-                out.add([self.output_start_id, *ids, self.output_end_id], False)
-        out.add([self.assistant_end_id], True)
-
-    def render_for_completion(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Prompt ids for the next assistant answer: the conversation (minus a trailing assistant message) then
-        `<|assistant_start|>`."""
-        turns = _drop_trailing_assistant(parse_messages(messages))
-        ids, _ = self.render_conversation([_as_message(turn) for turn in turns])
-        return [*ids, self.assistant_start_id]
-
-
-def _as_message(turn: Turn) -> dict[str, Any]:
-    if turn.role != "assistant":
-        return {"role": turn.role, "content": turn.text}
-    return {"role": "assistant", "content": [{"type": part.type, "text": part.text} for part in turn.parts]}
 
 
 # Sentinels that stand in for message contents when a template is rendered to find where each content lands.
@@ -490,12 +261,7 @@ class TemplateChatFormat:
                 "a message has a tool call, but this model's chat template has no tool markers",
                 hint="use a model with tool markers (the default model, or a chatapp checkpoint) for calculator calls",
             )
-        wrap = {
-            "text": ("", ""),
-            "python": (markers.call_start, markers.call_end),
-            "python_output": (markers.output_start or "", markers.output_end),
-        }
-        return "".join(wrap[p.type][0] + p.text + wrap[p.type][1] for p in turn.parts)
+        return "".join(markers.wrap(p.type)[0] + p.text + markers.wrap(p.type)[1] for p in turn.parts)
 
     def _messages(self, turns: list[Turn]) -> list[dict[str, str]]:
         return [{"role": turn.role, "content": self._flat_text(turn)} for turn in turns]
@@ -641,22 +407,3 @@ def _token_text(value: object) -> str | None:
     if isinstance(value, Mapping):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
-
-
-AnyChatFormat = ChatFormat | TemplateChatFormat
-
-
-def chat_format_for(tokenizer: Tokenizer, model_dir: str | Path | None = None) -> AnyChatFormat:
-    """The chat format for a checkpoint: nanochat's when the tokenizer has its chat tokens, otherwise the
-    checkpoint's chat template."""
-    missing = [name for name in CHAT_TOKENS.values() if tokenizer.token_to_id(name) is None]
-    if not missing:
-        return ChatFormat(tokenizer)
-    if model_dir is not None and _find_template(Path(model_dir), _read_json(Path(model_dir) / "tokenizer_config.json")):
-        return TemplateChatFormat.from_dir(tokenizer, model_dir)
-    where = f"{model_dir}" if model_dir is not None else "the tokenizer"
-    raise ModelDirError(
-        f"{where}: no chat format: the tokenizer lacks {', '.join(missing)} and there is no chat template",
-        hint="use a chat (instruct) checkpoint whose tokenizer_config.json has 'chat_template', "
-        "or a chatapp checkpoint whose tokenizer has the <|user_start|> ... <|output_end|> tokens",
-    )
