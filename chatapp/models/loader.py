@@ -9,8 +9,8 @@ any weights are touched where possible.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import os
 import sys
 import threading
@@ -156,12 +156,14 @@ def _served_model(model_dir: Path, device: torch.device, fmt: str, hint: str | N
 
 
 def served_dir(model_dir: Path, fmt: str) -> Path:
-    """Where the served format `fmt` of `model_dir` is stored: the data directory, one entry per `served_key`."""
+    """Where the served format `fmt` of `model_dir` is stored: the data directory, one entry per `served_key`,
+    named `<model and format>-<key>` so that a rebuild can find and remove what it replaces (`_store_served`)."""
     from chatapp.settings import data_dir
     from chatapp.stt.served import ServedSource, served_key
 
     source = ServedSource(files=tuple(_source_files(model_dir)), weight_format=fmt)
-    return data_dir() / "served" / served_key(source)
+    model = hashlib.sha256(f"{model_dir.resolve()}\n{fmt}".encode()).hexdigest()[:12]
+    return data_dir() / "served" / f"{model}-{served_key(source)}"
 
 
 def _source_files(model_dir: Path) -> list[Path]:
@@ -188,6 +190,11 @@ def _store_served(model: STTForCausalLM, directory: Path) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    # The same model and format stored from older weights or code: never read again (another key), 220 MB each.
+    model = directory.name.split("-", 1)[0]
+    for old in directory.parent.glob(f"{model}-*"):
+        if old != directory:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _converted_model(model_dir: Path, device: torch.device, fmt: str, hint: str | None) -> STTForCausalLM:
@@ -213,21 +220,15 @@ def _converted_model(model_dir: Path, device: torch.device, fmt: str, hint: str 
 
 def _parameter_count(model_dir: Path, hint: str | None) -> int:
     """The checkpoint's number of weights, from the safetensors headers (no tensor is read)."""
-    from safetensors import SafetensorError, safe_open
+    from chatapp.models.registry import safetensors_parameter_count
 
-    total = 0
-    for path in _weight_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (the handle is not iterable)
-                    shape = handle.get_slice(name).get_shape()
-                    total += math.prod(shape)
-        except (OSError, SafetensorError) as err:
-            raise ModelDirError(
-                f"cannot read the weights in {path}: {err}",
-                hint=hint or "re-copy the safetensors files from the checkpoint",
-            ) from None
-    return total
+    try:
+        return safetensors_parameter_count(_weight_files(model_dir))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ModelDirError(
+            f"cannot read the weights in {model_dir}: {err}",
+            hint=hint or "re-copy the safetensors files from the checkpoint",
+        ) from None
 
 
 def _notice(line: str) -> None:
