@@ -229,14 +229,22 @@ def _remove_hint(path: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the directory
-def check_writable_dir(path: str | Path, what: str) -> Path:
+def check_writable_dir(path: str | Path, what: str, *, create: bool = True) -> Path:
     """`path` as a directory this process can write in, created (with its parents) if missing; otherwise a
     DataDirError naming the path, what it is for, and the fix. Writability is probed by creating a file (mode bits
-    say nothing for root, nor for a read-only mount)."""
+    say nothing for root, nor for a read-only mount). With `create` False a missing `path` is not created: its
+    nearest existing ancestor must be a writable directory."""
     path = Path(path).expanduser()
     hint = f"point it at a writable directory, or make {path} one"
     if path.exists() and not path.is_dir():
         raise DataDirError(f"the {what} {path} is not a directory", hint=f"remove the file {path}, or {hint}")
+    if not create and not path.exists():
+        above = next((p for p in path.parents if p.exists()), Path("/"))
+        if not above.is_dir():
+            raise DataDirError(f"cannot create the {what} {path}: {above} is a file, not a directory", hint=hint)
+        if writable_dir_problem(above, what, create=False) is not None:
+            raise DataDirError(f"cannot create the {what} {path}: {above} is not writable", hint=hint)
+        return path
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -257,10 +265,11 @@ def check_writable_dir(path: str | Path, what: str) -> Path:
     return path
 
 
-def writable_dir_problem(path: str | Path, what: str) -> str | None:
-    """Why `check_writable_dir(path, what)` would fail, or None; for reports (`chatapp info`) that must not fail."""
+def writable_dir_problem(path: str | Path, what: str, *, create: bool = False) -> str | None:
+    """Why `check_writable_dir(path, what)` would fail, or None; for reports (`chatapp info`) that must not fail
+    (and, by default, create nothing)."""
     try:
-        check_writable_dir(path, what)
+        check_writable_dir(path, what, create=create)
     except DataDirError as err:
         return err.message
     return None
