@@ -281,8 +281,8 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> GGUFModel:
         raise GGUFError(
             f"{path}: a model metadata field has a value of the wrong type ({err})", hint="copy the file again"
         ) from None
+    _check_shapes(reader, path, config)  # first: it bounds the layer count, which the config builds lists of
     _validate_config(path, arch, config)
-    _check_shapes(reader, path, config)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
     total = len(reader.tensors)
