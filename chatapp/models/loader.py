@@ -99,6 +99,7 @@ def load_model(
     from chatapp.stt.weights import parse_format
 
     check_environment()  # before the default model is prepared or any weight is read
+    resolved = resolve_device(device)  # a bad --device too
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     fmt = parse_format(dtype) or parse_format(os.environ.get(DTYPE_ENV) or None)
@@ -113,7 +114,6 @@ def load_model(
     from chatapp.stt.weights import prepare_weights
 
     chat_format = chat_format_for(tokenizer, model_dir)
-    resolved = resolve_device(device)
     if compile is None:
         _warm_compiled_runtime(resolved)
     try:
