@@ -235,7 +235,7 @@ def check_writable_dir(path: str | Path, what: str, *, create: bool = True) -> P
     say nothing for root, nor for a read-only mount). With `create` False a missing `path` is not created: its
     nearest existing ancestor must be a writable directory."""
     path = Path(path).expanduser()
-    hint = f"point it at a writable directory, or make {path} one"
+    hint = "use a path in a writable directory"
     if path.exists() and not path.is_dir():
         raise DataDirError(f"the {what} {path} is not a directory", hint=f"remove the file {path}, or {hint}")
     if not create and not path.exists():
@@ -261,7 +261,9 @@ def check_writable_dir(path: str | Path, what: str, *, create: bool = True) -> P
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
-        raise DataDirError(f"the {what} {path} is not writable: {err.strerror or err}", hint=hint) from None
+        raise DataDirError(
+            f"the {what} {path} is not writable: {err.strerror or err}", hint=f"make {path} writable, or {hint}"
+        ) from None
     return path
 
 
