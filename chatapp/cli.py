@@ -19,16 +19,52 @@ from typer.core import TyperGroup
 from chatapp import __version__
 from chatapp.errors import ChatappError, ModelDirError, SettingsError
 
+try:  # typer 0.2x parses with its own copy of Click: its usage errors are not `click`'s
+    from typer._click import exceptions as _typer_click
+except ImportError:  # pragma: no cover
+    _typer_click = click.exceptions
+_USAGE_ERRORS = (click.UsageError, _typer_click.UsageError)
+_NO_ARGS_IS_HELP = tuple(
+    kind for kind in (getattr(m, "NoArgsIsHelpError", None) for m in (click.exceptions, _typer_click)) if kind
+)
+_NO_SUCH_OPTION = (click.NoSuchOption, _typer_click.NoSuchOption)
+
 
 class ChatappGroup(TyperGroup):
-    """The command group: a `ChatappError` from any command is printed as one message (no traceback) and exits with
-    its code, so commands just raise."""
+    """The command group: a `ChatappError` from any command, and a usage error (a bad option value, an unknown
+    option), is printed as one message (no traceback, no usage box) and exits with its code (1), so commands just
+    raise. `user_error` is the one place that turns an exception into that message and its fix."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent=None, **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except _USAGE_ERRORS as err:
+            if isinstance(err, _NO_ARGS_IS_HELP):
+                raise
+            raise fail(user_error(err)) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except ChatappError as err:
-            raise fail(err) from None
+        except (ChatappError, *_USAGE_ERRORS) as err:
+            if isinstance(err, _NO_ARGS_IS_HELP):
+                raise
+            raise fail(user_error(err)) from None
+
+
+def user_error(err: Exception) -> ChatappError:
+    """The message and fix for an exception a user caused: a `ChatappError` as it is, a Click usage error as a
+    `SettingsError` (one line and the command's --help, where Click would print its usage box and exit 2)."""
+    if isinstance(err, ChatappError):
+        return err
+    if isinstance(err, _NO_SUCH_OPTION) and not err.option_name.startswith("--"):
+        hint = "an argument that starts with '-' goes after --, e.g. `chatapp calc -- '-5+3'`"
+    else:
+        command = err.ctx.command_path if getattr(err, "ctx", None) is not None else "chatapp"
+        hint = f"see `{command} --help`"
+    usage = SettingsError(err.format_message(), hint=hint)
+    usage.exit_code = 1
+    return usage
 
 
 app = typer.Typer(
@@ -95,6 +131,9 @@ def root(
     ] = False,
 ) -> None:
     """chatapp: a terminal tool for watching a language model think while it talks."""
+    from chatapp.settings import clean_data_dir
+
+    clean_data_dir()  # staging that a killed process left in the data directory (never fails)
 
 
 @app.command()
@@ -106,7 +145,7 @@ def info() -> None:
 
     from chatapp.models.loader import is_complete_model_dir
     from chatapp.models.registry import default_model_name, model_listing
-    from chatapp.settings import config_dir, data_dir, history_db_path
+    from chatapp.settings import config_dir, data_dir, data_dir_problem, history_db_path
 
     def installed(package: str) -> str:
         try:
@@ -127,7 +166,7 @@ def info() -> None:
         "textual": installed("textual"),
         "device": device,
         "config dir": str(config_dir()),
-        "data dir": str(data_dir()),
+        "data dir": str(data_dir()) + (f" (not usable: {problem})" if (problem := data_dir_problem()) else ""),
         "history db": str(history_db_path()),
         "default model": f"{default.path} ({'present' if is_complete_model_dir(default.path) else 'missing'})",
     }
@@ -266,7 +305,7 @@ def run(
     """Open the chat TUI: streamed tokens (sampled vs forced), zone tags, routing heatmap, tool calls, history."""
     from pathlib import Path
 
-    from chatapp.models.loader import check_model_dir, resolve_device
+    from chatapp.models.loader import check_environment, check_model_dir, resolve_device
     from chatapp.models.registry import is_registered, resolve_model
     from chatapp.ttfa.loader import load_program_source_by_name
     from chatapp.ui import make_app
@@ -275,7 +314,8 @@ def run(
     # Every value the user typed is checked here, before seconds of model loading in the engine process (whose
     # errors would otherwise arrive only after it): the program file is read and parsed (compiling it needs the
     # tokenizer, so that part is the engine's, and its error comes back as this one does), the device is resolved,
-    # the model directory is looked at.
+    # the model directory is looked at; first the environment's settings.
+    check_environment()
     if program is not None:
         load_program_source_by_name(program)
     if device is not None:
@@ -432,21 +472,48 @@ def convert(
     """Turn a GGUF file or a Qwen2 checkpoint into an STT model directory (fresh routers; routing off until trained)."""
     from pathlib import Path
 
-    from chatapp.models.gguf import convert_gguf, is_gguf
+    from chatapp import store
+    from chatapp.models.gguf import GGUFError, convert_gguf, is_gguf
     from chatapp.stt.io import convert_qwen2
 
+    # Everything is checked before the source is read (a GGUF takes seconds to dequantize): the output, then the
+    # source's kind. The model is written through the store: staged beside OUT_DIR and renamed into place, so a
+    # killed conversion leaves no half directory (and its staging is removed by the next run).
     target = Path(out_dir).expanduser()
+    store.clean_stale(target.parent, target.name)
     if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+        if target.is_dir() and not store.is_complete(target) and _only_partial_files(target):
+            raise ModelDirError(
+                f"{target} holds only the temporary files of an interrupted conversion",
+                hint=f"remove {target} and run the same `chatapp convert` again",
+            )
         raise ModelDirError(f"{target} already exists", hint="give a new (or empty) directory for the model")
-    if is_gguf(source):
-        from rich.progress import Progress
+    store.check_writable_dir(target.parent, "directory the model is written in")
+    source_path = Path(source).expanduser()
+    gguf = is_gguf(source_path)
+    if not gguf and source_path.suffix.lower() == ".gguf" and source_path.is_file():
+        raise GGUFError(
+            f"{source_path} is not a GGUF file (it does not start with the GGUF magic bytes)",
+            hint="pass a llama.cpp .gguf model file (the download may be incomplete or an HTML page), "
+            "or a Qwen2 model directory",
+        )
+    with store.staged_dir(target, what="output directory") as staging:
+        if gguf:
+            from rich.progress import Progress
 
-        with Progress(transient=True) as bar:
-            task = bar.add_task("reading and dequantizing", total=1)
-            model = convert_gguf(source, target, lambda done, total: bar.update(task, completed=done, total=total))
-    else:
-        model = convert_qwen2(source, target)
+            with Progress(transient=True) as bar:
+                task = bar.add_task("reading and dequantizing", total=1)
+                model = convert_gguf(
+                    source_path, staging, lambda done, total: bar.update(task, completed=done, total=total)
+                )
+        else:
+            model = convert_qwen2(source_path, staging)
     typer.echo(f"wrote {target}: {model.config.num_hidden_layers} layers, STT layers {model.stt_layer_indices}")
+
+
+def _only_partial_files(directory) -> bool:
+    """Whether `directory` holds nothing but an earlier version's temporary files (`.NAME.XXXX.tmp`)."""
+    return all(path.name.startswith(".") and path.name.endswith(".tmp") for path in directory.iterdir())
 
 
 def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: str | None, device: str | None):

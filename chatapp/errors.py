@@ -87,3 +87,8 @@ class TrainingError(ChatappError):
 
 class HistoryError(ChatappError):
     """The chat history database cannot be used: a directory, another program's database, unreadable."""
+
+
+class DataDirError(ChatappError):
+    """The data directory (or an output directory the app writes like it) cannot be used: a file in its place, not
+    writable, or a stored file that is not a regular file."""

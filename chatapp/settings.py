@@ -114,6 +114,43 @@ def data_dir() -> Path:
     return Path(base) / "chatapp"
 
 
+def data_dir_hint() -> str:
+    """How to point chatapp at another data directory."""
+    if _home_override() is not None:
+        return "set CHATAPP_HOME to a writable directory (or unset it)"
+    return "set XDG_DATA_HOME or CHATAPP_HOME to a writable directory, or fix the permissions of this one"
+
+
+def check_data_dir() -> Path:
+    """The data directory, created if missing; `DataDirError` naming it and the fix when it is a file, cannot be
+    created or cannot be written. Checked before work that writes there (preparing the default model)."""
+    from chatapp.errors import DataDirError
+    from chatapp.store import check_writable_dir
+
+    path = data_dir()
+    try:
+        return check_writable_dir(path, "data directory")
+    except DataDirError as err:
+        raise DataDirError(err.message, hint=data_dir_hint()) from None
+
+
+def data_dir_problem() -> str | None:
+    """Why the data directory cannot be used, or None (for reports that must not fail and create nothing:
+    `chatapp info`, `chatapp models`)."""
+    from chatapp.store import writable_dir_problem
+
+    return writable_dir_problem(data_dir(), "data directory")
+
+
+def clean_data_dir() -> None:
+    """Remove the staging that killed processes left in the data directory (`chatapp.store.clean_stale`); run at
+    every start, cheap (two directory listings), never fails."""
+    from chatapp.store import clean_stale
+
+    for sub in ("models", "compiled"):
+        clean_stale(data_dir() / sub, legacy=True)
+
+
 def engine_log_path() -> Path:
     """Where the TUI's engine process writes its output (loading messages, warnings, a crash's traceback)."""
     return data_dir() / "engine.log"

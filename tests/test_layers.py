@@ -21,6 +21,7 @@ ROOT = Path(chatapp.__file__).resolve().parent
 # through `ChatFormatLike` without importing `chat`, so the two share a level.
 LEVELS: list[set[str]] = [
     {"errors", "special_tokens"},
+    {"store"},  # everything written under the data directory goes through it (DESIGN.md)
     {"validation"},
     {"settings"},
     {"tools", "trie", "ttfa", "stt"},

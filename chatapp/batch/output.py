@@ -91,7 +91,7 @@ def _record_kind(record: object) -> str | None:
 def _not_resumable(path: Path, why: str) -> BatchFileError:
     return BatchFileError(
         f"{path} {why}, so it cannot be resumed; it was left untouched",
-        hint="resume only files written by `chatapp generate`, or write to a new output file",
+        hint="resume only files written by `chatapp batch`, or write to a new output file",
     )
 
 

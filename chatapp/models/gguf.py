@@ -156,6 +156,40 @@ def _config(reader: Any, path: Path, arch: str, has_output: bool) -> dict[str, A
     }
 
 
+# The Hugging Face config field each GGUF metadata key becomes (after `ARCH.`), to name the key at fault.
+_GGUF_KEYS = {
+    "vocab_size": "vocab_size (or the length of tokenizer.ggml.tokens)",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "max_position_embeddings": "context_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+}
+
+
+def _validate_config(path: Path, arch: str, config: dict[str, Any]) -> None:
+    """The same validation a config.json gets (`STTConfig` and `validate_stt`), before any tensor is read; a
+    failure names the GGUF metadata key the bad value came from."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from chatapp.stt.config import STTConfig, config_problem
+
+    try:
+        STTConfig(**config).validate_stt()
+    except (TypeError, ValueError, StrictDataclassError) as err:
+        problem = config_problem(err)
+        fields = [name for name in _GGUF_KEYS if problem.startswith(name) or f" {name} " in f" {problem} "]
+        keys = ", ".join(f"{arch}.{_GGUF_KEYS[name]}" for name in fields)
+        where = f"its metadata {keys} gives an impossible model config" if keys else "its metadata gives an impossible model config"
+        raise GGUFError(
+            f"{path}: {where}: {problem}",
+            hint="the file is corrupt or was written wrongly; use another copy or a file from another converter",
+        ) from None
+
+
 def _check_shapes(reader: Any, path: Path, config: dict[str, Any]) -> None:
     """The tensors are those the config implies, with the shapes it implies: checked before anything is dequantized
     or sized from the metadata's counts, so a corrupt count fails here instead of looping or allocating."""
@@ -247,7 +281,8 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> GGUFModel:
         raise GGUFError(
             f"{path}: a model metadata field has a value of the wrong type ({err})", hint="copy the file again"
         ) from None
-    _check_shapes(reader, path, config)
+    _check_shapes(reader, path, config)  # first: it bounds the layer count, which the config builds lists of
+    _validate_config(path, arch, config)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
     total = len(reader.tensors)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatapp.errors import ModelDirError
-from chatapp.models.registry import is_registered, resolve_model
+from chatapp.models.registry import repair_hint, resolve_model
 
 if TYPE_CHECKING:
     import torch
@@ -39,8 +39,6 @@ THREADS_ENV = "CHATAPP_THREADS"
 # "1" compiles the decode step (`chatapp.stt.decode.compile_decode`) at load when no `compile` argument says
 # otherwise; "0" never compiles it, not even in the background (`wants_compiled_step`).
 COMPILE_ENV = "CHATAPP_COMPILE"
-
-_REBUILD_HINT = "run `make train-tiny` to rebuild the shipped tiny model"
 
 
 @dataclass
@@ -103,11 +101,13 @@ def load_model(
 
     from chatapp.stt.weights import parse_format
 
+    check_environment()  # before the default model is prepared or any weight is read
+    resolved = resolve_device(device)  # a bad --device too
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     fmt = parse_format(dtype) or parse_format(os.environ.get(DTYPE_ENV) or None)
     model_dir = resolve_model(model)
-    hint = _REBUILD_HINT if is_registered(model) else None
+    hint = repair_hint(model, model_dir)  # the fix depends on what wrote the files (shipped, prepared, converted)
     check_model_dir(model_dir, hint=hint)
     tokenizer = _load_tokenizer(model_dir, hint)
 
@@ -115,7 +115,6 @@ def load_model(
     from chatapp.stt.weights import default_format
 
     chat_format = chat_format_for(tokenizer, model_dir)
-    resolved = resolve_device(device)
     if compile is None:
         _warm_compiled_runtime(resolved)
     fmt = fmt or default_format(resolved, _parameter_count(model_dir, hint))
@@ -233,6 +232,38 @@ def _parameter_count(model_dir: Path, hint: str | None) -> int:
 
 def _notice(line: str) -> None:
     print(f"chatapp: {line}", file=sys.stderr, flush=True)
+
+
+def check_environment() -> None:
+    """Refuse a bad `$CHATAPP_COMPILE`, `$CHATAPP_DTYPE`, `$CHATAPP_THREADS` or `$CHATAPP_DEFAULT_MODEL` before
+    any work (a model load takes seconds; a bad value found after it wastes them). Raises a `ChatappError`
+    naming the variable and the fix."""
+    from chatapp.errors import ChatappError, SettingsError
+    from chatapp.models.registry import default_model_name
+    from chatapp.stt.weights import parse_format
+
+    _env_flag(COMPILE_ENV)
+    value = os.environ.get(DTYPE_ENV)
+    if value:
+        try:
+            parse_format(value)
+        except ChatappError as err:
+            raise SettingsError(f"{DTYPE_ENV}={value!r}: {err.message}", hint=err.hint) from None
+    _threads_from_env()
+    default_model_name()
+
+
+def _threads_from_env() -> int | None:
+    wanted = os.environ.get(THREADS_ENV)
+    if not wanted:
+        return None
+    try:
+        threads = int(wanted)
+    except ValueError:
+        raise ModelDirError(f"{THREADS_ENV}={wanted!r} is not a number", hint="set it to e.g. 1 or 2") from None
+    if threads < 1:
+        raise ModelDirError(f"{THREADS_ENV}={wanted!r} must be at least 1", hint="set it to e.g. 1 or 2")
+    return threads
 
 
 def _env_flag(name: str) -> bool:
@@ -402,18 +433,11 @@ def configure_threads(model: STTForCausalLM) -> int:
 
     from chatapp.stt.weights import CPU_QUANTIZE_MIN_BYTES
 
-    wanted = os.environ.get(THREADS_ENV)
-    if wanted:
-        try:
-            threads = int(wanted)
-        except ValueError:
-            raise ModelDirError(f"{THREADS_ENV}={wanted!r} is not a number", hint="set it to e.g. 1 or 2") from None
-        if threads < 1:
-            raise ModelDirError(f"{THREADS_ENV}={wanted!r} must be at least 1", hint="set it to e.g. 1 or 2")
-    elif sum(p.numel() for p in model.parameters()) * 4 <= CPU_QUANTIZE_MIN_BYTES:
+    threads = _threads_from_env()
+    if threads is None:
+        if sum(p.numel() for p in model.parameters()) * 4 > CPU_QUANTIZE_MIN_BYTES:
+            return torch.get_num_threads()
         threads = 1
-    else:
-        return torch.get_num_threads()
     torch.set_num_threads(threads)
     return threads
 

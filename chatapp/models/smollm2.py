@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,18 +118,18 @@ def is_prepared(model_dir: Path) -> bool:
 
 
 def prepare(model_dir: Path, progress: Progress | None = None) -> Path:
-    """Convert the wheel's GGUF, apply the shipped parts and save the default model into `model_dir` (atomically:
-    built beside it and renamed into place, so an interrupted preparation leaves nothing half-written)."""
-    import shutil
-    import tempfile
-
+    """Convert the wheel's GGUF, apply the shipped parts and save the default model into `model_dir` (through
+    `chatapp.store`: built beside it and renamed into place, so an interrupted preparation leaves nothing
+    half-written, and its staging is removed by the next start)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from chatapp import store
     from chatapp.models.gguf import read_gguf, write_tokenizer_files
     from chatapp.stt import STTConfig, STTForCausalLM
     from chatapp.stt.io import save_merged_adapters, save_model
 
+    store.check_writable_dir(model_dir.parent, "models directory (in the data directory)")  # before 20 s of work
     manifest = _manifest()
     source = gguf_path()
     report = progress or (lambda done, total, what: None)
@@ -164,20 +165,13 @@ def prepare(model_dir: Path, progress: Progress | None = None) -> Path:
     model = STTForCausalLM(config)
     model.load_state_dict(state, strict=True)
     report(85, 100, "saving")
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=model_dir.parent, prefix=f".{model_dir.name}."))
-    try:
+    with store.staged_dir(model_dir, what="prepared default model") as tmp:
         save_model(model, tmp)
         save_merged_adapters(adapters, tmp)
         write_tokenizer_files(tmp, read)
         mark_tool_tokens(tmp)
-        (tmp / PREPARED_STAMP).write_text(json.dumps({"parts": parts_fingerprint(), "layout": PREPARED_LAYOUT}) + "\n", encoding="utf-8")
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        tmp.rename(model_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        stamp = json.dumps({"parts": parts_fingerprint(), "layout": PREPARED_LAYOUT}) + "\n"
+        (tmp / PREPARED_STAMP).write_text(stamp, encoding="utf-8")
     report(100, 100, "ready")
     return model_dir
 
@@ -190,10 +184,96 @@ def prepared_dir() -> Path:
 
 
 def ensure_prepared(progress: Progress | None = None) -> Path:
-    """The prepared default model's directory, preparing it first if needed (once; afterwards it loads at once)."""
+    """The prepared default model's directory, preparing it first if needed (once; afterwards it loads at once).
+    A process that finds another one preparing it waits for it (the store's lock) instead of preparing it twice."""
+    from chatapp import store
+
     target = prepared_dir()
+    store.clean_stale(target.parent, legacy=True)  # what a killed preparation left
     if is_prepared(target):
-        return target
+        damage = prepared_damage(target)
+        if damage is None:
+            return target
+        return reprepare(damage, progress)
+    check_data_dir()
+    with store.target_lock(target):
+        if is_prepared(target):
+            return target
+        return _prepare_with_bar(target, progress)
+
+
+def prepared_damage(model_dir: Path) -> str | None:
+    """What is wrong with the files of a prepared directory (a quick look: no tensor is read), or None. Catches
+    what a disk or a user can do to them after preparation: a truncated or non-regular file, an unreadable config
+    or tokenizer. Such a directory is prepared again (`ensure_prepared`), not reported as a user's error."""
+    from chatapp import store
+    from chatapp.errors import ChatappError
+    from chatapp.stt.io import load_config
+
+    try:
+        load_config(model_dir)
+        json.loads(store.read_regular_bytes(model_dir / "tokenizer.json", 64 << 20))
+        weights = sorted(model_dir.glob("*.safetensors"))
+        if not any(path.name == "model.safetensors" for path in weights):
+            return "model.safetensors is missing"
+        for path in weights:
+            problem = _safetensors_damage(path)
+            if problem:
+                return problem
+    except ChatappError as err:
+        return err.message
+    except (OSError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _safetensors_damage(path: Path) -> str | None:
+    """Whether a safetensors file is shorter or longer than its header says (a truncated copy, a full disk)."""
+    from chatapp import store
+
+    with store.open_regular(path) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"{path.name} is truncated ({size} bytes)"
+        length = int.from_bytes(head, "little")
+        if length > min(size - 8, 100 << 20):
+            return f"{path.name} is truncated (its header claims {length} bytes, the file has {size})"
+        header = json.loads(fh.read(length))
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if 8 + length + end != size:
+        return f"{path.name} is truncated ({size} bytes, its header describes {8 + length + end})"
+    return None
+
+
+def reprepare(reason: str, progress: Progress | None = None) -> Path:
+    """Prepare the default model again because its prepared files are damaged (`reason`), with a one-line notice."""
+    from rich.console import Console
+
+    from chatapp import store
+
+    target = prepared_dir()
+    check_data_dir()
+    Console(stderr=True, highlight=False).print(
+        f"notice: the prepared default model in {target} is damaged ({reason}); preparing it again",
+        markup=False,
+        soft_wrap=True,
+    )
+    with store.target_lock(target):
+        return _prepare_with_bar(target, progress)
+
+
+def check_data_dir() -> Path:
+    """The models directory in the data directory, refused (`DataDirError`) before any work when it cannot be
+    created or written."""
+    from chatapp import store
+    from chatapp.settings import check_data_dir as check
+
+    check()
+    return store.check_writable_dir(prepared_dir().parent, "models directory (in the data directory)")
+
+
+def _prepare_with_bar(target: Path, progress: Progress | None) -> Path:
     if progress is not None:
         return prepare(target, progress)
     from rich.console import Console

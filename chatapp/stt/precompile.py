@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +38,7 @@ from chatapp.stt.decode import EAGER_STEPS, DecodeSteps, block_step, stack_step
 # Bump when what an artifact holds or assumes changes in a way the key below cannot see.
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 1 << 20
 
 # The files whose code the artifacts trace: a change to any of them makes every stored artifact stale.
 _TRACED_SOURCES = ("decode.py", "layers.py", "weights.py", "precompile.py")
@@ -168,21 +166,18 @@ def precompile(model) -> dict[CallShape, StepFn]:
 
 
 def save(compiled: dict[CallShape, StepFn], directory: Path) -> None:
-    """Write the artifacts and their manifest into `directory`, replacing it whole (a reader never sees half)."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
+    """Write the artifacts and their manifest into `directory`, replacing it whole (through `chatapp.store`: staged
+    beside it and renamed into place, so a reader never sees half, and a killed save leaves only staging that the
+    next start removes)."""
+    from chatapp import store
+
+    with store.staged_dir(directory, what="compiled-step store") as staging:
         entries = []
         for index, ((kind, shape), fn) in enumerate(compiled.items()):
             name = f"{kind}-{index}.bin"
             fn.save_compiled_function(str(staging / name))
             entries.append({"kind": kind, "shape": list(shape), "file": name})
         (staging / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "steps": entries}, indent=1))
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(staging, directory)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def warm_runtime() -> None:
@@ -198,14 +193,17 @@ def warm_runtime() -> None:
 def load(directory: Path) -> dict[CallShape, StepFn] | None:
     """The artifacts saved in `directory` with their guard checks off, or None when there are none. Raises
     PrecompileError when they are there but cannot be read (a corrupt file, another torch's format)."""
+    from chatapp import store
+
     manifest = directory / MANIFEST
     if not manifest.is_file():
         return None
     try:
-        entries = json.loads(manifest.read_text())["steps"]
+        # Through the store's reads: a FIFO or a device in place of a file is refused at once instead of blocking.
+        entries = json.loads(store.read_regular_bytes(manifest, MAX_MANIFEST_BYTES))["steps"]
         compiled = {}
         for entry in entries:
-            with open(directory / entry["file"], "rb") as f:
+            with store.open_regular(directory / entry["file"]) as f:
                 fn = torch.compiler.load_compiled_function(f)
             fn.disable_guard_check()
             compiled[(entry["kind"], tuple(entry["shape"]))] = fn

@@ -337,7 +337,7 @@ def test_run_refuses_bad_model_device_and_db_values(tmp_path: Path, no_tui) -> N
 
 def test_run_has_no_constraint_options_and_says_so(no_tui) -> None:
     """Constraints are set in the TUI (F2); `run --regex` is a usage error, not a traceback."""
-    _run_refuses(["--regex", "a{99999}"], "No such option", code=2)
+    _run_refuses(["--regex", "a{99999}"], "No such option", code=1)  # a usage error exits 1 like every user error (issue 29)
 
 
 def test_the_context_overflow_hint_names_what_the_chat_offers() -> None:

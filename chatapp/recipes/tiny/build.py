@@ -9,14 +9,13 @@ metrics, written next to the package code so it ships inside the wheel.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from chatapp import store
 from chatapp.models.registry import tiny_model_dir
 from chatapp.recipes.tiny.corpus import THINK_CLOSE, THINK_OPEN, Conversation, conversation_text, generate_corpus
 from chatapp.recipes.tiny.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
@@ -364,9 +363,9 @@ def _build(recipe: Recipe, out_dir: Path, log) -> Metrics:
     chat_format = ChatFormat(tokenizer)
     log(f"corpus: {len(corpus)} train / {len(heldout)} held-out conversations; vocab {tokenizer.get_vocab_size()}")
     model, train_seconds = train_model(recipe, corpus, chat_format, log)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
+    # Through the store (staged beside `out_dir`, renamed into place); no completeness stamp: the shipped
+    # directory's files are exactly the model's.
+    with store.staged_dir(out_dir, stamp=False, what="tiny model directory") as staging:
         save_model_dir(model, tokenizer, staging, recipe.store_dtype)
         if recipe.calibrate_threshold:
             calibrate_model_dir(staging, corpus[: recipe.heldout_conversations], log)
@@ -374,12 +373,6 @@ def _build(recipe: Recipe, out_dir: Path, log) -> Metrics:
         card = model_card(recipe, metrics, train_seconds, time.perf_counter() - started, tokenizer.get_vocab_size())
         (staging / "MODEL_CARD.md").write_text(card, encoding="utf-8")
         _make_readable(staging)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     log(f"wrote {out_dir} in {time.perf_counter() - started:.0f}s")
     return metrics
 

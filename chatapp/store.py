@@ -1,0 +1,284 @@
+"""Everything the app writes under its data directory (prepared models, the compiled-step store, converted models,
+stored served formats) is written here, and read back through the checks here.
+
+A target (a directory) is built in a staging directory beside it and renamed into place, so a reader sees either
+no target or a whole one; a completeness stamp inside it says so. Writers of one target take a lock on a lock file
+beside it (`fcntl.flock`): a second writer waits, and a staging directory whose target lock is free belongs to a
+dead process (kill -9, power loss) and is removed by `clean_stale`. Reads go through `open_regular`, which opens
+non-blocking and refuses anything but a regular file, so a FIFO or a device in the store never hangs a reader.
+
+This module is a leaf: it imports only `chatapp.errors` and the standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import stat
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from chatapp.errors import DataDirError
+
+STAMP = ".complete"
+"""The file inside a target that says it was written whole (JSON: the store's format version)."""
+STAMP_FORMAT = 1
+_STAGING = ".staging-"  # .NAME.staging-XXXXXXXX : a target being written
+_ASIDE = ".old-"  # .NAME.old-XXXXXXXX : a replaced target on its way out
+_LOCK = ".lock"  # .NAME.lock : the target's lock file
+_OURS = re.compile(r"^\.(?P<name>.+)\.(?:staging|old)-[a-z0-9_]{8}$")
+# What earlier versions left (`tempfile.mkdtemp(prefix=f".{name}.")`): only removed where `legacy=True`.
+_LEGACY = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}$")
+
+_held: dict[tuple[Path, int], list] = {}  # (lock path, thread) -> [fd, depth]: re-entrant within a thread
+_held_guard = threading.Lock()
+_live: set[Path] = set()  # this process's staging directories being written
+
+
+def lock_path(target: Path) -> Path:
+    """The lock file of `target`: beside it, hidden."""
+    return target.parent / f".{target.name}{_LOCK}"
+
+
+@contextlib.contextmanager
+def target_lock(target: str | Path, *, blocking: bool = True) -> Iterator[bool]:
+    """Hold the lock of `target` (yields True), waiting for another writer unless `blocking` is False (then yields
+    False at once when another process or thread holds it). Re-entrant within a thread."""
+    path = lock_path(Path(target))
+    key = (path, threading.get_ident())
+    with _held_guard:
+        entry = _held.get(key)
+        if entry is not None:
+            entry[1] += 1
+    if entry is not None:
+        try:
+            yield True
+        finally:
+            with _held_guard:
+                entry[1] -= 1
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            fd = -1
+            yield False
+            return
+        with _held_guard:
+            _held[key] = entry = [fd, 1]
+        try:
+            yield True
+        finally:
+            with _held_guard:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _held[key]
+    finally:
+        if fd >= 0:
+            os.close(fd)  # releases the flock
+
+
+def is_complete(target: str | Path) -> bool:
+    """Whether `target` is a directory written whole by `staged_dir` (its stamp is there and readable)."""
+    try:
+        data = read_regular_bytes(Path(target) / STAMP, 4096)
+        return json.loads(data).get("format") == STAMP_FORMAT
+    except (DataDirError, OSError, ValueError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def staged_dir(target: str | Path, *, stamp: bool = True, what: str = "directory") -> Iterator[Path]:
+    """Yield an empty staging directory beside `target`; when the block ends without an exception, put the
+    completeness stamp in it (unless `stamp` is False) and rename it into place, replacing any earlier `target`. On
+    any exception (KeyboardInterrupt too) the staging directory is removed and `target` is left as it was. The
+    target's lock is held throughout, and stale staging of the same target is removed first."""
+    target = Path(target)
+    check_writable_dir(target.parent, f"parent of the {what}")
+    if target.exists() and not target.is_dir():
+        raise DataDirError(f"the {what} {target} exists and is not a directory", hint=f"remove {target} or pick another path")
+    with target_lock(target):
+        clean_stale(target.parent, target.name)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{_STAGING}", dir=target.parent))
+        _live.add(staging)
+        try:
+            yield staging
+            if stamp:
+                (staging / STAMP).write_text(json.dumps({"format": STAMP_FORMAT}) + "\n", encoding="utf-8")
+            os.chmod(staging, 0o755)  # mkdtemp makes it private; a model directory is not
+            _replace_dir(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finally:
+            _live.discard(staging)
+
+
+def _replace_dir(staging: Path, target: Path) -> None:
+    """Rename `staging` to `target`. A directory cannot be renamed over a non-empty one, so an existing target is
+    first renamed aside (a crash in between leaves no target and an aside directory, which `clean_stale` removes)."""
+    try:
+        os.rename(staging, target)
+        return
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}{_ASIDE}", dir=target.parent))
+    os.rename(target, aside / "x")
+    os.rename(staging, target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _stale_entries(parent: Path, name: str | None, legacy: bool) -> dict[str, list[Path]]:
+    found: dict[str, list[Path]] = {}
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return found
+    for entry in entries:
+        match = _OURS.match(entry.name) or (_LEGACY.match(entry.name) if legacy else None)
+        if match is None or entry.name.endswith(_LOCK):
+            continue
+        if name is not None and match["name"] != name:
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+        except OSError:
+            continue
+        found.setdefault(match["name"], []).append(Path(entry.path))
+    return found
+
+
+def clean_stale(parent: str | Path, name: str | None = None, *, legacy: bool = False) -> list[Path]:
+    """Remove staging (and set-aside) directories in `parent` left by dead processes: those whose target's lock is
+    free (a live writer holds it). `name` limits this to one target's; `legacy` also removes earlier versions'
+    staging names (`.NAME.XXXXXXXX`; only in directories that hold nothing else hidden, as the data directory's).
+    Never raises: a directory that cannot be cleaned is left for the next start. Returns what was removed."""
+    parent = Path(parent)
+    removed = []
+    for target_name, paths in _stale_entries(parent, name, legacy).items():
+        try:
+            with target_lock(parent / target_name, blocking=False) as locked:
+                if not locked:
+                    continue
+                for path in paths:
+                    if path in _live:  # this thread is writing it
+                        continue
+                    shutil.rmtree(path, ignore_errors=True)
+                    if not path.exists():
+                        removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+# ------------------------------------------------------------------------------------------------------ reading
+def open_regular(path: str | Path) -> BinaryIO:
+    """Open `path` for reading in binary, refusing (DataDirError) anything but a regular file without blocking: a
+    FIFO is opened non-blocking and refused by its type, where a plain `open` would wait for a writer forever."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise DataDirError(f"cannot read {path}: {err.strerror or err}", hint=_remove_hint(path)) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise DataDirError(f"{path} is not a regular file ({_kind(mode)})", hint=_remove_hint(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular_bytes(path: str | Path, max_bytes: int) -> bytes:
+    """The contents of the regular file `path`, refusing (DataDirError) a non-regular file or one larger than
+    `max_bytes` before reading it."""
+    with open_regular(path) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > max_bytes:
+            raise DataDirError(f"{path} is {size} bytes, more than the {max_bytes} expected", hint=_remove_hint(Path(path)))
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise DataDirError(f"{path} grew past {max_bytes} bytes while it was read", hint=_remove_hint(Path(path)))
+    return data
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _remove_hint(path: Path) -> str:
+    return f"remove {path} (chatapp writes it again when needed)"
+
+
+# ------------------------------------------------------------------------------------------------ the directory
+def check_writable_dir(path: str | Path, what: str, *, create: bool = True) -> Path:
+    """`path` as a directory this process can write in, created (with its parents) if missing; otherwise a
+    DataDirError naming the path, what it is for, and the fix. Writability is probed by creating a file (mode bits
+    say nothing for root, nor for a read-only mount). With `create` False a missing `path` is not created: its
+    nearest existing ancestor must be a writable directory."""
+    path = Path(path).expanduser()
+    hint = "use a path in a writable directory"
+    if path.exists() and not path.is_dir():
+        raise DataDirError(f"the {what} {path} is not a directory", hint=f"remove the file {path}, or {hint}")
+    if not create and not path.exists():
+        above = next((p for p in path.parents if p.exists()), Path("/"))
+        if not above.is_dir():
+            raise DataDirError(f"cannot create the {what} {path}: {above} is a file, not a directory", hint=hint)
+        if writable_dir_problem(above, what, create=False) is not None:
+            raise DataDirError(f"cannot create the {what} {path}: {above} is not writable", hint=hint)
+        return path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise DataDirError(f"the {what} {path} is not a directory", hint=f"remove the file {path}, or {hint}") from None
+    except NotADirectoryError:
+        blocker = _first_file_above(path)
+        raise DataDirError(
+            f"cannot create the {what} {path}: {blocker} is a file, not a directory", hint=hint
+        ) from None
+    except OSError as err:
+        raise DataDirError(f"cannot create the {what} {path}: {err.strerror or err}", hint=hint) from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise DataDirError(
+            f"the {what} {path} is not writable: {err.strerror or err}", hint=f"make {path} writable, or {hint}"
+        ) from None
+    return path
+
+
+def writable_dir_problem(path: str | Path, what: str, *, create: bool = False) -> str | None:
+    """Why `check_writable_dir(path, what)` would fail, or None; for reports (`chatapp info`) that must not fail
+    (and, by default, create nothing)."""
+    try:
+        check_writable_dir(path, what, create=create)
+    except DataDirError as err:
+        return err.message
+    return None
+
+
+def _first_file_above(path: Path) -> Path:
+    for candidate in reversed(path.parents):
+        if candidate.exists() and not candidate.is_dir():
+            return candidate
+    return path
