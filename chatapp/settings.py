@@ -147,7 +147,7 @@ def clean_data_dir() -> None:
     every start, cheap (two directory listings), never fails."""
     from chatapp.store import clean_stale
 
-    for sub in ("models", "compiled"):
+    for sub in ("models", "compiled", "served"):
         clean_stale(data_dir() / sub, legacy=True)
 
 

@@ -29,6 +29,7 @@ LEVELS: list[set[str]] = [
     {"models"},
     {"recipes"},
     {"batch", "ui"},
+    {"cli_render"},  # the console's rendering of a reply: the CLI side, apart from the engine
     {"cli"},
 ]
 LEVEL = {name: level for level, names in enumerate(LEVELS) for name in names}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chatapp.errors import ModelDirError
+from chatapp.errors import ChatappError, ModelDirError
 from chatapp.models.registry import repair_hint, resolve_model
 
 if TYPE_CHECKING:
@@ -136,12 +136,13 @@ def _served_model(model_dir: Path, device: torch.device, fmt: str, hint: str | N
     for the next process. float32 needs no store (the checkpoint is memory-mapped as it is), nor does a GPU (not
     measured there). A store that cannot be read is rebuilt, with a one-line notice on stderr; one that cannot be
     written leaves this process its converted model."""
+    from chatapp.store import is_complete
     from chatapp.stt import served
 
     if fmt == "float32" or device.type != "cpu":
         return _converted_model(model_dir, device, fmt, hint)
     directory = served_dir(model_dir, fmt)
-    if (directory / served.LAYOUT_FILE).is_file():
+    if is_complete(directory):
         try:
             return served.read(directory, device)
         except served.ServedFormatError as err:
@@ -149,7 +150,7 @@ def _served_model(model_dir: Path, device: torch.device, fmt: str, hint: str | N
     model = _converted_model(model_dir, device, fmt, hint)
     try:
         _store_served(model, directory)
-    except OSError as err:  # a full or read-only disk: this process still has its model
+    except (OSError, ChatappError) as err:  # a full or read-only disk: this process still has its model
         _notice(f"the {fmt} weights are not stored for the next start ({_first_line(err)})")
     return model
 
@@ -173,26 +174,19 @@ def _source_files(model_dir: Path) -> list[Path]:
 
 
 def _store_served(model: STTForCausalLM, directory: Path) -> None:
-    """Write the served format into a staging directory beside `directory` and rename it into place."""
+    """Write the served format through the data directory's store (staged, locked, stamped, renamed into place),
+    then remove what it replaces: the same model and format stored from older weights or code, never read again
+    (another key) and 220 MB each for the default model."""
     import shutil
-    import tempfile
 
+    from chatapp.store import staged_dir
     from chatapp.stt import served
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
-    try:
+    with staged_dir(directory, what="stored model") as staging:
         served.write(model, staging)
-        if directory.exists():
-            shutil.rmtree(directory)
-        staging.rename(directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    # The same model and format stored from older weights or code: never read again (another key), 220 MB each.
-    model = directory.name.split("-", 1)[0]
-    for old in directory.parent.glob(f"{model}-*"):
-        if old != directory:
+    model_key = directory.name.split("-", 1)[0]
+    for old in directory.parent.glob(f"{model_key}-*"):
+        if old != directory and old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -231,7 +225,7 @@ def _parameter_count(model_dir: Path, hint: str | None) -> int:
 
 
 def _notice(line: str) -> None:
-    print(f"chatapp: {line}", file=sys.stderr, flush=True)
+    print(f"notice: {line}", file=sys.stderr, flush=True)
 
 
 def check_environment() -> None:
