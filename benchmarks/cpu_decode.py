@@ -47,7 +47,8 @@ from chatapp.settings import GenerationSettings
 from chatapp.stt import STTForCausalLM, precompile
 from chatapp.stt.decode import compiled_decode_steps
 from chatapp.stt.io import load_merged_adapters
-from chatapp.stt.weights import FORMATS, Int4Linear, Int8Linear, LowRankLinear, prepare_weights
+from chatapp.stt.weights import Int4Linear, Int8Linear, LowRankLinear, prepare_weights
+from chatapp.validation import FORMATS
 
 
 # ----------------------------------------------------------------------------------------------------- inputs

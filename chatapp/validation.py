@@ -15,6 +15,29 @@ from typing import Any
 
 from chatapp.errors import BatchFileError, ChatappError, ConstraintError, SettingsError
 
+FORMATS = ("float32", "bfloat16", "int8", "int4")
+"""The weight formats a model can be run in (`chatapp.stt.weights`), by their canonical names."""
+_FORMAT_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "q8": "int8", "q4": "int4"}
+
+
+class WeightFormatError(ChatappError):
+    """An unknown weight format was asked for."""
+
+
+def parse_format(name: str | None) -> str | None:
+    """The canonical format name for a user's `--dtype` value; None and "auto" mean "pick per device". Here, not
+    beside the formats in `stt.weights`, so that checking an option imports no torch."""
+    if name is None or name == "auto":
+        return None
+    key = name.strip().lower()
+    key = _FORMAT_ALIASES.get(key, key)
+    if key not in FORMATS:
+        raise WeightFormatError(
+            f"unknown weight format {name!r}", hint=f"use one of: auto, {', '.join(FORMATS)} (or fp32, bf16)"
+        )
+    return key
+
+
 MAX_SAMPLES = 1024
 """Samples one request (a batch line, `--samples`) may ask for: each sample is a row held until it is written."""
 

@@ -99,7 +99,7 @@ def load_model(
     """
     import torch
 
-    from chatapp.stt.weights import parse_format
+    from chatapp.validation import parse_format
 
     check_environment()  # before the default model is prepared or any weight is read
     resolved = resolve_device(device)  # a bad --device too
@@ -123,7 +123,7 @@ def load_model(
     if resolved.type == "cpu":
         configure_threads(model)
     model.eval()
-    if compile if compile is not None else _env_flag(COMPILE_ENV):
+    if compile if compile is not None else env_flag(COMPILE_ENV):
         _compile_decode(model, model_dir)
     elif compile is None:
         load_saved_compiled_steps(model)
@@ -234,9 +234,9 @@ def check_environment() -> None:
     naming the variable and the fix."""
     from chatapp.errors import ChatappError, SettingsError
     from chatapp.models.registry import default_model_name
-    from chatapp.stt.weights import parse_format
+    from chatapp.validation import parse_format
 
-    _env_flag(COMPILE_ENV)
+    env_flag(COMPILE_ENV)
     value = os.environ.get(DTYPE_ENV)
     if value:
         try:
@@ -260,7 +260,7 @@ def _threads_from_env() -> int | None:
     return threads
 
 
-def _env_flag(name: str) -> bool:
+def env_flag(name: str) -> bool:
     value = os.environ.get(name, "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False

@@ -208,11 +208,15 @@ def prepared_damage(model_dir: Path) -> str | None:
     or tokenizer. Such a directory is prepared again (`ensure_prepared`), not reported as a user's error."""
     from chatapp import store
     from chatapp.errors import ChatappError
-    from chatapp.stt.io import load_config
 
     try:
-        load_config(model_dir)
-        json.loads(store.read_regular_bytes(model_dir / "tokenizer.json", 64 << 20))
+        config = json.loads(store.read_regular_bytes(model_dir / "config.json", 1 << 20))
+        if not isinstance(config, dict) or "hidden_size" not in config:
+            return "config.json is not a model config"
+        # The tokenizer is megabytes of JSON, parsed at load in Rust: here (every start) only its ends are looked at.
+        tokenizer = store.read_regular_bytes(model_dir / "tokenizer.json", 64 << 20)
+        if not tokenizer.lstrip().startswith(b"{") or not tokenizer.rstrip().endswith(b"}"):
+            return "tokenizer.json is truncated"
         weights = sorted(model_dir.glob("*.safetensors"))
         if not any(path.name == "model.safetensors" for path in weights):
             return "model.safetensors is missing"

