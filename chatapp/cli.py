@@ -433,6 +433,7 @@ def convert(
     from pathlib import Path
 
     from chatapp.models.gguf import convert_gguf, is_gguf
+    from chatapp.stt import STTForCausalLM
     from chatapp.stt.io import convert_qwen2
 
     target = Path(out_dir).expanduser()
@@ -445,7 +446,7 @@ def convert(
             task = bar.add_task("reading and dequantizing", total=1)
             model = convert_gguf(source, target, lambda done, total: bar.update(task, completed=done, total=total))
     else:
-        model = convert_qwen2(source, target)
+        model = convert_qwen2(STTForCausalLM, source, target)
     typer.echo(f"wrote {target}: {model.config.num_hidden_layers} layers, STT layers {model.stt_layer_indices}")
 
 
