@@ -384,7 +384,7 @@ def block_step(
     span: int,
     subset: bool,
 ) -> torch.Tensor:
-    """A decoder block (attention and SwiGLU MLP, pre-norm, residuals) on (B', D) rows (see `attention`).
+    """A decoder block (attention and SwiGLU MLP, pre-norm, residuals) on (B', D) rows (see `cache_attention`).
 
     Tensors, modules and plain values only, no cache object or layer index: a compiled copy (`compile_decode`)
     then serves every layer with one graph."""
