@@ -176,18 +176,21 @@ def info() -> None:
 
 @app.command()
 def models() -> None:
-    """List the models --model NAME can name: where each lives, its size, context, STT layers, prepared or not."""
+    """List the models --model NAME can name: where each lives, its size, context, STT layers and skip mode,
+    prepared or not."""
     from rich.table import Table
 
     from chatapp.models.registry import default_model_name, model_listing
 
     table = Table(box=None, pad_edge=False)
-    for column in ("name", "parameters", "context", "STT layers", "state"):
+    for column in ("name", "parameters", "context", "STT layers", "skip mode", "state"):
         table.add_column(column)
     table.add_column("path", overflow="fold")
     for entry in model_listing():
         name = f"{entry.name} (default)" if entry.name == default_model_name() else entry.name
-        table.add_row(name, entry.parameters, entry.context, entry.stt_layers, entry.state, str(entry.path))
+        table.add_row(
+            name, entry.parameters, entry.context, entry.stt_layers, entry.skip_mode, entry.state, str(entry.path)
+        )
     Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200).print(table)
 
 
@@ -474,6 +477,7 @@ def convert(
 
     from chatapp import store
     from chatapp.models.gguf import GGUFError, convert_gguf, is_gguf
+    from chatapp.stt import STTForCausalLM
     from chatapp.stt.io import convert_qwen2
 
     # Everything is checked before the source is read (a GGUF takes seconds to dequantize): the output, then the
@@ -507,7 +511,7 @@ def convert(
                     source_path, staging, lambda done, total: bar.update(task, completed=done, total=total)
                 )
         else:
-            model = convert_qwen2(source_path, staging)
+            model = convert_qwen2(STTForCausalLM, source_path, staging)
     typer.echo(f"wrote {target}: {model.config.num_hidden_layers} layers, STT layers {model.stt_layer_indices}")
 
 
@@ -681,13 +685,16 @@ def eval_model(
     report = evaluate(engine.model, islice(batches, max_batches))
     task_report = heldout_task_report(engine, task_count) if task_count else None
     console = Console(highlight=False)
-    table = Table(title=f"{resolve_model(model)}: {report.tokens} tokens")
+    table = Table(title=f"{resolve_model(model)}: {report.tokens} tokens, skip mode {report.skip_mode}")
     table.add_column("routing")
     table.add_column("perplexity", justify="right")
+    table.add_column("compute saved", justify="right")
+    table.add_column("STT skipped", justify="right")
     table.add_column("selected per STT layer")
     for mode, ppl in report.perplexity.items():
         fractions = " ".join(f"{f:.2f}" for f in report.selected_fraction[mode])
-        table.add_row(mode, f"{ppl:.3f}", fractions)
+        saved, skipped = report.compute_saved(mode), report.routed_skipped(mode)
+        table.add_row(mode, f"{ppl:.3f}", f"{saved:.1%}", f"{skipped:.1%}", fractions)
     console.print(table)
     console.print("student vs teacher F1: " + " ".join(f"{f:.2f}" for f in report.student_f1)
                   + "  accuracy: " + " ".join(f"{a:.2f}" for a in report.student_accuracy))

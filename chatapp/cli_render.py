@@ -46,7 +46,11 @@ def render_stats(reply: Reply, total_seconds: float) -> Text:
         ("eval duration", f"{reply.decode_seconds:.3f}s"),
         ("eval rate", f"{reply.tokens_per_second:.1f} tokens/s"),
         ("forced tokens", forced),
-        ("compute saved", f"{reply.compute_saved:.1%} of the reply's decoder-layer work (STT routing)"),
+        (
+            "compute saved",
+            f"{reply.compute_saved:.1%} of the reply's decoder-layer work "
+            f"(STT routing; {reply.stt_skipped_fraction:.1%} of the STT layers' work)",
+        ),
         ("finish reason", reply.finish_reason or "-"),
     ]
     width = max(len(name) for name, _ in rows) + 2

@@ -30,6 +30,8 @@ def row_record(reply: Reply, request_id: RequestId, sample: int) -> dict[str, An
         "tags": [list(event.tags) for event in reply.events],
         "tool_calls": reply.tool_calls,
         "routing": {str(layer): round(fraction, 6) for layer, fraction in reply.layer_computed().items()},
+        "compute_saved": round(reply.compute_saved, 6),  # share of all decoder-layer blocks skipped
+        "stt_skipped": round(reply.stt_skipped_fraction, 6),  # the same over the STT layers' blocks
         "timings": timings_record(reply),
     }
     if reply.error is not None:

@@ -17,7 +17,8 @@ The statistics, each with one definition:
   engine's own timing, so the figure is reproducible with a scripted backend).
 - `forced_fraction`: forced emitted tokens over emitted tokens.
 - `compute_saved`: the share of decoder-layer work (token x layer blocks, all layers) the STT routers skipped,
-  over the emitted tokens that went through the model. The prompt is left out: this is what the answer cost.
+  over the emitted tokens that went through the model (`chatapp.compute_saved`, the one definition; a token
+  skipped in "kv" skip mode counts as skipped). The prompt is left out: this is what the answer cost.
 - `stt_skipped_fraction`: the same skipped blocks over the STT layers' blocks only.
 - `layer_computed`: per STT layer, the fraction of those tokens the layer computed.
 - `mean_surprise`: mean -log p (nats, under the model's distribution) of the emitted tokens that carry log-probs
@@ -37,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from chatapp.compute_saved import compute_saved
 from chatapp.engine.events import Alternative, FinishReason, PromptInfo, Step, TokenEvent, TokenLogprobs, ToolEvent
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 from chatapp.tools.parts import Content, PartType
@@ -289,14 +291,12 @@ class Reply:
     @property
     def compute_saved(self) -> float:
         """Share of all (token, decoder layer) blocks the STT routers skipped; see the module docstring."""
-        total = self.routed_tokens * self.num_layers
-        return self._skipped_blocks / total if total else 0.0
+        return compute_saved(self._skipped_blocks, self.routed_tokens, self.num_layers)
 
     @property
     def stt_skipped_fraction(self) -> float:
         """Share of (token, STT layer) blocks the routers skipped."""
-        total = self.routed_tokens * len(self.computed_per_layer)
-        return self._skipped_blocks / total if total else 0.0
+        return compute_saved(self._skipped_blocks, self.routed_tokens, len(self.computed_per_layer))
 
     def layer_computed(self) -> dict[int, float]:
         """Per STT layer index: the fraction of this row's routed tokens the layer computed ({} with routing off)."""

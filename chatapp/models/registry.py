@@ -111,6 +111,7 @@ class ModelEntry:
     context: str
     stt_layers: str
     state: str
+    skip_mode: str = "?"  # what a token an STT layer skips leaves there (`STTConfig.skip_mode`)
 
 
 def model_listing() -> list[ModelEntry]:
@@ -149,6 +150,7 @@ def _describe(name: str, path: Path, state: str) -> ModelEntry:
         str(config.get("max_position_embeddings", "?")),
         f"{len(stt)} of {layers}" if stt else "none",
         state,
+        str(config.get("skip_mode", "strict")) if stt else "-",
     )
 
 

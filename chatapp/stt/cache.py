@@ -1,9 +1,9 @@
 """The per-layer sparse KV cache of the STT model.
 
 Every layer has its own `(B, max_len + 1, H_kv, D)` key and value storage and its own per-row entry count:
-dense layers append every token, STT layers only the tokens they selected, so rows and layers fill at different
-rates. Each entry records the absolute position of its token, and a query at position p may see exactly the
-entries of its row with position <= p; rotary embeddings use that absolute position, never the slot index.
+dense layers append every token, STT layers only the tokens they selected in "strict" skip mode (every token in
+"kv" mode, where a skipped token still stores its K/V), so rows and layers fill at different rates. Each entry
+records the absolute position of its token, and a query at position p may see exactly the entries of its row with position <= p; rotary embeddings use that absolute position, never the slot index.
 
 Slot `max_len` is a write-only trash slot: padding tokens and unselected tokens are written there, which keeps
 every write a single `index_put_` without data-dependent shapes (and so without host syncs).
@@ -132,16 +132,28 @@ class KVCache:
         lengths = lengths + write.sum(1)
         if rows is None:
             self.lengths[layer] = lengths
+        else:
+            self.lengths[layer].index_copy_(0, rows, lengths)
+        return self.visible(layer, query_pos, write, span, rows)
+
+    def visible(
+        self, layer: int, query_pos: torch.Tensor, query: torch.Tensor, span: int, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, mask) of `layer` for queries at absolute positions `query_pos` (B', S) of cache rows `rows`
+        (all rows when None): the mask (B', S, span) lets query s see its row's live entries with position <= its
+        own; a position that is not a real query (`query` False: padding, unselected) sees everything, so its
+        discarded output stays finite."""
+        if rows is None:
+            lengths = self.lengths[layer]
             keys, values = self.keys[layer][:, :span], self.values[layer][:, :span]
             positions = self.positions[layer, :, :span]
         else:
-            self.lengths[layer].index_copy_(0, rows, lengths)
+            lengths = self.lengths[layer].index_select(0, rows)
             keys, values = self.keys[layer][rows, :span], self.values[layer][rows, :span]
             positions = self.positions[layer, rows, :span]
-        slot_ids = torch.arange(span, device=k.device)
-        visible = (slot_ids[None, :] < lengths[:, None])[:, None, :] & (positions[:, None, :] <= query_pos[:, :, None])
-        visible = visible | ~write[:, :, None]
-        return keys, values, visible
+        slot_ids = torch.arange(span, device=query_pos.device)
+        mask = (slot_ids[None, :] < lengths[:, None])[:, None, :] & (positions[:, None, :] <= query_pos[:, :, None])
+        return keys, values, mask | ~query[:, :, None]
 
     # ------------------------------------------------------------------------------------------- row operations
     def select_rows(self, index: torch.Tensor) -> KVCache:

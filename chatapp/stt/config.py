@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 BetaScheduleKind = Literal["cosine", "linear", "constant"]
+# What an STT layer does with a token it skips (see `skip_mode` below and `chatapp.stt.layers`).
+SKIP_MODES = ("strict", "kv")
 
 
 MAX_PARAMETERS = 10**11
@@ -111,6 +113,10 @@ class STTConfig:
     # to selected keys, exactly as at inference, and gated by a straight-through copy of g so the LM loss also
     # trains the teacher's biases. Off: the layer's training output is the dense block output (the primary spec).
     gated_second_pass: bool = False
+    # What a skipped token leaves in an STT layer. "strict" (the spec): nothing, it passes through unchanged and
+    # stores no K/V there. "kv": its K and V, projected from its unchanged input, are stored (no query, attention
+    # output or MLP), so later tokens still attend to it. The same in every path: prefill, decode, training, eval.
+    skip_mode: str = "strict"
     # False until the routers were trained: then "student" routing runs every token (routing effectively off).
     routing_trained: bool = False
 
@@ -220,6 +226,8 @@ class STTConfig:
             raise ValueError(f"capacity must be in (0, 1], got {self.capacity}")
         if self.beta_schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"beta_schedule must be cosine, linear or constant, got {self.beta_schedule!r}")
+        if self.skip_mode not in SKIP_MODES:
+            raise ValueError(f"skip_mode must be one of {', '.join(SKIP_MODES)}, got {self.skip_mode!r}")
         if self.ma_window < 1:
             raise ValueError(f"ma_window must be >= 1, got {self.ma_window}")
         if self.use_sliding_window:

@@ -1,5 +1,8 @@
 """The decode fast path: one new token per row, over the sparse KV cache, in as few torch ops as possible.
 
+This module only schedules: the maths it runs (the block on cache rows `block_step`, the K/V a skipped token
+stores in "kv" mode `kv_step`, the router `router_probs` and the rule `select`) lives in `chatapp.stt.layers`.
+
 At decode shapes (a handful of rows, one token each) a step is dispatch-bound: on a CPU every torch op costs a
 few microseconds whatever its size, and the matrix products are the only ops that do real work. So this path
 does the general `extend`'s maths with the bookkeeping hoisted out of the layers:
@@ -16,6 +19,10 @@ does the general `extend`'s maths with the bookkeeping hoisted out of the layers
 - Routing off runs no host sync. Student routing on a CPU reads each STT layer's decisions (one small host read
   per STT layer) and runs the block only for the selected rows; on CUDA it computes every row and discards
   unselected outputs, like `extend`.
+- Skip mode "kv" (`STTConfig.skip_mode`): an STT layer stores every row's K/V, so its lengths grow like a dense
+  layer's. On CUDA that is the dense call with unselected outputs discarded (a row's K/V depend only on its input);
+  on a CPU the skipped rows go through `kv_step` (eager, a few ops) and the selected ones through the same block
+  call shapes as "strict" mode, so the compiled and precompiled shapes are the same in both modes.
 
 The results equal `extend` with T = 1: tests/stt/test_fast_paths.py compares the two step by step (logits, router
 outputs, cache contents), and tests/stt/test_inference.py compares routing-off decode with transformers' Qwen2.
@@ -30,11 +37,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from chatapp.stt.cache import KVCache
-from chatapp.stt.layers import Attention, STTLayer, rms_norm
+from chatapp.stt.layers import BlockParts, STTLayer, block_step, kv_step, rms_norm, router_probs, select
 
 
 @dataclass
@@ -81,11 +86,6 @@ def rope_tables(model, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return model._rope_tables[1], model._rope_tables[2]
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """transformers' `x * cos + rotate_half(x) * sin` with the half swap done by one roll (same products)."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 def step_state(model, cache: KVCache, span: int) -> StepState:
     """The tensors every layer of this step shares (see `StepState`)."""
     device = cache.device
@@ -99,102 +99,10 @@ def step_state(model, cache: KVCache, span: int) -> StepState:
     return StepState(cos=cos, sin=sin, rows=rows, visible=visible, bias=bias, grown=grown, span=span)
 
 
-def attention(
-    attn: Attention,
-    x: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    mask: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    span: int,
-    subset: bool,
-) -> torch.Tensor:
-    """Self-attention of the (B', D) queries `x` of cache rows `rows`, storing their K/V at `slots` of the layer's
-    cache `keys`/`values` (B, S, H_kv, Dh). `subset`: `rows` is not every cache row, so gather them."""
-    heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    batch = x.shape[0]
-    qkv = attn.project_qkv(x).view(batch, heads + 2 * kv_heads, head_dim)
-    # Rotary runs once over Q and K side by side (B', H + H_kv, Dh), in the activations' dtype as `extend` does.
-    qk = rotate(qkv[:, : heads + kv_heads], cos, sin).to(keys.dtype)
-    keys.index_put_((rows, slots), qk[:, heads:])
-    values.index_put_((rows, slots), qkv[:, heads + kv_heads :].to(values.dtype))
-    if subset:
-        keys, values = keys[rows], values[rows]
-    keys, values = keys[:, :span], values[:, :span]
-    if keys.dtype == torch.float32:
-        out = F.scaled_dot_product_attention(
-            qk[:, :heads, None],
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask,
-            enable_gqa=heads != kv_heads,
-        )
-    else:
-        out = single_query_attention(qk[:, :heads], keys, values, mask, kv_heads)
-    return attn.o_proj(out.reshape(batch, heads * head_dim).to(x.dtype))
-
-
-def single_query_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, kv_heads: int
-) -> torch.Tensor:
-    """Grouped-query attention of one query per row in two matrix products, softmax in float32.
-
-    For a reduced-precision cache (a CPU cache is float32, see `STTForCausalLM.kv_dtype`): torch's CPU flash
-    attention runs a single bfloat16 query 4-20x slower than these three ops (measured at 128-1024 keys, batch
-    1-32). `q` (B, H, D); `keys`/`values` (B, S, H_kv, D);
-    `mask` (B, 1, 1, S), bool "may see" or additive. Returns (B, H, D).
-    """
-    batch, heads, head_dim = q.shape
-    groups = heads // kv_heads
-    q = (q * head_dim**-0.5).view(batch, kv_heads, groups, head_dim)
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1))  # (B, H_kv, G, S)
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    else:
-        scores = scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, values.transpose(1, 2)).view(batch, heads, head_dim)
-
-
-class BlockParts(NamedTuple):
-    """A decoder block as the step functions take it. An STT layer's parts have the types of a dense layer's, so
-    one compiled graph serves both kinds (a graph guards on the types of the modules it is given)."""
-
-    input_layernorm: nn.Module
-    self_attn: Attention
-    post_attention_layernorm: nn.Module
-    mlp: nn.Module
-
-
 def block_parts(model) -> list[BlockParts]:
     """Every layer's `BlockParts` (built each step, ~15 us: a copy cached on the model could go stale when a
     weight format swaps a module)."""
     return [BlockParts(b.input_layernorm, b.self_attn, b.post_attention_layernorm, b.mlp) for b in model.model.layers]
-
-
-def block_step(
-    block: BlockParts,
-    x: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    mask: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    span: int,
-    subset: bool,
-) -> torch.Tensor:
-    """A decoder block (attention and SwiGLU MLP, pre-norm, residuals) on (B', D) rows (see `attention`).
-
-    Tensors, modules and plain values only, no cache object or layer index: a compiled copy (`compile_decode`)
-    then serves every layer with one graph."""
-    y = rms_norm(block.input_layernorm, x)
-    h = x + attention(block.self_attn, y, keys, values, rows, slots, mask, cos, sin, span, subset)
-    return h + block.mlp(rms_norm(block.post_attention_layernorm, h))
 
 
 def stack_step(
@@ -217,19 +125,6 @@ def stack_step(
         inputs.append(x)
         x = block_step(block, x, keys[i], values[i], rows, slots[i], masks[i], cos, sin, span, False)
     return x, inputs
-
-
-def router_probs(layer: STTLayer, x: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """The causal router's probabilities (B,) from this token's and the previous token's layer inputs."""
-    router = layer.causal_router
-    if router is None:
-        return torch.ones(x.shape[0], device=x.device)
-    dtype = router.up.weight.dtype
-    features = torch.cat(
-        (rms_norm(router.norm_current, x.to(dtype)), rms_norm(router.norm_previous, previous.to(dtype))), dim=-1
-    )
-    hidden = F.silu(torch.addmm(router.up.bias, features, router.up.weight.t()))
-    return torch.sigmoid(torch.addmm(router.out.bias, hidden, router.out.weight.t()).float()).squeeze(1)
 
 
 @dataclass(frozen=True)
@@ -341,26 +236,44 @@ def routed_layer(
     state: StepState,
     cache: KVCache,
     index: int,
+    store_skipped: bool,
 ):
-    """An STT layer under student routing: only `selected` (B,) rows run the block and store their token."""
+    """An STT layer under student routing: only `selected` (B,) rows run the block. The skipped rows store their
+    K/V too when `store_skipped` ("kv" skip mode), nothing otherwise ("strict")."""
     lengths = cache.lengths[index]
-    slots = torch.where(selected, lengths, cache.max_len)
-    write = LayerWrite(slots, lengths + selected)
+    if store_skipped:
+        slots, write = lengths, LayerWrite(lengths, state.grown[index])
+    else:
+        slots = torch.where(selected, lengths, cache.max_len)
+        write = LayerWrite(slots, lengths + selected)
     keys, values = cache.keys[index], cache.values[index]
     if x.device.type == "cuda":
-        # No host sync: every row is computed, unselected rows write to the trash slot and see every key (their
-        # discarded output stays finite).
-        mask = state.visible[index] | ~selected[:, None, None, None]
+        # No host sync: every row is computed and unselected outputs are discarded. Strict: unselected rows write to
+        # the trash slot and see every key (their discarded output stays finite). Kv: every row stores its K/V, the
+        # same as `kv_step` would (K/V depend only on the row's input), and the mask is a dense layer's.
+        mask = state.visible[index] if store_skipped else state.visible[index] | ~selected[:, None, None, None]
         out = steps.block(
             blocks[index], x, keys, values, state.rows, slots, mask, state.cos, state.sin, state.span, False
         )
         return torch.where(selected[:, None], out, x), write
     picked = selected.nonzero().squeeze(1)  # the host read: on a CPU it is free, and a skipped row costs nothing
-    if picked.numel() == 0:
-        return x, write
     if picked.numel() == x.shape[0]:  # every row selected: the layer runs as a stack of one
         out, _, (write,) = dense_layers(steps, blocks, x, state, cache, Segment(index, index + 1, False))
         return out, write
+    if store_skipped:
+        skipped = (~selected).nonzero().squeeze(1)
+        kv_step(
+            blocks[index],
+            x.index_select(0, skipped),
+            keys,
+            values,
+            skipped,
+            lengths.index_select(0, skipped),
+            state.cos.index_select(0, skipped),
+            state.sin.index_select(0, skipped),
+        )
+    if picked.numel() == 0:
+        return x, write
     out = steps.block(
         blocks[index],
         x.index_select(0, picked),
@@ -471,10 +384,11 @@ def decode_step(
         probs.append(prob)
         return prob
 
+    store_skipped = model.config.skip_mode == "kv"
     for segment in decode_plan(model, student):
         if segment.routed:
-            selected = route(segment.start, x) >= cutoff
-            x, write = routed_layer(steps, blocks, x, selected, state, cache, segment.start)
+            selected = select(route(segment.start, x), cutoff)
+            x, write = routed_layer(steps, blocks, x, selected, state, cache, segment.start, store_skipped)
             chosen.append(selected)
             writes.append(write)
             continue
@@ -485,7 +399,7 @@ def decode_step(
             if isinstance(layers[segment.start + offset], STTLayer):
                 route(segment.start + offset, layer_input)
         writes.extend(stack_writes)
-    commit(cache, writes, state, every_row=not chosen)
+    commit(cache, writes, state, every_row=not chosen or store_skipped)
     logits = model.lm_head(rms_norm(model.model.norm, x))
     batch, device = ids.shape[0], ids.device
     router = torch.stack(probs)[..., None] if probs else torch.zeros(0, batch, 1, device=device)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-if TYPE_CHECKING:
-    from chatapp.stt.model import STTForCausalLM
+from chatapp.compute_saved import compute_saved
+from chatapp.stt.layers import select
 
 MODES = ("off", "teacher", "student")
 
@@ -26,6 +26,8 @@ class EvalReport:
     """Aggregated metrics over the evaluated tokens; per-layer lists follow `model.stt_layer_indices`."""
 
     tokens: int = 0
+    num_layers: int = 0  # all decoder layers of the model: the denominator of `compute_saved`
+    skip_mode: str = "strict"
     loss: dict[str, float] = field(default_factory=dict)  # mode -> mean next-token cross-entropy
     selected_fraction: dict[str, list[float]] = field(default_factory=dict)  # mode -> per STT layer
     student_accuracy: list[float] = field(default_factory=list)  # causal router vs teacher targets
@@ -36,9 +38,15 @@ class EvalReport:
         return {mode: math.exp(min(loss, 50.0)) for mode, loss in self.loss.items()}
 
     def compute_saved(self, mode: str = "student") -> float:
-        """Fraction of STT-layer block computations skipped in `mode` (0 when there are no STT layers)."""
+        """Share of all the model's block computations (tokens x decoder layers) skipped in `mode`; see
+        `chatapp.compute_saved`. Without `num_layers` (a report built by hand) the STT layers are taken for all."""
         fractions = self.selected_fraction.get(mode) or []
-        return 1.0 - sum(fractions) / len(fractions) if fractions else 0.0
+        return compute_saved(sum(1.0 - f for f in fractions), 1, self.num_layers or len(fractions))
+
+    def routed_skipped(self, mode: str = "student") -> float:
+        """Share of the STT layers' block computations skipped in `mode` (0 when there are no STT layers)."""
+        fractions = self.selected_fraction.get(mode) or []
+        return compute_saved(sum(1.0 - f for f in fractions), 1, len(fractions))
 
 
 @dataclass
@@ -60,7 +68,7 @@ def _token_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(
-    model: STTForCausalLM,
+    model: nn.Module,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
     modes: tuple[str, ...] = MODES,
 ) -> EvalReport:
@@ -87,7 +95,7 @@ def evaluate(
             picked = out.selected.float().sum(dim=(1, 2))
             counts.selected[mode] = counts.selected.get(mode, 0) + picked
             if mode == "teacher" and out.teacher_targets is not None:
-                predicted = out.router_probs >= threshold
+                predicted = select(out.router_probs, threshold)
                 target = out.teacher_targets
                 for name, hits in (
                     ("tp", predicted & target),
@@ -101,7 +109,7 @@ def evaluate(
         counts.positions += ids.numel()
     if was_training:
         model.train()
-    report = EvalReport(tokens=tokens)
+    report = EvalReport(tokens=tokens, num_layers=model.config.num_hidden_layers, skip_mode=model.config.skip_mode)
     positions = counts.positions
     for mode in modes:
         if mode in counts.loss:

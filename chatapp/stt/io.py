@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -20,9 +20,6 @@ from safetensors.torch import load_file, save_file
 
 from chatapp.errors import ModelDirError
 from chatapp.stt.config import STTConfig, config_problem
-
-if TYPE_CHECKING:
-    from chatapp.stt.model import STTForCausalLM
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -155,17 +152,19 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-) -> STTForCausalLM:
-    """Build an STTForCausalLM from a directory; see the module docstring for plain Qwen2 directories."""
-    from chatapp.stt.model import STTForCausalLM  # the model module imports this one
-
+    model_class: Any,
+    model_dir: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Any:
+    """Build a `model_class` (`STTForCausalLM`, whose `from_pretrained` is the usual way in: this module is below
+    the model's and does not import it) from a directory; see the module docstring for plain Qwen2 directories."""
     model_dir = Path(model_dir)
     config, is_stt = load_config(model_dir)
     state = load_state_dict(model_dir)
     # Built on the meta device (no memory, no random initialisation) when the checkpoint holds every weight;
     # a plain Qwen2 checkpoint has no routers, and those need their initialisation.
-    model = STTForCausalLM.empty(config) if is_stt else STTForCausalLM(config)
+    model = model_class.empty(config) if is_stt else model_class(config)
     expected = set(model.state_dict())
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -214,7 +213,7 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def save_model(model: STTForCausalLM, model_dir: str | Path) -> None:
+def save_model(model: torch.nn.Module, model_dir: str | Path) -> None:
     """Write config.json and model.safetensors into `model_dir` (created if needed)."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -236,9 +235,9 @@ def copy_tokenizer_files(source: str | Path, target: str | Path) -> list[str]:
     return copied
 
 
-def convert_qwen2(source: str | Path, target: str | Path) -> STTForCausalLM:
-    """Turn a Qwen2 directory into an STT directory (fresh routers, routing off until trained)."""
-    model = load_model(source)
+def convert_qwen2(model_class: Any, source: str | Path, target: str | Path) -> Any:
+    """Turn a Qwen2 directory into an STT directory of a `model_class` (fresh routers, routing off until trained)."""
+    model = load_model(model_class, source)
     save_model(model, target)
     copy_tokenizer_files(source, target)
     return model

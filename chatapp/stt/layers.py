@@ -1,6 +1,12 @@
 """Building blocks of the STT model: a Qwen2 decoder block with its own attention, the transition network (TPN),
 the teacher's predictive router, the student's causal router and the STT layer that holds them.
 
+This module is the one home of the STT maths every path uses (`extend`, the decode step, the teacher's training
+pass, evaluation): the block (`run_block`, with its attention in two forms: over a sequence through a `KVSink`,
+and over one token per row of the cache in `block_step`), the K/V a skipped token stores in "kv" skip mode
+(`Attention.project_kv`, `kv_step`), the causal router's probability (`router_probs`), the selection rule
+(`select`) and the keys a routed layer's queries may see (`routed_attention_mask`).
+
 Module and parameter names mirror `transformers`' Qwen2 (`self_attn.q_proj`, `mlp.gate_proj`,
 `input_layernorm`, ...) so a Qwen2 state dict loads unchanged. The norm, MLP and rotary maths are transformers'
 (`stt.qwen2`); attention is written here because it runs over chatapp's per-layer sparse KV cache, where which keys a query
@@ -11,13 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from chatapp.stt.config import STTConfig
-from chatapp.stt.qwen2 import MLP, RMSNorm, apply_rotary_pos_emb
+from chatapp.stt.qwen2 import MLP, RMSNorm, apply_rotary_pos_emb, rotate_half
 
 # Stores a block's new keys/values and returns what its queries attend to: (keys, values, mask). Keys and values
 # are (B, Tk, H_kv, D); mask is a bool (B, S, Tk) "query may see key", or None for plain causal self-attention.
@@ -31,6 +38,27 @@ def self_attention_sink(mask: torch.Tensor | None = None) -> KVSink:
         return k, v, mask
 
     return sink
+
+
+def select(probs: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """The student's routing rule (§3.2 step 2, variable capacity): a token runs the block when its causal-router
+    probability is at or above the layer's cutoff."""
+    return probs >= cutoff
+
+
+def router_probs(layer: STTLayer, current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """The causal router's probability of "process x_t" (float32, `current`'s shape less the last axis) from the
+    layer's inputs x_t (`current`) and x_{t-1} (`previous`); 1 everywhere for a layer without a causal router."""
+    if layer.causal_router is None:
+        return torch.ones(current.shape[:-1], device=current.device)
+    return torch.sigmoid(layer.causal_router(current, previous).float())
+
+
+def routed_attention_mask(selected: torch.Tensor, skip_mode: str) -> torch.Tensor | None:
+    """Which keys a routed STT layer's queries see over a full (B, T) sequence: in "strict" mode only the selected
+    tokens are keys (`routed_causal_mask`); in "kv" mode every token is (its K/V come from its unchanged input),
+    which is plain causal attention (None)."""
+    return None if skip_mode == "kv" else routed_causal_mask(selected)
 
 
 def routed_causal_mask(key_selected: torch.Tensor) -> torch.Tensor:
@@ -73,6 +101,21 @@ class Attention(nn.Module):
         if self.qkv_proj is not None:
             return self.qkv_proj(x)
         return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (rotary at their positions) and values (B, S, H_kv, D) of the normed inputs `x` (B, S, D), and no
+        query: what a token skipped in "kv" mode stores. With fused projections (`fuse_projections`) the one fused
+        product runs and its query part is dropped."""
+        b, s, _ = x.shape
+        width = self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            kv = self.qkv_proj(x)[..., self.num_heads * self.head_dim :]
+        else:
+            kv = torch.cat((self.k_proj(x), self.v_proj(x)), dim=-1)
+        k, v = kv.split((width, width), dim=-1)
+        k, v = k.view(b, s, self.num_kv_heads, self.head_dim), v.view(b, s, self.num_kv_heads, self.head_dim)
+        c, n = cos.unsqueeze(2), sin.unsqueeze(2)
+        return k * c + rotate_half(k) * n, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: KVSink) -> torch.Tensor:
         b, s, _ = x.shape
@@ -117,9 +160,24 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: KVSink) -> torch.Tensor:
-        """The block's output for every token of `x` (the TF-Block of the spec)."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, sink)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """The block's output for every token of `x` (B, S, D) (the TF-Block of the spec)."""
+        return run_block(self, x, lambda y: self.self_attn(y, cos, sin, sink))
+
+    def routed(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, selected: torch.Tensor, skip_mode: str
+    ) -> torch.Tensor:
+        """A routed layer over a full (B, T) sequence without a cache: the block's output for the `selected`
+        tokens, attending to the keys `skip_mode` leaves (`routed_attention_mask`); the other tokens' input."""
+        y = self.block(x, cos, sin, self_attention_sink(routed_attention_mask(selected, skip_mode)))
+        return torch.where(selected[..., None], y, x)
+
+
+def run_block(block, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The TF-Block's maths, the one copy every path runs: pre-norm attention then pre-norm SwiGLU MLP, each with a
+    residual. `block` has the norms and the MLP (a `DecoderBlock` or the decode step's `BlockParts`); `attend` maps
+    the normed input to the attention output, over a sequence's sink or over the cache's rows."""
+    h = x + attend(rms_norm(block.input_layernorm, x))
+    return h + block.mlp(rms_norm(block.post_attention_layernorm, h))
 
 
 class TransitionNetwork(nn.Module):
@@ -213,10 +271,13 @@ class CausalRouter(nn.Module):
         nn.init.constant_(self.out.bias, math.log(rate / (1 - rate)))  # logit(rate)
 
     def forward(self, current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T) from current (B, T, D) and previous (B, T, D) layer inputs, in the router's own dtype
-        (float32 under every weight format: see `chatapp.stt.weights.prepare_weights`)."""
+        """Logits (...) from current (..., D) and previous (..., D) layer inputs ((B, T, D) over a sequence, (B, D)
+        in a decode step), in the router's own dtype (float32 under every weight format: see
+        `chatapp.stt.weights.prepare_weights`)."""
         dtype = self.up.weight.dtype
-        features = torch.cat((self.norm_current(current.to(dtype)), self.norm_previous(previous.to(dtype))), dim=-1)
+        features = torch.cat(
+            (rms_norm(self.norm_current, current.to(dtype)), rms_norm(self.norm_previous, previous.to(dtype))), dim=-1
+        )
         return self.out(F.silu(self.up(features))).squeeze(-1)
 
 
@@ -228,3 +289,129 @@ class STTLayer(DecoderBlock):
         self.transition_network = TransitionNetwork(config)
         self.predictive_router = PredictiveRouter(config)
         self.causal_router = CausalRouter(config) if config.train_causal_router else None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The decode step's form: one token per row of the cache, activations 2-D (B, D), in as few torch ops as possible
+# (see `chatapp.stt.decode`, which schedules these over the layers and may compile them).
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin` with the half swap done by one roll (same products)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def cache_attention(
+    attn: Attention,
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    span: int,
+    subset: bool,
+) -> torch.Tensor:
+    """Self-attention of the (B', D) queries `x` of cache rows `rows`, storing their K/V at `slots` of the layer's
+    cache `keys`/`values` (B, S, H_kv, Dh). `subset`: `rows` is not every cache row, so gather them."""
+    heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    batch = x.shape[0]
+    qkv = attn.project_qkv(x).view(batch, heads + 2 * kv_heads, head_dim)
+    # Rotary runs once over Q and K side by side (B', H + H_kv, Dh), in the activations' dtype as `extend` does.
+    qk = rotate(qkv[:, : heads + kv_heads], cos, sin).to(keys.dtype)
+    keys.index_put_((rows, slots), qk[:, heads:])
+    values.index_put_((rows, slots), qkv[:, heads + kv_heads :].to(values.dtype))
+    if subset:
+        keys, values = keys[rows], values[rows]
+    keys, values = keys[:, :span], values[:, :span]
+    if keys.dtype == torch.float32:
+        out = F.scaled_dot_product_attention(
+            qk[:, :heads, None],
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask,
+            enable_gqa=heads != kv_heads,
+        )
+    else:
+        out = single_query_attention(qk[:, :heads], keys, values, mask, kv_heads)
+    return attn.o_proj(out.reshape(batch, heads * head_dim).to(x.dtype))
+
+
+def single_query_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, kv_heads: int
+) -> torch.Tensor:
+    """Grouped-query attention of one query per row in two matrix products, softmax in float32.
+
+    For a reduced-precision cache (a CPU cache is float32, see `STTForCausalLM.kv_dtype`): torch's CPU flash
+    attention runs a single bfloat16 query 4-20x slower than these three ops (measured at 128-1024 keys, batch
+    1-32). `q` (B, H, D); `keys`/`values` (B, S, H_kv, D);
+    `mask` (B, 1, 1, S), bool "may see" or additive. Returns (B, H, D).
+    """
+    batch, heads, head_dim = q.shape
+    groups = heads // kv_heads
+    q = (q * head_dim**-0.5).view(batch, kv_heads, groups, head_dim)
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1))  # (B, H_kv, G, S)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values.transpose(1, 2)).view(batch, heads, head_dim)
+
+
+class BlockParts(NamedTuple):
+    """A decoder block as the step functions take it. An STT layer's parts have the types of a dense layer's, so
+    one compiled graph serves both kinds (a graph guards on the types of the modules it is given)."""
+
+    input_layernorm: nn.Module
+    self_attn: Attention
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+
+def block_step(
+    block: BlockParts,
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    span: int,
+    subset: bool,
+) -> torch.Tensor:
+    """A decoder block (attention and SwiGLU MLP, pre-norm, residuals) on (B', D) rows (see `cache_attention`).
+
+    Tensors, modules and plain values only, no cache object or layer index: a compiled copy (`compile_decode`)
+    then serves every layer with one graph."""
+    return run_block(
+        block, x, lambda y: cache_attention(block.self_attn, y, keys, values, rows, slots, mask, cos, sin, span, subset)
+    )
+
+
+def kv_step(
+    block: BlockParts,
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Store the K/V of tokens an STT layer skips in "kv" mode: the (B', D) layer inputs `x` of cache rows `rows`,
+    normed and projected (no query, no attention, no MLP), rotary at their positions, written at `slots`."""
+    attn = block.self_attn
+    y = rms_norm(block.input_layernorm, x)
+    if attn.qkv_proj is not None:
+        kv = attn.qkv_proj(y)[:, attn.num_heads * attn.head_dim :]
+    else:
+        kv = torch.cat((attn.k_proj(y), attn.v_proj(y)), dim=-1)
+    kv = kv.view(x.shape[0], 2 * attn.num_kv_heads, attn.head_dim)
+    k = rotate(kv[:, : attn.num_kv_heads], cos, sin)
+    keys.index_put_((rows, slots), k.to(keys.dtype))
+    values.index_put_((rows, slots), kv[:, attn.num_kv_heads :].to(values.dtype))

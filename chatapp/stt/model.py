@@ -1,8 +1,10 @@
 """STTForCausalLM: a Qwen2-compatible decoder whose STT layers run their block only for routed tokens.
 
 Inference (`extend` / `decode`) follows `seeds/stt.md` §3.2: per STT layer the causal router gives each new token
-a probability, tokens at or above the threshold are selected, the block runs for selected tokens only and only
-they append K/V to that layer's cache; unselected tokens pass through unchanged. Rows of a batch are never
+a probability, tokens at or above the threshold are selected (`layers.router_probs`, `layers.select`), the block
+runs for selected tokens only; unselected tokens pass through unchanged. In "strict" skip mode only selected tokens
+append K/V to that layer's cache; in "kv" mode every token does, a skipped one from its unchanged input
+(`STTConfig.skip_mode`). Rows of a batch are never
 packed together: selected tokens are gathered *within* each row, so attention can only see the row's own cache.
 
 Host syncs: decode needs none on CUDA (unselected rows are computed and discarded, masked by `torch.where`).
@@ -25,7 +27,8 @@ from torch import nn
 from chatapp.stt.cache import KVCache
 from chatapp.stt.config import STTConfig
 from chatapp.stt.decode import decode_step
-from chatapp.stt.layers import DecoderBlock, STTLayer
+from chatapp.stt.io import load_model, save_model
+from chatapp.stt.layers import DecoderBlock, STTLayer, rms_norm, router_probs, select
 from chatapp.stt.qwen2 import RMSNorm, RotaryEmbedding
 from chatapp.stt.teacher import EvalMode, EvalOutput, TrainOutput, forward_eval, forward_train
 
@@ -195,6 +198,7 @@ class STTForCausalLM(nn.Module):
         student = routing == "student" and self.routing_active
         cutoff = self.config.router_threshold if threshold is None else threshold
         compact = width > 1 or hidden.device.type != "cuda"
+        store_skipped = student and self.config.skip_mode == "kv"
         probs, chosen = [], []
         stt_slot = 0
         for index, layer in enumerate(self.model.layers):
@@ -204,10 +208,19 @@ class STTForCausalLM(nn.Module):
                 )
                 continue
             prob = self._router_probs(layer, hidden, lengths, cache, stt_slot)
-            selected = valid & (prob >= cutoff) if student else valid
-            hidden = self._run_block(
-                layer, index, hidden, cos, sin, positions, selected, cache, span, compact, causal=causal
-            )
+            selected = valid & select(prob, cutoff) if student else valid
+            if store_skipped:
+                # "kv": every valid token stores the K/V of its unchanged input, as in a dense layer; then the block
+                # runs for the selected tokens, attending to those entries (the block's own K/V writes are skipped).
+                k, v = layer.self_attn.project_kv(rms_norm(layer.input_layernorm, hidden), cos, sin)
+                cache.append(index, k, v, positions, valid, span)
+                hidden = self._run_block(
+                    layer, index, hidden, cos, sin, positions, selected, cache, span, compact, store=False
+                )
+            else:
+                hidden = self._run_block(
+                    layer, index, hidden, cos, sin, positions, selected, cache, span, compact, causal=causal
+                )
             probs.append(prob)
             chosen.append(selected)
             stt_slot += 1
@@ -242,11 +255,8 @@ class STTForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Causal-router probabilities (B, T) for the new tokens; updates the cache's x_{t-1} for this layer."""
         stored = cache.prev_hidden[stt_slot]
-        if layer.causal_router is None:
-            probs = torch.ones(hidden.shape[:2], device=hidden.device)
-        else:
-            previous = torch.cat((stored[:, None].to(hidden.dtype), hidden[:, :-1]), dim=1)
-            probs = torch.sigmoid(layer.causal_router(hidden, previous).float())
+        previous = torch.cat((stored[:, None].to(hidden.dtype), hidden[:, :-1]), dim=1)
+        probs = router_probs(layer, hidden, previous)
         # Only now overwrite x_{t-1}: `stored` is a view of the same memory.
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), (lengths - 1).clamp(min=0)]
         stored.copy_(torch.where((lengths > 0)[:, None], last.to(stored.dtype), stored))
@@ -265,6 +275,7 @@ class STTForCausalLM(nn.Module):
         span: int,
         compact: bool,
         causal: bool = False,
+        store: bool = True,
     ) -> torch.Tensor:
         """Run `layer`'s block for the `selected` (B, T) tokens only; the others pass through unchanged.
 
@@ -273,7 +284,8 @@ class STTForCausalLM(nn.Module):
         computed and the outputs of unselected ones are discarded. `causal`: the layer's cache was empty and every
         row is a whole chunk. Once each row's selected tokens are gathered into a prefix of the row (always, under
         `causal`), the k-th of them lands in cache slot k and sees exactly slots 0..k: plain causal attention, with
-        no mask to build.
+        no mask to build. Without `store` the selected tokens' K/V are already in the cache (the "kv" skip mode
+        stored every token's first): the block attends to those entries and writes none.
         """
         rows = gather = None
         x = hidden
@@ -301,6 +313,8 @@ class STTForCausalLM(nn.Module):
         write = selected
 
         def sink(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            if not store:
+                return cache.visible(index, positions, write, span, rows)
             keys, values, mask = cache.append(index, k, v, positions, write, span, rows)
             return keys, values, None if causal else mask
 
@@ -375,12 +389,8 @@ class STTForCausalLM(nn.Module):
         cls, model_dir: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> STTForCausalLM:
         """Load an STT or plain Qwen2 directory (config.json + safetensors); see `chatapp.stt.io`."""
-        from chatapp.stt.io import load_model
-
-        return load_model(model_dir, device=device, dtype=dtype)
+        return load_model(cls, model_dir, device=device, dtype=dtype)
 
     def save_pretrained(self, model_dir: str | Path) -> None:
         """Write config.json and model.safetensors (atomically) into `model_dir`."""
-        from chatapp.stt.io import save_model
-
         save_model(self, model_dir)

@@ -9,23 +9,22 @@ and predictions, so the gate regulariser reaches only `o_ce`/`m_cu` (never the b
 sees a detached input, and the causal router sees detached inputs.
 
 Routed passes over a whole sequence (teacher evaluation, student evaluation and the optional gated second
-training pass) use an attention mask in which only selected tokens are keys: the same maths as the sparse KV
-cache at inference, written independently of it, which makes each a check on the other.
+training pass) run `STTLayer.routed`: in "strict" skip mode an attention mask in which only selected tokens are
+keys, in "kv" mode plain causal attention (every token's K/V, from its unchanged input): the same maths as the
+sparse KV cache at inference, written independently of it, which makes each a check on the other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from chatapp.stt.config import STTConfig, betas_at
-from chatapp.stt.layers import STTLayer, routed_causal_mask, self_attention_sink
-
-if TYPE_CHECKING:
-    from chatapp.stt.model import STTForCausalLM
+from chatapp.stt.layers import STTLayer, routed_attention_mask, router_probs, select, self_attention_sink
 
 EvalMode = Literal["off", "teacher", "student"]
 STAT_NAMES = (
@@ -123,13 +122,7 @@ def _teacher_signals(
     return _LayerSignals(g=g, targets=targets, causal_logits=causal_logits, tpn_loss=tpn_loss)
 
 
-def _routed_block(layer: STTLayer, x: torch.Tensor, cos, sin, selected: torch.Tensor) -> torch.Tensor:
-    """The block's output for selected tokens when only selected tokens are keys; unselected tokens are x."""
-    y = layer.block(x, cos, sin, self_attention_sink(routed_causal_mask(selected)))
-    return torch.where(selected[..., None], y, x)
-
-
-def _embed(model: STTForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _embed(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     hidden = model.model.embed_tokens(ids)
     positions = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
     cos, sin = model.model.rotary_emb(hidden, positions)
@@ -146,7 +139,7 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor | N
 
 
 def forward_train(
-    model: STTForCausalLM,
+    model: nn.Module,
     ids: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     *,
@@ -174,12 +167,15 @@ def forward_train(
         targets = signals.targets
         if config.gated_second_pass:
             # Straight-through gate: 1 in the forward pass (hard routing, as at inference), g's gradient backward.
+            # Selected tokens attend to the keys the skip mode leaves: in "kv" mode every token's, which is the dense
+            # pass just computed (a token's K/V come from its input), so only "strict" runs the block again.
             gate = (targets.to(signals.g.dtype) + signals.g - signals.g.detach())[..., None]
-            routed = layer.block(x, cos, sin, self_attention_sink(routed_causal_mask(targets)))
+            mask = routed_attention_mask(targets, config.skip_mode)
+            routed = hidden if mask is None else layer.block(x, cos, sin, self_attention_sink(mask))
             hidden = torch.where(targets[..., None], x + gate.to(x.dtype) * (routed - x), x)
         if signals.causal_logits is not None:
             causal_loss = F.binary_cross_entropy_with_logits(signals.causal_logits, targets.float())
-            predicted = torch.sigmoid(signals.causal_logits.detach()) >= config.router_threshold
+            predicted = select(torch.sigmoid(signals.causal_logits.detach()), config.router_threshold)
         else:
             causal_loss, predicted = zero, torch.ones_like(targets)
         g_reg = gate_regulariser(signals.g, config)
@@ -228,7 +224,7 @@ def forward_train(
 
 @torch.no_grad()
 def forward_eval(
-    model: STTForCausalLM, ids: torch.Tensor, mode: EvalMode = "student", *, threshold: float | None = None
+    model: nn.Module, ids: torch.Tensor, mode: EvalMode = "student", *, threshold: float | None = None
 ) -> EvalOutput:
     """Full-sequence logits with routing off, by the teacher (upper bound) or by the student (as at inference).
 
@@ -251,20 +247,17 @@ def forward_eval(
         if not isinstance(layer, STTLayer):
             hidden = layer.block(x, cos, sin, causal)
             continue
-        if layer.causal_router is not None:
-            prob = torch.sigmoid(layer.causal_router(x, previous_tokens(x)).float())
-        else:
-            prob = torch.ones(ids.shape, device=ids.device)
+        prob = router_probs(layer, x, previous_tokens(x))
         if mode == "off":
             selected = torch.ones_like(ids, dtype=torch.bool)
             hidden = layer.block(x, cos, sin, causal)
         elif mode == "teacher":
             selected = _teacher_signals(layer, x, layer.block(x, cos, sin, causal), betas, config).targets
             targets_out.append(selected)
-            hidden = _routed_block(layer, x, cos, sin, selected)
+            hidden = layer.routed(x, cos, sin, selected, config.skip_mode)
         else:
-            selected = prob >= cutoff
-            hidden = _routed_block(layer, x, cos, sin, selected)
+            selected = select(prob, cutoff)
+            hidden = layer.routed(x, cos, sin, selected, config.skip_mode)
         probs.append(prob)
         chosen.append(selected)
     logits = model.lm_head(model.model.norm(hidden))

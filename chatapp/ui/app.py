@@ -38,7 +38,7 @@ from chatapp.ui.screens.history import HistoryScreen, ResumeChoice
 from chatapp.ui.screens.program import ProgramChoice, ProgramScreen
 from chatapp.ui.screens.settings import SettingsChoice, SettingsScreen
 from chatapp.ui.streaming import BATCH_INTERVAL, FirstTokens, Generation, GenerationEnded, Outcome
-from chatapp.ui.widgets.heatmap import RoutingHeatmap
+from chatapp.ui.widgets.heatmap import RoutingHeatmap, skip_mode_caption
 from chatapp.ui.widgets.panels import StatsPanel, TokenInspector, ZonePills
 from chatapp.ui.widgets.probability import LEGEND
 from chatapp.ui.widgets.prompt import PromptInput
@@ -135,6 +135,8 @@ class ChatApp(App[None]):
         heatmap.border_title = "routing · layers × tokens"
         if not self.backend.info.stt_layers:
             heatmap.border_subtitle = "model has no STT layers"
+        else:
+            heatmap.border_subtitle = skip_mode_caption(self.backend.info.skip_mode)
         self.query_one(ZonePills).set_program(self.backend.program)
         prompt.focus()
 

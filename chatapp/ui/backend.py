@@ -46,6 +46,7 @@ class ModelInfo:
     supports_tools: bool
     # The chat format's tool protocol: how the transcript finds a tool call and the history stores one.
     tool_markers: ToolMarkers = NANOCHAT_TOOL_MARKERS
+    skip_mode: str = "strict"  # what a skipped token leaves in an STT layer (`STTConfig.skip_mode`)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ class EngineBackend(BackendState):
             context_size=int(engine.context_size),
             supports_tools=bool(engine.chat_format.supports_tools),
             tool_markers=engine.tool_markers,
+            skip_mode=str(getattr(config, "skip_mode", "strict")),
         )
         self.new_session()
 

@@ -98,3 +98,24 @@ def test_missing_and_corrupt_artifacts(saved, tmp_path: Path):
     next(broken.glob("stack-*.bin")).write_bytes(b"not a compiled function")
     with pytest.raises(precompile.PrecompileError, match=r"cannot load the compiled decode step in .*broken"):
         precompile.load(broken)
+
+
+def test_kv_skip_mode_makes_no_call_shape_of_its_own(saved):
+    """In "kv" skip mode a routed layer's skipped rows store their K/V eagerly (`layers.kv_step`) and its selected
+    rows take the strict mode's block calls: the shapes captured for a strict model serve a kv one, whose compiled
+    decode then equals its eager decode. (A kv model still gets artifacts of its own: the config is in the key.)"""
+    model, _, compiled = saved
+    kv = copy.deepcopy(model)
+    kv.config.skip_mode = "kv"
+    assert precompile.artifact_key(kv) != precompile.artifact_key(model)
+    assert set(precompile.capture_calls(kv)) <= set(compiled)
+    loaded = precompile.steps_from(compiled, fallback=DecodeSteps(refuse, refuse))
+    fast, fast_cache = decode_tokens(kv, loaded, [9, 3, 14], 64, student=True)
+    slow, slow_cache = decode_tokens(kv, EAGER_STEPS, [9, 3, 14], 64, student=True)
+    for (logits, _, selected), (logits_ref, _, selected_ref) in zip(fast, slow, strict=True):
+        torch.testing.assert_close(logits, logits_ref, atol=1e-4, rtol=1e-4)
+        assert torch.equal(selected, selected_ref)
+    assert not torch.stack([s for _, _, s in slow]).all()  # some rows were skipped
+    assert torch.equal(fast_cache.lengths, slow_cache.lengths)
+    for index in kv.stt_layer_indices:  # every token stored, like a dense layer
+        assert torch.equal(fast_cache.lengths[index], fast_cache.seen)

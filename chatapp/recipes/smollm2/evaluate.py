@@ -164,7 +164,9 @@ def stt_report(engine: Any, conversations: list[list[dict[str, Any]]]) -> dict[s
         "teacher_fraction_per_layer": [round(f, 3) for f in report.selected_fraction.get("teacher", [])],
         "f1_mean": sum(report.student_f1) / len(report.student_f1) if report.student_f1 else 0.0,
         "f1_per_layer": [round(f, 3) for f in report.student_f1],
-        "compute_saved": report.compute_saved("student"),
+        "compute_saved": report.compute_saved("student"),  # share of all decoder-layer blocks skipped
+        "stt_skipped": report.routed_skipped("student"),  # share of the STT layers' blocks skipped
+        "skip_mode": report.skip_mode,
     }
 
 

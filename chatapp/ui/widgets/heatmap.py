@@ -31,6 +31,12 @@ Column = tuple[tuple[float, ...], tuple[bool, ...]] | None
 SURPRISE_LABEL = "-log p"
 
 
+def skip_mode_caption(skip_mode: str) -> str:
+    """The heatmap's bottom border title: the model's skip mode, what a token a layer skipped leaves there ("strict":
+    nothing; "kv": its keys and values). Below, because the top title already fills the side panel's width."""
+    return f"skip mode: {skip_mode}"
+
+
 def probability_colour(p: float) -> str:
     """Hex colour of a router probability on the ramp (clamped to [0, 1])."""
     p = min(max(p, 0.0), 1.0) * (len(_RAMP) - 1)
