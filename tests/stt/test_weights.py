@@ -149,10 +149,39 @@ def test_int4_model_computes_its_dequantized_weights(routing: str) -> None:
             if isinstance(module, Int4Linear | Int8Linear):  # the head is int8 under int4
                 reference.get_submodule(name).weight.copy_(module.weight.float())
     prompt = [5, 17, 42, 9, 111, 7, 250, 3]
-    want, want_tokens = greedy(reference, prompt, 8, routing)
-    got, got_tokens = greedy(converted, prompt, 8, routing)
-    assert (got - want).abs().max().item() <= LOGIT_TOLERANCE * want.std().item()
-    assert got_tokens == want_tokens
+    want, want_tokens, want_probs = routed_greedy(reference, prompt, 8, routing)
+    got, got_tokens, got_probs = routed_greedy(converted, prompt, 8, routing)
+    # bfloat16 activations move a router's probability a little (by up to ~0.03 on this random model, whose spread
+    # routers are far more sensitive than trained ones); a token whose router is close to the cutoff may then go
+    # the other way, and from there on the two models compute different things. Up to such a flip (there may be
+    # none) the logits must agree.
+    cutoff = converted.config.router_threshold
+    flips = [i for i, (a, b) in enumerate(zip(want_probs, got_probs, strict=True)) if not torch.equal(a >= cutoff, b >= cutoff)]
+    agree = flips[0] if flips else len(want_tokens) + 1
+    assert routing == "student" or agree == len(want_tokens) + 1
+    # Likewise a greedy near-tie: the models may pick different tokens where float32's top two are that close.
+    ties = [i for i, (a, b) in enumerate(zip(want_tokens, got_tokens, strict=True)) if a != b]
+    if ties and ties[0] < agree:
+        step = ties[0]
+        assert want[step][want_tokens[step]] - want[step][got_tokens[step]] <= LOGIT_TOLERANCE * want.std()
+        agree = step + 1
+    assert agree >= 2, "the prefill and the first decode step already differ"
+    assert (got[:agree] - want[:agree]).abs().max().item() <= LOGIT_TOLERANCE * want.std().item()
+    assert got_tokens[: agree - 1] == want_tokens[: agree - 1]
+
+
+@torch.no_grad()
+def routed_greedy(model, prompt: list[int], steps: int, routing: str):
+    """`greedy`, and each call's router probabilities (the prefill's, then one per decode step)."""
+    cache = model.new_cache(1, 64)
+    out = model.extend(torch.tensor([prompt]), torch.tensor([len(prompt)]), cache, routing=routing)
+    logits, tokens, probs = [out.logits[0].float()], [], [out.router_probs]
+    for _ in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        out = model.decode(torch.tensor([tokens[-1]]), cache, routing=routing)
+        logits.append(out.logits[0].float())
+        probs.append(out.router_probs)
+    return torch.stack(logits), tokens, probs
 
 
 def test_int8_replaces_every_projection_and_the_tied_head() -> None:
