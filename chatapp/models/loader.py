@@ -94,8 +94,14 @@ def load_model(
     `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16", "int8" or "int4"; None or "auto" takes
     `$CHATAPP_DTYPE` when set, else the per-device default (`stt.weights.default_format`, by the checkpoint's size).
     A quantized format is read from its stored served format (`_served_model`), converted from the float32 weights
-    and stored the first time. `compile` (None: `$CHATAPP_COMPILE`) compiles the decode step now; left None with
-    `$CHATAPP_COMPILE` unset, a compiled step saved by an earlier process is loaded (`load_saved_compiled_steps`).
+    and stored the first time. `compile` (None: `$CHATAPP_COMPILE`, else no) compiles the decode step now: the one
+    saved for this machine, or compiled and saved. Otherwise the model decodes eagerly; the TUI switches to the
+    compiled step in the background (`compile_in_background`).
+
+    Loading a saved step costs ~4 s (deserializing torch's compiled graphs and their kernels) and 120 MB, for
+    batch-1 decode ~1.8x as fast. Measured on the default model (README, start-up): `chatapp generate` of 1 token
+    7.4 s with it, 2.5 s without; of 128 tokens 9.0 s and 5.5 s; `chatapp batch` of 32 x 128 tokens 22-24 s and
+    20-22 s (batched decode gains little from it). So a command decodes eagerly unless asked.
     """
     import torch
 
@@ -115,8 +121,6 @@ def load_model(
     from chatapp.stt.weights import default_format
 
     chat_format = chat_format_for(tokenizer, model_dir)
-    if compile is None:
-        _warm_compiled_runtime(resolved)
     fmt = fmt or default_format(resolved, _parameter_count(model_dir, hint))
     model = _served_model(model_dir, resolved, fmt, hint)
     _check_vocab(model_dir, tokenizer, int(model.config.vocab_size), hint)
@@ -125,8 +129,6 @@ def load_model(
     model.eval()
     if compile if compile is not None else env_flag(COMPILE_ENV):
         _compile_decode(model, model_dir)
-    elif compile is None:
-        load_saved_compiled_steps(model)
     return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
 
 
@@ -272,9 +274,9 @@ def env_flag(name: str) -> bool:
 def wants_compiled_step(model: STTForCausalLM) -> bool:
     """Whether `model` should decode with the compiled step unasked: unless `$CHATAPP_COMPILE` says either way (1
     compiles at load, 0 never), for a model in a quantized format on a CPU, where the compiled step measured ~1.5x
-    faster than eager (README). Every process loads a saved one (`load_saved_compiled_steps`); only the TUI's engine
-    compiles one when none is saved (`compile_in_background`): compiling costs 20-60 s on 2 cores, more than most
-    one-reply commands take."""
+    faster than eager at batch 1 (README). Only the TUI's engine, which lives long, switches to it unasked, in the
+    background (`compile_in_background`: the saved one, or compiled and saved, 20-60 s on 2 cores); a command
+    decodes eagerly unless `--compile` asks (loading a saved step costs more than one reply gains)."""
     from chatapp.stt.weights import weight_format
 
     if os.environ.get(COMPILE_ENV, "").strip():
@@ -345,7 +347,7 @@ def compile_in_background(
     configure_compiler()  # in this thread too: it runs the compiled step, and any recompile happens here
 
     def run() -> None:
-        if getattr(model, "compiled_steps", None) is not None:  # loaded with the model (`load_saved_compiled_steps`)
+        if getattr(model, "compiled_steps", None) is not None:  # compiled at load (`$CHATAPP_COMPILE=1`)
             log(getattr(model, "compile_note", None) or "the decode step is compiled")
             return
         try:
@@ -362,33 +364,6 @@ def compile_in_background(
     thread = threading.Thread(target=run, name="chatapp-compile-decode", daemon=True)
     thread.start()
     return thread
-
-
-def _warm_compiled_runtime(device: torch.device) -> None:
-    """When this machine has saved compiled steps (of any model) and this load may use one, start the first
-    load's one-time work (`precompile.warm_runtime`, ~1.5 s) now, in a thread, while the weights load."""
-    from chatapp.settings import data_dir
-
-    if device.type != "cpu" or os.environ.get(COMPILE_ENV, "").strip() or not (data_dir() / "compiled").is_dir():
-        return
-    from chatapp.stt.precompile import warm_runtime
-
-    threading.Thread(target=warm_runtime, name="chatapp-warm-compiled", daemon=True).start()
-
-
-def load_saved_compiled_steps(model: STTForCausalLM) -> str | None:
-    """Switch `model` to the compiled decode step saved for it, when it wants one (`wants_compiled_step`) and
-    one is saved: loaded now, in ~0.5 s once `_warm_compiled_runtime` has run beside the weights' load (loading it
-    in the background instead slowed the first prefill by as much, and decoded eagerly meanwhile). Nothing is
-    compiled. Returns what was done (None: nothing to load); a step that cannot be read leaves the model eager."""
-    from chatapp.stt.precompile import MANIFEST
-
-    if not wants_compiled_step(model) or not (compiled_steps_dir(model) / MANIFEST).is_file():
-        return None
-    steps, note = saved_or_new_compiled_steps(model, compile_if_missing=False)
-    model.compiled_steps = steps
-    model.compile_note = note
-    return note
 
 
 def _first_line(err: Exception) -> str:

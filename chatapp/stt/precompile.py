@@ -180,16 +180,6 @@ def save(compiled: dict[CallShape, StepFn], directory: Path) -> None:
         (staging / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "steps": entries}, indent=1))
 
 
-def warm_runtime() -> None:
-    """Do the one-time work of a process's first `load` (~2 s on 2 cores, most of it Python holding the GIL):
-    importing inductor's runtime and probing the CPU's vector instructions. A caller runs it in a thread while
-    the weights load, so that the loading thread later does not starve a reply that is decoding eagerly."""
-    import torch._inductor.compile_fx  # noqa: F401  (the imports a compiled artifact's code needs)
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    pick_vec_isa()
-
-
 def load(directory: Path) -> dict[CallShape, StepFn] | None:
     """The artifacts saved in `directory` with their guard checks off, or None when there are none. Raises
     PrecompileError when they are there but cannot be read (a corrupt file, another torch's format)."""

@@ -102,10 +102,11 @@ def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Pa
     assert lines and lines[0].startswith("the decode step is compiled") and "saved in" in lines[0], lines
     assert greedy_replies(engine, "What is 12 times 7?") == eager
 
-    # The next process (any command) loads the saved step with the model instead of compiling it.
-    later = load_model(tiny_model_dir, device="cpu").model
+    # A later command decodes eagerly unless asked (loading the step costs more than one reply gains); asked, it
+    # loads the saved step instead of compiling it.
+    assert getattr(load_model(tiny_model_dir, device="cpu").model, "compiled_steps", None) is None
+    later = load_model(tiny_model_dir, device="cpu", compile=True).model
     assert later.compiled_steps is not None
-    assert later.compile_note.startswith("the saved compiled decode step is loaded")
     tui = EngineBackend.load(tiny_model_dir, device="cpu")
     lines.clear()
     tui.compile_in_background(lines.append).join(timeout=120)
@@ -135,21 +136,21 @@ def test_a_failed_background_compile_leaves_the_model_eager(tiny_model_dir: Path
     assert lines == ["the decode step stays eager: compiling it failed: InvalidCxxCompiler: No working C++ compiler found"]
 
 
-def test_a_corrupt_saved_step_leaves_a_command_eager_and_the_tui_compiles_anew(tiny_model_dir: Path, monkeypatch):
-    """A saved step that cannot be read (a torn file) costs a note, never a reply: a command decodes eagerly, the
-    TUI's engine compiles and saves it again."""
+def test_a_corrupt_saved_step_costs_a_note_and_is_compiled_anew(tiny_model_dir: Path, monkeypatch):
+    """A saved step that cannot be read (a torn file) costs a note, never a reply: the TUI's engine decodes eagerly
+    meanwhile and compiles and saves it again."""
     import chatapp.stt.precompile as precompile
-    from chatapp.models.loader import compile_in_background, compiled_steps_dir
+    from chatapp.models.loader import compile_in_background, compiled_steps_dir, saved_or_new_compiled_steps
 
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
-    assert getattr(model, "compile_note", None) is None  # nothing saved yet: nothing to load
+    assert getattr(model, "compiled_steps", None) is None  # a command decodes eagerly
     directory = compiled_steps_dir(model)
     directory.mkdir(parents=True)
     (directory / precompile.MANIFEST).write_text('{"steps": [{"kind": "stack", "shape": [1, true], "file": "x"}]}')
-    model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
-    assert model.compiled_steps is None
-    assert model.compile_note.startswith("the decode step stays eager: cannot load the compiled decode step in")
+    steps, note = saved_or_new_compiled_steps(model, compile_if_missing=False)
+    assert steps is None
+    assert note.startswith("the decode step stays eager: cannot load the compiled decode step in")
     calls = []
     monkeypatch.setattr(precompile, "precompile", lambda m: calls.append(m) or {})
     lines: list[str] = []
