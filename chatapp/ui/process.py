@@ -243,6 +243,10 @@ class ProcessBackend(BackendState):
 # --- the child ------------------------------------------------------------------------------------------------
 
 
+# Seconds without a request after which the engine starts switching to the compiled decode step (see `serve`).
+COMPILE_AFTER_IDLE = 3.0
+
+
 def serve(conn: Connection, model_dir: str, device: str | None, log_path: str | None = None) -> None:
     """The engine process: load the model, then answer requests until the pipe closes or `close` arrives."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl+c belongs to the UI; it closes us through the pipe
@@ -260,11 +264,17 @@ def serve(conn: Connection, model_dir: str, device: str | None, log_path: str | 
         return
     conn.send(("ok", (backend.info, backend.settings, tuple(backend.builtin_programs()))))
     # Work the first replies would otherwise wait for, done while the user writes: the tool grammar's index
-    # (~0.5 s), and, the first time on a machine, the compiled decode step (20-60 s, then saved for every later
-    # process; replies decode eagerly until it is ready; what was done goes to the engine log).
-    backend.prepare_in_background()
-    backend.compile_in_background()
+    # (~0.5 s), then the compiled decode step (loading a saved one ~4 s of mostly interpreter-bound work; the
+    # first time on a machine, compiling it, 20-60 s, saved for every later process). Replies decode eagerly until
+    # it is ready; what was done goes to the engine log. Both start once the user has been quiet for
+    # `COMPILE_AFTER_IDLE` seconds or the first reply is done, whichever comes first: started at once, they made a
+    # message typed straight away wait for them (its answer 5.6 s after `chatapp run` was typed, not 4.6).
+    compile_started = False
     while True:
+        if not compile_started and not conn.poll(COMPILE_AFTER_IDLE):
+            backend.prepare_in_background()
+            backend.compile_in_background()
+            compile_started = True
         try:
             method, args = conn.recv()
         except (EOFError, OSError):
@@ -292,6 +302,10 @@ def serve(conn: Connection, model_dir: str, device: str | None, log_path: str | 
         else:
             conn.send(("open", None))
             _pump(conn, backend, result)
+            if not compile_started:
+                backend.prepare_in_background()
+                backend.compile_in_background()
+                compile_started = True
 
 
 def _switch_program(conn: Connection, backend: Any, name_or_path: str | None) -> Any:
