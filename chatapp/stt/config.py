@@ -153,6 +153,7 @@ class STTConfig:
         if self.stt_layers is None:
             self.stt_layers = list(range(1, self.num_hidden_layers, 2))
         self.stt_layers = sorted(set(self.stt_layers))
+        self.validate_stt()  # a config that cannot describe a model is refused where it is made, as transformers' is
 
     # ------------------------------------------------------------------------------------------ reading, writing
     @property

@@ -38,8 +38,6 @@ _FUSED = (".qkv_proj", ".gate_up_proj")
 # Every stored tensor starts on a boundary of this many bytes (a cache line; AVX-512's widest load).
 ALIGNMENT = 64
 _PAD = "__padding__."
-# Tensors a step reads a small part of: the embedding (a row per token) and int4's row-order levels (prefill only).
-_SPARSE = ("embed_tokens.weight", "weight_nibbles")
 _SAFETENSORS_DTYPES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8",
     torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
@@ -154,7 +152,6 @@ def read(directory: Path, device: torch.device | None = None) -> nn.Module:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as err:
         raise ServedFormatError(f"the stored weights in {directory} do not describe a model: {err}") from None
-    _advise_sparse(model)
     model.weight_format = layout["weight_format"]
     if device is not None and device.type != "cpu":
         model.to(device)
@@ -168,8 +165,7 @@ def write_aligned_safetensors(state: dict[str, torch.Tensor], path: Path) -> Non
     unaligned offset (the safetensors library packs tensors back to back) crashes them. The format allows no gaps
     between tensors, so the gaps are filled by uint8 padding entries (`_PAD` names, dropped by `read`), and the
     header is padded with spaces (as the format allows) so the data starts aligned too."""
-    # The sparsely read tensors go last, so that the kernel's read-ahead on the hot ones never maps them in.
-    names = sorted(state, key=lambda name: (name.endswith(_SPARSE), -state[name].element_size(), name))
+    names = sorted(state, key=lambda name: (-state[name].element_size(), name))
     entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     chunks: list[bytes | torch.Tensor] = []
     offset = 0
@@ -192,27 +188,6 @@ def write_aligned_safetensors(state: dict[str, torch.Tensor], path: Path) -> Non
         out.write(header)
         for chunk in chunks:
             out.write(chunk if isinstance(chunk, bytes) else chunk.reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
-def _advise_sparse(model: nn.Module) -> None:
-    """Tell the kernel that the sparsely read tensors (`_SPARSE`) are read at random: without it every page fault
-    in them maps its neighbours too (read-ahead, fault-around), and a few embedding rows looked up for a prompt made
-    22 MB of the embedding resident. Best effort: without `madvise` the pages are only mapped more eagerly."""
-    import ctypes
-    import mmap
-
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    page = mmap.PAGESIZE
-    for name, tensor in model.state_dict().items():
-        if name.endswith(_SPARSE) and tensor.device.type == "cpu":
-            start = -(-tensor.data_ptr() // page) * page  # whole pages inside the tensor only
-            end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
-            if end > start:
-                madvise(start, end - start, mmap.MADV_RANDOM)
 
 
 def _unaliased_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
