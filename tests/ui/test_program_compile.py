@@ -74,8 +74,12 @@ async def test_ctrl_q_quits_promptly_during_a_compile(build_app, compiling_backe
         assert screen.compiling
         started = time.monotonic()
         await pilot.press("ctrl+q")
-    # Leaving `run_test` waits for the app and its thread workers: the compile was cancelled when the dialog went
-    # away (not finished, not stopped by its 10 s budget), so the app did not wait for it.
+    # The compile was cancelled when the dialog went away (not finished, not stopped by its 10 s budget), so the
+    # app did not wait for it. The worker thread records the cancel as it unwinds, which may be just after the app
+    # has gone: wait for the record rather than race it.
+    deadline = time.monotonic() + 10
+    while not compiling_backend.compiles and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert compiling_backend.compiles == [(str(slow), True)]
     assert time.monotonic() - started < 60  # a hang guard only: well under a second on a quiet machine
 
