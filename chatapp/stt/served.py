@@ -124,14 +124,18 @@ def read(directory: Path, device: torch.device | None = None) -> nn.Module:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from chatapp.store import open_regular, read_regular_bytes
     from chatapp.stt.config import STTConfig
     from chatapp.stt.model import STTForCausalLM, on_meta
     from chatapp.stt.weights import fuse_structure
 
     try:
-        layout = json.loads((directory / LAYOUT_FILE).read_text(encoding="utf-8"))
+        # Regular files only, checked without blocking (a FIFO put in their place would hang a plain read).
+        layout = json.loads(read_regular_bytes(directory / LAYOUT_FILE, 64 << 20))
+        with open_regular(directory / WEIGHTS_FILE):
+            pass
         state = load_file(str(directory / WEIGHTS_FILE))
-    except (OSError, ValueError, SafetensorError) as err:
+    except (OSError, ValueError, SafetensorError, ChatappError) as err:
         raise ServedFormatError(f"cannot read the stored weights in {directory}: {err}") from None
     try:
         if layout["format_version"] != FORMAT_VERSION:

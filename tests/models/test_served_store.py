@@ -70,3 +70,22 @@ def test_changed_weights_give_a_new_store_and_the_old_one_is_removed(routed_mode
     load_model(model_dir, "cpu", dtype="int8", compile=False)
     after = served_dir(model_dir, "int8")
     assert after != before and after.is_dir() and not before.exists()
+
+
+def test_a_fifo_in_the_store_is_rebuilt_not_waited_on(routed_model_dir: Path, capsys):
+    """A FIFO in place of a stored file would block a plain read forever: it is refused at once and the format is
+    stored again."""
+    import threading
+
+    load_model(routed_model_dir, "cpu", dtype="int8", compile=False)
+    weights = served_dir(routed_model_dir, "int8") / served.WEIGHTS_FILE
+    weights.unlink()
+    os.mkfifo(weights)
+    capsys.readouterr()
+    loaded = []
+    thread = threading.Thread(target=lambda: loaded.append(load_model(routed_model_dir, "cpu", dtype="int8")))
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "loading waited on the FIFO"
+    assert loaded and "is not a regular file" in capsys.readouterr().err
+    assert weights.is_file()
