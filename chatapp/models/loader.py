@@ -121,11 +121,12 @@ def load_model(
     from chatapp.stt.weights import default_format
 
     chat_format = chat_format_for(tokenizer, model_dir)
-    fmt = fmt or default_format(resolved, _parameter_count(model_dir, hint))
+    count = _parameter_count(model_dir, hint)
+    fmt = fmt or default_format(resolved, count)
     model = _served_model(model_dir, resolved, fmt, hint)
     _check_vocab(model_dir, tokenizer, int(model.config.vocab_size), hint)
     if resolved.type == "cpu":
-        configure_threads(model)
+        configure_threads(count)
     model.eval()
     if compile if compile is not None else env_flag(COMPILE_ENV):
         _compile_decode(model, model_dir)
@@ -347,8 +348,8 @@ def compile_in_background(
     configure_compiler()  # in this thread too: it runs the compiled step, and any recompile happens here
 
     def run() -> None:
-        if getattr(model, "compiled_steps", None) is not None:  # compiled at load (`$CHATAPP_COMPILE=1`)
-            log(getattr(model, "compile_note", None) or "the decode step is compiled")
+        if model.compiled_steps is not None:  # compiled at load (`$CHATAPP_COMPILE=1`)
+            log(model.compile_note or "the decode step is compiled")
             return
         try:
             steps, note = saved_or_new_compiled_steps(model, compile_if_missing=compile_if_missing)
@@ -389,9 +390,10 @@ def _compile_decode(model: STTForCausalLM, model_dir: Path) -> None:
         ) from None
 
 
-def configure_threads(model: STTForCausalLM) -> int:
-    """Set torch's CPU thread count for generating with `model` and return it: `$CHATAPP_THREADS` when set, one
-    thread for a small model, torch's default otherwise.
+def configure_threads(num_parameters: int) -> int:
+    """Set torch's CPU thread count for generating with a model of `num_parameters` and return it:
+    `$CHATAPP_THREADS` when set, one thread for a small model (`stt.weights.fits_in_cache`), torch's default
+    otherwise.
 
     A small model's decode step is hundreds of tiny ops, and every multi-threaded op waits for the whole thread
     pool: on a CPU shared with another busy process that wait is a scheduler time slice. Measured on the 2-core
@@ -400,11 +402,11 @@ def configure_threads(model: STTForCausalLM) -> int:
     """
     import torch
 
-    from chatapp.stt.weights import CPU_QUANTIZE_MIN_BYTES
+    from chatapp.stt.weights import fits_in_cache
 
     threads = _threads_from_env()
     if threads is None:
-        if sum(p.numel() for p in model.parameters()) * 4 > CPU_QUANTIZE_MIN_BYTES:
+        if not fits_in_cache(num_parameters):
             return torch.get_num_threads()
         threads = 1
     torch.set_num_threads(threads)

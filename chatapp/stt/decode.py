@@ -369,7 +369,7 @@ def decode_step(
     """
     span = max(cache.reserve(1, 1), 1)
     state = step_state(model, cache, span)
-    steps = steps or getattr(model, "compiled_steps", None) or EAGER_STEPS
+    steps = steps or model.compiled_steps or EAGER_STEPS
     layers, blocks = model.model.layers, block_parts(model)
     stt_slot = {index: slot for slot, index in enumerate(model.stt_layer_indices)}
     x = model.model.embed_tokens(ids)

@@ -26,7 +26,7 @@ from torch import nn
 
 from chatapp.stt.cache import KVCache
 from chatapp.stt.config import STTConfig
-from chatapp.stt.decode import decode_step
+from chatapp.stt.decode import DecodeSteps, decode_step
 from chatapp.stt.io import load_model, save_model
 from chatapp.stt.layers import DecoderBlock, STTLayer, rms_norm, router_probs, select
 from chatapp.stt.qwen2 import RMSNorm, RotaryEmbedding
@@ -85,6 +85,13 @@ class STTForCausalLM(nn.Module):
         self._init_base_weights()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # How the model is served, set where it is loaded (`chatapp.models.loader`) and nowhere else:
+        # the weight format its projections are in (`stt.weights.prepare_weights`, `stt.served`; None: as built,
+        # float32 or whatever `.to()` made it), the compiled decode step it runs (`stt.decode.DecodeSteps`; None:
+        # eager) and what was done about that step, for a log or `--verbose`.
+        self.weight_format: str | None = None
+        self.compiled_steps: DecodeSteps | None = None
+        self.compile_note: str | None = None
 
     @classmethod
     def empty(cls, config: STTConfig) -> STTForCausalLM:

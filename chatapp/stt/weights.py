@@ -55,6 +55,13 @@ INT4_DEQUANT_ROWS = 128
 CPU_QUANTIZE_MIN_BYTES = 64 * 2**20
 
 
+def fits_in_cache(num_parameters: int) -> bool:
+    """Whether a model of `num_parameters` keeps its float32 weights in a CPU's caches: then decode is bound by
+    dispatch, not by weight reads, which decides its format (`default_format`) and thread count
+    (`chatapp.models.loader.configure_threads`)."""
+    return num_parameters * 4 <= CPU_QUANTIZE_MIN_BYTES
+
+
 def default_format(device: torch.device, num_parameters: int) -> str:
     """On a CPU int4 for a model too large for its caches, float32 for a small one; float32 elsewhere (CUDA has not
     been measured yet). int4 is the fastest format on the default model within the quality guard, closer to
@@ -62,7 +69,7 @@ def default_format(device: torch.device, num_parameters: int) -> str:
     torch without the CPU int4 kernel gets int8."""
     if device.type != "cpu":
         return "float32"
-    if num_parameters * 4 <= CPU_QUANTIZE_MIN_BYTES:
+    if fits_in_cache(num_parameters):
         return "float32"
     return "int4" if hasattr(torch, "_weight_int4pack_mm_for_cpu") else "int8"
 
@@ -369,7 +376,6 @@ def prepare_weights(model: nn.Module, fmt: str, adapters: dict[str, Adapter] | N
 
 def weight_format(model: nn.Module) -> str:
     """The format a model's weights are in (float32 or bfloat16 for a model never passed to `prepare_weights`)."""
-    fmt = getattr(model, "weight_format", None)
-    if fmt is not None:
-        return fmt
+    if model.weight_format is not None:
+        return model.weight_format
     return "bfloat16" if model.model.embed_tokens.weight.dtype == torch.bfloat16 else "float32"

@@ -57,7 +57,7 @@ def test_compiled_decode_gives_the_eager_tokens(tiny_model_dir: Path, monkeypatc
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     eager = load_engine(tiny_model_dir, "cpu")
     compiled = load_engine(tiny_model_dir, "cpu", compile=True)
-    assert getattr(eager.model, "compiled_steps", None) is None
+    assert eager.model.compiled_steps is None
     assert compiled.model.compiled_steps is not None
     for prompt in ("What is 12 times 7?", "How many r's are in strawberry?"):
         assert greedy_replies(compiled, prompt) == greedy_replies(eager, prompt)
@@ -132,7 +132,7 @@ def test_a_failed_background_compile_leaves_the_model_eager(tiny_model_dir: Path
     model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
     lines: list[str] = []
     compile_in_background(model, lines.append).join(timeout=60)
-    assert getattr(model, "compiled_steps", None) is None
+    assert model.compiled_steps is None
     assert lines == ["the decode step stays eager: compiling it failed: InvalidCxxCompiler: No working C++ compiler found"]
 
 
@@ -144,7 +144,7 @@ def test_a_corrupt_saved_step_costs_a_note_and_is_compiled_anew(tiny_model_dir: 
 
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
-    assert getattr(model, "compiled_steps", None) is None  # a command decodes eagerly
+    assert model.compiled_steps is None  # a command decodes eagerly
     directory = compiled_steps_dir(model)
     directory.mkdir(parents=True)
     (directory / precompile.MANIFEST).write_text('{"steps": [{"kind": "stack", "shape": [1, true], "file": "x"}]}')
