@@ -34,6 +34,7 @@ import torch
 
 from chatapp.stt import decode
 from chatapp.stt.decode import EAGER_STEPS, DecodeSteps, block_step, stack_step
+from chatapp.stt.served import cpu_flags
 
 # Bump when what an artifact holds or assumes changes in a way the key below cannot see.
 FORMAT_VERSION = 1
@@ -89,17 +90,6 @@ def steps_from(compiled: dict[CallShape, StepFn], fallback: DecodeSteps = EAGER_
 
 
 # ------------------------------------------------------------------------------------------------------ the key
-def _cpu_flags() -> str:
-    """The CPU's instruction-set flags: the compiled kernels are built for this machine's vector ISA."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def artifact_key(model) -> str:
     """A digest of everything the artifacts of `model` depend on (see the module docstring)."""
     from chatapp.stt.weights import weight_format
@@ -115,7 +105,7 @@ def artifact_key(model) -> str:
         "format_version": FORMAT_VERSION,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "cpu": _cpu_flags(),
+        "cpu": cpu_flags(),
         "device": model.device.type,
         "weight_format": weight_format(model),
         "dtype": str(model.dtype),
