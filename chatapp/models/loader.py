@@ -130,7 +130,21 @@ def load_model(
     model.eval()
     if compile if compile is not None else env_flag(COMPILE_ENV):
         _compile_decode(model, model_dir)
+    _return_freed_memory()
     return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
+
+
+def _return_freed_memory() -> None:
+    """Give the heap that loading freed (the tokenizer's and configs' parsing, the vocabulary check) back to the
+    system: glibc keeps it otherwise, and it stays in the process's resident set for its whole life (16 MB of
+    `chatapp generate`'s peak: 465 -> 449 MB). Best effort: a no-op without glibc."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the C library the interpreter runs on (no library search)
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _served_model(model_dir: Path, device: torch.device, fmt: str, hint: str | None) -> STTForCausalLM:
