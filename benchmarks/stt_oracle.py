@@ -24,12 +24,13 @@ multi-layer set the stream changes after the first routed layer, so each later r
 the stream it actually receives (a dense block pass for the score, then the routed pass), as teacher evaluation
 does.
 
-Held-out data (documented in the output): the recipe has no held-out chat split on disk unless its working
-directory is present (`runs/smollm2/held_out_general.json`), so the chats are built as the recipe's evaluation builds
-its perplexity set (`chatapp.recipes.smollm2.evaluate.held_out_chat`): half are held-out general questions
-(`data.FACT_QUESTIONS`, never training prompts) answered by the model's own greedy decode with routing off, half
-held-out tool conversations (`data.tool_questions(..., held_out=True)`: held-out phrasings and operands, with the
-calculator call and result). Perplexity counts the supervised (assistant) tokens of the chat format's loss mask.
+Held-out data (said in the output): the chats are built as the recipe's evaluation builds its perplexity set
+(`chatapp.recipes.smollm2.evaluate.held_out_chat`): half general, half held-out tool conversations
+(`data.tool_questions(..., held_out=True)`: held-out phrasings and operands, with the calculator call and result).
+The general half is the recipe's held-out split of self-distilled answers (`held_out_general.json` in its working
+directory, `--work`) when that directory exists, else held-out general questions (`data.FACT_QUESTIONS`, never
+training prompts) answered by the model's own greedy decode with routing off (the prepared default model ships
+without the split). Perplexity counts the supervised (assistant) tokens of the chat format's loss mask.
 
 Copy probe: held-out arithmetic, word-problem and percent questions rendered with their calculator call
 (`<jupyter_code>37*45<jupyter_output>` for the default model; the chat format's tool markers), cut after the call,
@@ -43,6 +44,7 @@ share of ALL the model's block computations (tokens x all decoder layers) skippe
 
 Run: PYTHONPATH=. .venv/bin/python benchmarks/stt_oracle.py [--model DIR] [--layers 0-29] [--fractions 0.3,0.5,0.7]
      [--scores dx,g,tpn] [--modes strict,kv] [--chats 12] [--max-tokens 256] [--probes 24]
+     [--other-fractions 0.5] [--more-fractions 0.3,0.7 --more-layers 1,2,28,29] [--sets 8@0.5,12@0.3]
 """
 
 from __future__ import annotations
@@ -123,17 +125,24 @@ def greedy_answer(model: STTForCausalLM, chat_format, question: str, max_new: in
     return chat_format.decode(answer).strip()
 
 
-def held_out_chats(model: STTForCausalLM, chat_format, count: int, max_tokens: int, answer_tokens: int) -> list[Batch]:
+def held_out_chats(
+    model: STTForCausalLM, chat_format, count: int, max_tokens: int, answer_tokens: int, work: Path
+) -> tuple[list[Batch], str]:
+    """The chats in batches, and where their general half came from."""
     from chatapp.recipes.smollm2 import data
+    from chatapp.recipes.smollm2.train import held_out_general
 
-    general = random.Random(HELD_OUT_SEED).sample(list(data.FACT_QUESTIONS), (count + 1) // 2)
-    conversations = [
-        [
-            {"role": "user", "content": q.question},
-            {"role": "assistant", "content": greedy_answer(model, chat_format, q.question, answer_tokens)},
-        ]
-        for q in general
-    ]
+    half = (count + 1) // 2
+    if pairs := held_out_general(work)[:half]:
+        source = f"{len(pairs)} held-out self-distilled answers from {work}"
+    else:
+        questions = random.Random(HELD_OUT_SEED).sample(list(data.FACT_QUESTIONS), half)
+        pairs = [(q.question, greedy_answer(model, chat_format, q.question, answer_tokens)) for q in questions]
+        source = (
+            f"{half} general questions from data.FACT_QUESTIONS answered by the model's greedy decode, routing off, "
+            f"<= {answer_tokens} tokens"
+        )
+    conversations = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in pairs]
     tools = data.tool_questions(random.Random(HELD_OUT_SEED + 3), count // 2, held_out=True)
     conversations += [data.tool_conversation(q, a) for q, a in tools]
     rows, reads = [], []
@@ -141,7 +150,7 @@ def held_out_chats(model: STTForCausalLM, chat_format, count: int, max_tokens: i
         ids, mask = chat_format.render_conversation(messages, max_tokens=max_tokens)
         rows.append(ids)
         reads.append([bool(m) for m in mask[1:]])
-    return batched(rows, reads, pad=rows[0][0])
+    return batched(rows, reads, pad=rows[0][0]), source
 
 
 def copy_probes(chat_format, count: int) -> list[Batch]:
@@ -353,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="strict,kv", help="skip modes: strict, kv")
     parser.add_argument("--chats", type=int, default=24, help="held-out chats (half general, half tool)")
     parser.add_argument("--max-tokens", type=int, default=256, help="each chat cut to this many tokens")
+    parser.add_argument("--work", default="runs/smollm2", help="the recipe's working directory (held-out split)")
     parser.add_argument("--answer-tokens", type=int, default=64, help="greedy answer length for the general chats")
     parser.add_argument("--probes", type=int, default=24, help="copy-probe questions")
     parser.add_argument("--sets", default="8@0.5,12@0.3", help="multi-layer sets N@FRACTION, '' for none")
@@ -380,7 +390,9 @@ def main(argv: list[str] | None = None) -> None:
     sweeps = [(scores[0], f, layers) for f in fractions]
     sweeps += [(s, f, layers) for s in scores[1:] for f in other_fractions]
     sweeps += [(scores[0], f, more_layers) for f in more_fractions if f not in fractions]
-    chats = held_out_chats(model, loaded.chat_format, args.chats, args.max_tokens, args.answer_tokens)
+    chats, source = held_out_chats(
+        model, loaded.chat_format, args.chats, args.max_tokens, args.answer_tokens, Path(args.work)
+    )
     probes = copy_probes(loaded.chat_format, args.probes)
     oracle = Oracle(model, chats, probes, scores)
     log(f"data and dense passes: {time.perf_counter() - began:.0f} s")
@@ -405,10 +417,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"# STT oracle: {loaded.path}")
     print(f"machine: {machine()}")
-    general = (args.chats + 1) // 2
     print(
-        f"held-out chats: {args.chats} ({general} general questions from data.FACT_QUESTIONS answered by the model's "
-        f"greedy decode, routing off, <= {args.answer_tokens} tokens; {args.chats // 2} held-out tool conversations), "
+        f"held-out chats: {args.chats} ({source}; {args.chats // 2} held-out tool conversations), "
         f"cut to {args.max_tokens} tokens: {oracle.tokens} tokens, {oracle.scored} scored; dense perplexity "
         f"{oracle.dense_ppl:.3f}"
     )
