@@ -119,3 +119,21 @@ def _text_tokenizer(tokenizer: Tokenizer, structural: Collection[str] | None) ->
         clone = Tokenizer.from_str(json.dumps(spec))
     clone.encode_special_tokens = True
     return clone
+
+
+class TokenizerText:
+    """What every chat format does with its tokenizer's text: encode a content as text, its special-token names
+    staying ordinary characters (`_text_tokenizer`; `structural` as there), and decode ids with special tokens
+    written as their names."""
+
+    def __init__(self, tokenizer: Tokenizer, structural: Collection[str] | None) -> None:
+        self.tokenizer = tokenizer
+        self._encoder = _text_tokenizer(tokenizer, structural)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` as content: structural special-token names in it stay ordinary characters."""
+        return self._encoder.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens written as their names."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)

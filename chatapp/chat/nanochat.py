@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from chatapp.chat.messages import Part, Turn, _drop_trailing_assistant, _text_tokenizer, parse_messages
+from chatapp.chat.messages import Part, TokenizerText, Turn, _drop_trailing_assistant, parse_messages
 from chatapp.errors import ConversationError, ModelDirError
 from chatapp.special_tokens import CHAT_TOKENS
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
@@ -29,7 +29,7 @@ class _Builder:
         self.mask.extend([int(supervised)] * len(ids))
 
 
-class ChatFormat:
+class ChatFormat(TokenizerText):
     """nanochat's chat format over a tokenizer with the 9 chat special tokens.
 
     Loss mask: assistant text, the python call (with its markers) and `<|assistant_end|>` are supervised; BOS, user
@@ -60,20 +60,11 @@ class ChatFormat:
                 f"the tokenizer lacks the chat special tokens {', '.join(missing)}",
                 hint="use chat_format_for(tokenizer, model_dir), which falls back to the checkpoint's chat template",
             )
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer, structural=set(CHAT_TOKENS.values()))
         for attribute, name in CHAT_TOKENS.items():
             setattr(self, attribute, tokenizer.token_to_id(name))
         # The row ends when the model emits either; nanochat also stops on a stray <|bos|>.
         self.stop_token_ids: tuple[int, ...] = (self.assistant_end_id, self.bos_id)
-        self._encoder = _text_tokenizer(tokenizer, structural=set(CHAT_TOKENS.values()))
-
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of `text` as content: chat special-token names in it stay ordinary characters."""
-        return self._encoder.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids`, special tokens written as their names."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def render_conversation(
         self, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None

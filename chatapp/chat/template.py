@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from chatapp.chat.messages import Part, Role, Turn, _drop_trailing_assistant, _text_tokenizer, parse_messages
+from chatapp.chat.messages import Part, Role, TokenizerText, Turn, _drop_trailing_assistant, parse_messages
 from chatapp.errors import ConversationError, ModelDirError
 from chatapp.special_tokens import ASSISTANT_END, OUTPUT_END, OUTPUT_START, PYTHON_END, PYTHON_START
 from chatapp.tools.base import ToolMarkers
@@ -51,7 +51,7 @@ class _Encoded:
     tool_output: frozenset[int] = frozenset()
 
 
-class TemplateChatFormat:
+class TemplateChatFormat(TokenizerText):
     """A checkpoint's Jinja chat template (tokenizer_config.json / chat_template.jinja), rendered in a sandbox.
 
     To keep typed special-token text as text, each message's content is located in the rendered string (by
@@ -74,7 +74,7 @@ class TemplateChatFormat:
         source: str = "chat template",
         tool_markers: ToolMarkers | None = None,
     ) -> None:
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer, structural=None)
         self._bind_tool_markers(tool_markers, source)
         self.template = template
         self._source = source
@@ -83,7 +83,6 @@ class TemplateChatFormat:
         added = tokenizer.get_added_tokens_decoder()
         self._structural = [token.content for token in added.values() if token.special]
         self._structural_ids = frozenset(i for i, token in added.items() if token.special)
-        self._encoder = _text_tokenizer(tokenizer, structural=None)
         bos = self._variables.get("bos_token")
         eos = self._variables.get("eos_token")
         self.bos_id: int | None = tokenizer.token_to_id(bos) if bos else None
@@ -152,14 +151,6 @@ class TemplateChatFormat:
             source=source,
             tool_markers=tool_markers,
         )
-
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of `text` as content: the tokenizer's special-token names in it stay ordinary characters."""
-        return self._encoder.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids`, special tokens written as their names."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def render_conversation(
         self, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None
