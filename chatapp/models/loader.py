@@ -234,7 +234,7 @@ def _parameter_count(model_dir: Path, hint: str | None) -> int:
 
     try:
         return safetensors_parameter_count(_weight_files(model_dir))
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, ChatappError) as err:
         raise ModelDirError(
             f"cannot read the weights in {model_dir}: {err}",
             hint=hint or "re-copy the safetensors files from the checkpoint",

@@ -6,12 +6,11 @@ The default model is decided in one place, `default_model_name()`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatapp.errors import ModelDirError
+from chatapp.errors import ChatappError, ModelDirError
 
 
 def tiny_model_dir() -> Path:
@@ -158,26 +157,14 @@ def _parameter_count(path: Path) -> int:
     """Parameters in the directory's safetensors files (0 when one cannot be read)."""
     try:
         return safetensors_parameter_count(sorted(path.glob("*.safetensors")))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, ChatappError):
         return 0
 
 
 def safetensors_parameter_count(files: list[Path]) -> int:
-    """The number of values stored in safetensors `files`, from their headers alone: nothing else is read, and
-    neither torch nor safetensors is imported (`chatapp models` stays instant). OSError / ValueError on a file
-    that is not safetensors."""
-    import json
+    """The number of values stored in safetensors `files`, from their headers alone (`read_header`): neither torch
+    nor safetensors is imported, so `chatapp models` stays instant. OSError, ValueError, KeyError, TypeError or
+    `DataDirError` on a file that is not safetensors."""
+    from chatapp.models.safetensors_header import read_header
 
-    total = 0
-    for file in files:
-        with file.open("rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            if not 2 <= size <= min(100 << 20, file.stat().st_size - 8):
-                raise ValueError(f"{file} has no safetensors header")
-            header = json.loads(handle.read(size))
-        if not isinstance(header, dict):
-            raise ValueError(f"{file} has no safetensors header")
-        for name, entry in header.items():
-            if name != "__metadata__":
-                total += math.prod(entry["shape"])
-    return total
+    return sum(read_header(file).parameter_count for file in files)

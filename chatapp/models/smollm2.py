@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -233,20 +232,14 @@ def prepared_damage(model_dir: Path) -> str | None:
 
 def _safetensors_damage(path: Path) -> str | None:
     """Whether a safetensors file is shorter or longer than its header says (a truncated copy, a full disk)."""
-    from chatapp import store
+    from chatapp.models.safetensors_header import read_header
 
-    with store.open_regular(path) as fh:
-        size = os.fstat(fh.fileno()).st_size
-        head = fh.read(8)
-        if len(head) < 8:
-            return f"{path.name} is truncated ({size} bytes)"
-        length = int.from_bytes(head, "little")
-        if length > min(size - 8, 100 << 20):
-            return f"{path.name} is truncated (its header claims {length} bytes, the file has {size})"
-        header = json.loads(fh.read(length))
-    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-    if 8 + length + end != size:
-        return f"{path.name} is truncated ({size} bytes, its header describes {8 + length + end})"
+    try:
+        header = read_header(path)
+    except ValueError as err:
+        return str(err)
+    if header.described_bytes != header.file_bytes:
+        return f"{path.name} is truncated ({header.file_bytes} bytes, its header describes {header.described_bytes})"
     return None
 
 
