@@ -640,6 +640,72 @@ def train(
         typer.echo(f"saved the trained model to {out}")
 
 
+def _layer_list(value: str | None) -> list[int] | None:
+    """`--layers`: a comma-separated list of layer indices, or None."""
+    if value is None:
+        return None
+    try:
+        layers = sorted({int(part) for part in value.split(",") if part.strip()})
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a comma-separated list of layer numbers (e.g. 3,4,5)") from None
+    if not layers:
+        raise typer.BadParameter("give at least one layer number (e.g. 3,4,5)")
+    return layers
+
+
+@app.command()
+def route(
+    model: Annotated[str, typer.Argument(help="The model to route: a name (default, tiny) or a model directory.")],
+    out: Annotated[
+        str | None, typer.Option("--out", help="Write the routed model here (default: replace MODEL's own files).")
+    ] = None,
+    layers: Annotated[
+        str | None,
+        typer.Option("--layers", help="Route these layers, e.g. 3,4,5 (default: chosen by measuring each layer)."),
+    ] = None,
+    max_layers: Annotated[int, typer.Option("--max-layers", min=1, help="At most this many routed layers.")] = 12,
+    skip_mode: Annotated[
+        str, typer.Option("--skip-mode", help="kv: a skipped token still writes its K/V; strict: the spec's mode.")
+    ] = "kv",
+    budget: Annotated[
+        float, typer.Option("--budget", min=1.0, help="Held-out perplexity allowed, routed / routing off.")
+    ] = 1.10,
+    prompts: Annotated[int, typer.Option("--prompts", min=8, help="Self-distilled replies to fit and measure on.")] = 96,
+    answer_tokens: Annotated[int, typer.Option("--answer-tokens", min=8, help="Tokens per reply.")] = 128,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the prompts and the fit.")] = 0,
+) -> None:
+    """Fit the STT routing of a model with its weights frozen, and calibrate one cutoff per layer on held-out
+    perplexity and a copy probe (minutes on a CPU). Works on any model directory, e.g. one `chatapp convert` wrote."""
+    from pathlib import Path
+
+    from chatapp.models import load_model, resolve_model
+    from chatapp.stt.config import SKIP_MODES
+    from chatapp.training.route import RouteOptions, route as fit_routing, write_routed
+
+    if skip_mode not in SKIP_MODES:
+        raise typer.BadParameter(f"{skip_mode!r}: use one of {', '.join(SKIP_MODES)}", param_hint="--skip-mode")
+    chosen = _layer_list(layers)
+    source = resolve_model(model)
+    target = Path(out).expanduser() if out else source
+    if out:
+        from chatapp.validation import check_output_dir
+
+        check_output_dir(out, "--out directory")
+    loaded = load_model(source, dtype="float32")  # the fit reads the model's own activations, not a lossy format's
+    if chosen is not None and (bad := [i for i in chosen if i >= loaded.model.config.num_hidden_layers]):
+        raise typer.BadParameter(
+            f"layers {bad} do not exist: {source} has layers 0-{loaded.model.config.num_hidden_layers - 1}",
+            param_hint="--layers",
+        )
+    options = RouteOptions(
+        layers=chosen, max_layers=max_layers, skip_mode=skip_mode, budget=budget, prompts=prompts,
+        answer_tokens=answer_tokens, seed=seed,
+    )
+    routed, report = fit_routing(loaded, options, lambda line: err_console.print(f"[dim]{line}[/dim]"))
+    write_routed(routed, report, source, target)
+    typer.echo(f"{report.summary()}\nwrote {target}")
+
+
 @app.command(name="eval")
 def eval_model(
     corpus: Annotated[

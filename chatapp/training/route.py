@@ -1,0 +1,553 @@
+"""Fit a model's STT routing with its backbone frozen: `chatapp route MODEL_DIR` (issue 27, item 4).
+
+Minutes on 2 CPU cores, on any chatapp model directory (a converted GGUF, a Qwen2 directory, the default model):
+
+1. Data: the model's own greedy answers (routing off, float32) to a fixed set of prompts: general questions, and
+   tool questions when the chat format has tool markers, as whole token sequences with the results the engine
+   forced. Self-distilled text is what the model sees at run time and needs no download. A quarter is held out.
+2. One dense pass caches every layer's input. The teacher score of a token at a layer is ‖Δx‖², the block's
+   residual (the spec's D_st): the oracle (`benchmarks/stt_oracle.py`, the default model's card) found it ranks
+   tokens as well as the TPN error and better than the gate g, and it needs no trained part.
+3. Which layers, unless given: each layer alone skips the half of the held-out tokens with the lowest score, in the
+   chosen skip mode (the oracle), and the layers whose perplexity suffers least are the candidates.
+4. Routers: each candidate's causal router is fitted from scratch on the cached dense inputs (x_t, x_{t-1}) to the
+   teacher's decision "‖Δx‖² in the upper half of its sequence" (BCE). The backbone is frozen, so an epoch is a pass
+   over a few MB of cached features and many epochs are cheap.
+5. Calibration, one cutoff per layer: at a share `rate`, each layer's cutoff is the `rate` quantile of its router's
+   probabilities on the fit data. Student-routed held-out perplexity (relative to routing off) and a copy probe
+   (does every digit the model copied into a tool call survive?) choose the rate and how many candidates route:
+   the most block work skipped within the perplexity `budget` with the copy probe intact.
+6. Each layer's cutoff is folded into its router's output bias, so the probability 0.5 means "at this layer's
+   cutoff": the model keeps one `router_threshold` (0.5), which the app's routing-threshold setting moves for all
+   layers at once.
+
+Not done here: fine-tuning the backbone to tolerate the skips (the recipe's gated phase, `chatapp train`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from chatapp.compute_saved import compute_saved
+from chatapp.stt import STTConfig, STTForCausalLM
+from chatapp.stt.io import CONFIG_NAME, ROUTER_PARTS, WEIGHTS_NAME, save_model
+from chatapp.stt.layers import CausalRouter, router_probs, select, self_attention_sink
+from chatapp.stt.teacher import previous_tokens
+
+Log = Callable[[str], None]
+REPORT_NAME = "routing.json"  # the fit's record, written beside the routed model
+GENERATE_BATCH = 16  # rows per self-distillation batch: bounds the cache's memory
+PADDED_POSITIONS = 2048  # positions per padded batch of the passes (sequences of similar length together)
+SWEEP_RATE = 0.5  # the share each layer skips alone when candidates are measured
+COPY_SLACK = 0.05  # the copy probe may lose this share (one probe in twenty) to count as intact
+
+
+@dataclass
+class RouteOptions:
+    """What `route` fits. `layers` None: chosen by measurement, at most `max_layers`."""
+
+    layers: list[int] | None = None
+    max_layers: int = 12
+    skip_mode: str = "kv"
+    budget: float = 1.10  # held-out perplexity, student routing / routing off
+    rates: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6)
+    prompts: int = 96
+    answer_tokens: int = 128
+    epochs: int = 40
+    seed: int = 0
+
+
+@dataclass
+class Measure:
+    """Student routing at one setting, on the held-out conversations."""
+
+    layers: list[int]
+    rate: float
+    ppl_ratio: float
+    copy: float
+    compute_saved: float  # share of all block computations skipped (`chatapp.compute_saved`)
+    processed: dict[int, float]  # per routed layer: share of tokens it computed
+
+
+@dataclass
+class RouteReport:
+    """What the fit did and measured; written as `routing.json` beside the model."""
+
+    skip_mode: str
+    data: str
+    fit_tokens: int
+    held_out_tokens: int
+    dense_ppl: float
+    dense_copy: float
+    copy_probes: int
+    single_layer: dict[int, float] = field(default_factory=dict)  # layer -> ppl ratio skipping SWEEP_RATE alone
+    tried: list[Measure] = field(default_factory=list)
+    chosen: Measure | None = None
+    cutoffs: dict[int, float] = field(default_factory=dict)
+    f1: dict[int, float] = field(default_factory=dict)  # student vs teacher decisions, held out, dense stream
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    def summary(self) -> str:
+        chosen = self.chosen
+        if chosen is None or not chosen.layers:
+            return f"no layer can route within the perplexity budget (dense perplexity {self.dense_ppl:.3f})"
+        processed = ", ".join(f"L{layer} {share:.0%}" for layer, share in chosen.processed.items())
+        return (
+            f"routed {len(chosen.layers)} layers ({self.skip_mode} mode) at rate {chosen.rate:.2f}: "
+            f"compute saved {chosen.compute_saved:.1%} of all block work, perplexity x{chosen.ppl_ratio:.3f}, "
+            f"copy probe {chosen.copy:.0%} (dense {self.dense_copy:.0%}); processed {processed}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------------- data
+@dataclass
+class Conversation:
+    """A prompt and the model's reply as one sequence. `scored[t]`: the prediction made at t of `ids[t + 1]` counts
+    (a token the model sampled, not one the system forced); `copy[t]`: `ids[t + 1]` is a digit inside a tool call."""
+
+    ids: list[int]
+    scored: list[bool]
+    copy: list[bool]
+
+
+def prompts_for(count: int, seed: int, tools: bool) -> list[str]:
+    """General prompts, and a third tool questions when the model has a tool: training phrasings of the default
+    model's recipe (held-out phrasings stay unseen for its evaluation)."""
+    from chatapp.recipes.smollm2 import data
+
+    rng = random.Random(seed)
+    tool_count = count // 3 if tools else 0
+    general = data.general_prompts(rng, count - tool_count)
+    tool = [q.question for q, _ in data.tool_questions(rng, tool_count, held_out=False, kinds=data.TRAIN_KINDS)]
+    prompts = general + tool
+    rng.shuffle(prompts)
+    return prompts
+
+
+def self_distilled(loaded: Any, options: RouteOptions, log: Log) -> list[Conversation]:
+    """The model's own greedy replies, routing off, to `prompts_for`'s prompts (tool calls run, results forced)."""
+    from chatapp.engine.engine import Engine
+    from chatapp.settings import GenerationSettings
+
+    chat_format = loaded.chat_format
+    # The calls unconstrained: the grammar would make a call differ from the raw argmax the copy probe reads.
+    engine = Engine(loaded.model, loaded.tokenizer, chat_format, tool_grammar=False)
+    prompts = prompts_for(options.prompts, options.seed, tools=engine.toolbox is not None)
+    rendered = [chat_format.render_for_completion([{"role": "user", "content": p}]) for p in prompts]
+    settings = GenerationSettings(max_tokens=options.answer_tokens, routing="off")
+    start_id, end_id = getattr(chat_format, "python_start_id", None), getattr(chat_format, "python_end_id", None)
+    out: list[Conversation] = []
+    for first in range(0, len(rendered), GENERATE_BATCH):
+        chunk = rendered[first : first + GENERATE_BATCH]
+        for prompt, reply in zip(chunk, engine.generate_batch(chunk, settings), strict=True):
+            out.append(conversation(prompt, reply.events, start_id, end_id, chat_format.decode))
+        log(f"self-distilled {len(out)}/{len(rendered)} replies")
+    return out
+
+
+def conversation(prompt: list[int], events: Sequence[Any], start_id: int | None, end_id: int | None, decode) -> Conversation:
+    """A `Conversation` from a prompt and its reply's token events."""
+    ids = list(prompt) + [e.token for e in events]
+    scored = [False] * (len(prompt) - 1) + [not e.forced for e in events]
+    copy = [False] * (len(ids) - 1)
+    inside = False
+    for j, event in enumerate(events):
+        if event.token == start_id:
+            inside = True
+        elif event.token == end_id:
+            inside = False
+        elif inside and not event.forced and any(c.isdigit() for c in decode([event.token])):
+            copy[len(prompt) + j - 1] = True
+    return Conversation(ids, scored, copy)
+
+
+@dataclass
+class Batch:
+    """Right-padded conversations: ids and valid (B, T); scored and copy (B, T - 1) as in `Conversation`."""
+
+    ids: torch.Tensor
+    valid: torch.Tensor
+    scored: torch.Tensor
+    copy: torch.Tensor
+
+
+def batches(conversations: Sequence[Conversation], pad: int) -> list[Batch]:
+    """Conversations sorted by length in batches of at most `PADDED_POSITIONS` padded positions."""
+    order = sorted(conversations, key=lambda c: len(c.ids))
+    groups: list[list[Conversation]] = [[]]
+    for conv in order:
+        if groups[-1] and len(conv.ids) * (len(groups[-1]) + 1) > PADDED_POSITIONS:
+            groups.append([])
+        groups[-1].append(conv)
+    out = []
+    for group in groups:
+        width = max(len(c.ids) for c in group)
+        ids = torch.full((len(group), width), pad, dtype=torch.long)
+        valid = torch.zeros(len(group), width, dtype=torch.bool)
+        scored = torch.zeros(len(group), width - 1, dtype=torch.bool)
+        copy = torch.zeros(len(group), width - 1, dtype=torch.bool)
+        for b, conv in enumerate(group):
+            n = len(conv.ids)
+            ids[b, :n] = torch.tensor(conv.ids)
+            valid[b, :n] = True
+            scored[b, : n - 1] = torch.tensor(conv.scored, dtype=torch.bool)
+            copy[b, : n - 1] = torch.tensor(conv.copy, dtype=torch.bool)
+        out.append(Batch(ids, valid, scored, copy))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- the passes
+@dataclass
+class Cached:
+    """A batch's dense pass: the input of every layer (index N: the final hidden state) and the rotary tables."""
+
+    batch: Batch
+    inputs: list[torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def residual_score(self, layer: int) -> torch.Tensor:
+        """‖Δx‖² per dimension (B, T) of `layer`'s dense block: the teacher score (higher = process)."""
+        return (self.inputs[layer + 1] - self.inputs[layer]).float().pow(2).mean(-1)
+
+
+@torch.no_grad()
+def dense_pass(model: STTForCausalLM, batch: Batch) -> Cached:
+    hidden = model.model.embed_tokens(batch.ids)
+    positions = torch.arange(batch.ids.shape[1])[None, :].expand_as(batch.ids)
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    causal = self_attention_sink()
+    inputs = [hidden]
+    for layer in model.model.layers:
+        hidden = layer.block(hidden, cos, sin, causal)
+        inputs.append(hidden)
+    return Cached(batch, inputs, cos, sin)
+
+
+def teacher_selected(score: torch.Tensor, valid: torch.Tensor, rate: float) -> torch.Tensor:
+    """The teacher's decisions (B, T): in each row of n valid tokens all but the ⌊rate·n⌋ of lowest score, never
+    the first (the attention sink). Padding counts as selected (it follows every valid token: it changes nothing)."""
+    n = valid.sum(1)
+    k = torch.minimum((rate * n).floor().long(), n - 1)
+    s = score.float().masked_fill(~valid, math.inf)
+    s[:, 0] = math.inf
+    rank = torch.empty(s.shape, dtype=torch.long)
+    rank.scatter_(1, s.argsort(dim=1, stable=True), torch.arange(s.shape[1]).expand_as(s).contiguous())
+    return ~(rank < k[:, None])
+
+
+@torch.no_grad()
+def routed_pass(
+    model: STTForCausalLM, cached: Cached, decide: dict[int, Callable[[torch.Tensor], torch.Tensor]], mode: str
+) -> tuple[torch.Tensor, dict[int, int]]:
+    """The final hidden state with the layers of `decide` routed (`decide[layer](layer_input)` gives the selected
+    tokens (B, T)) and the others dense, from the cached input of the lowest routed layer; and per routed layer the
+    number of valid tokens it skipped."""
+    start = min(decide)
+    hidden, valid = cached.inputs[start], cached.batch.valid
+    causal = self_attention_sink()
+    skipped: dict[int, int] = {}
+    for index in range(start, len(model.model.layers)):
+        layer = model.model.layers[index]
+        if index not in decide:
+            hidden = layer.block(hidden, cached.cos, cached.sin, causal)
+            continue
+        selected = decide[index](hidden) | ~valid
+        skipped[index] = int((~selected).sum())
+        hidden = layer.routed(hidden, cached.cos, cached.sin, selected, mode)
+    return hidden, skipped
+
+
+def _read(model: STTForCausalLM, hidden: torch.Tensor, cached: Cached, which: torch.Tensor):
+    """Logits at the positions `which` (B, T - 1) (the LM head runs on those only) and their targets."""
+    picked = hidden[:, :-1][which]
+    return model.lm_head(model.model.norm(picked)).float(), cached.batch.ids[:, 1:][which]
+
+
+@dataclass
+class Scores:
+    nll: float = 0.0  # summed over scored tokens
+    copies_right: int = 0
+    skipped: dict[int, int] = field(default_factory=dict)
+
+    def add(self, model: STTForCausalLM, hidden: torch.Tensor, cached: Cached) -> None:
+        logits, targets = _read(model, hidden, cached, cached.batch.scored)
+        self.nll += F.cross_entropy(logits, targets, reduction="sum").item()
+        copy = cached.batch.copy
+        if copy.any():
+            logits, targets = _read(model, hidden, cached, copy)
+            wrong_rows = copy.nonzero()[:, 0][logits.argmax(-1) != targets].unique()
+            self.copies_right += int(copy.any(1).sum()) - len(wrong_rows)
+
+
+class HeldOut:
+    """The held-out conversations with their dense passes cached: `measure` routes a plan over all of them."""
+
+    def __init__(self, model: STTForCausalLM, cached: list[Cached]) -> None:
+        self.model, self.cached = model, cached
+        self.tokens = sum(int(c.batch.valid.sum()) for c in cached)
+        self.scored = sum(int(c.batch.scored.sum()) for c in cached)
+        self.probes = sum(int(c.batch.copy.any(1).sum()) for c in cached)
+        dense = Scores()
+        for c in cached:
+            dense.add(model, c.inputs[-1], c)
+        self.dense_nll = dense.nll / max(self.scored, 1)
+        self.dense_copy = dense.copies_right / self.probes if self.probes else 1.0
+
+    def run(self, decide_for: Callable[[Cached], dict[int, Callable]], mode: str) -> tuple[float, float, dict[int, int]]:
+        """(perplexity ratio to dense, copy-probe share, skipped tokens per layer) of a routing plan."""
+        scores = Scores()
+        for c in self.cached:
+            hidden, skipped = routed_pass(self.model, c, decide_for(c), mode)
+            scores.add(self.model, hidden, c)
+            for layer, n in skipped.items():
+                scores.skipped[layer] = scores.skipped.get(layer, 0) + n
+        ratio = math.exp(scores.nll / max(self.scored, 1) - self.dense_nll)
+        copy = scores.copies_right / self.probes if self.probes else 1.0
+        return ratio, copy, scores.skipped
+
+
+# ------------------------------------------------------------------------------------------- layers and routers
+def single_layer_costs(held: HeldOut, layers: Sequence[int], mode: str, log: Log) -> dict[int, float]:
+    """Per layer: perplexity ratio with that layer alone skipping `SWEEP_RATE` of tokens by the teacher score."""
+    costs = {}
+    for layer in layers:
+
+        def decide_for(c: Cached, layer: int = layer) -> dict[int, Callable]:
+            chosen = teacher_selected(c.residual_score(layer), c.batch.valid, SWEEP_RATE)
+            return {layer: lambda _x: chosen}
+
+        costs[layer], _, _ = held.run(decide_for, mode)
+        log(f"layer {layer} alone at {SWEEP_RATE:.0%} skipped: perplexity x{costs[layer]:.3f}")
+    return costs
+
+
+def with_routed_layers(model: STTForCausalLM, layers: Sequence[int], skip_mode: str) -> STTForCausalLM:
+    """A copy of `model` (same weights, shared) whose STT layers are `layers`, with fresh causal routers; the
+    transition networks and teacher biases of layers that already were STT layers are kept."""
+    values = model.config.to_dict()
+    values.update(stt_layers=sorted(layers), skip_mode=skip_mode, routing_trained=True, router_threshold=0.5)
+    config = STTConfig.from_dict(values)
+    config.validate_stt()
+    routed = STTForCausalLM(config)
+    kept = {
+        name: tensor
+        for name, tensor in model.state_dict().items()
+        if not any(part in name for part in ROUTER_PARTS) or _layer_of(name) in layers
+    }
+    kept = {name: tensor for name, tensor in kept.items() if ".causal_router." not in name}
+    result = routed.load_state_dict(kept, strict=False)
+    missing = [k for k in result.missing_keys if not any(part in k for part in ROUTER_PARTS)]
+    if config.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"re-layering lost weights: missing {missing[:4]}, unexpected {result.unexpected_keys[:4]}")
+    if config.tie_word_embeddings:
+        routed.lm_head.weight = routed.model.embed_tokens.weight
+    return routed.eval()
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] else None
+
+
+def fit_router(router: CausalRouter, fit: Sequence[Cached], layer: int, options: RouteOptions) -> float:
+    """Fit `router` to the teacher's decisions at `layer` on the cached dense inputs; returns the final loss."""
+    currents, previouses, targets = [], [], []
+    for c in fit:
+        x, valid = c.inputs[layer], c.batch.valid
+        target = teacher_selected(c.residual_score(layer), valid, 0.5)
+        currents.append(x[valid])
+        previouses.append(previous_tokens(x)[valid])
+        targets.append(target[valid].float())
+    current, previous, target = torch.cat(currents), torch.cat(previouses), torch.cat(targets)
+    generator = torch.Generator().manual_seed(options.seed * 1000 + layer)
+    optimizer = torch.optim.AdamW(router.parameters(), lr=2e-3, weight_decay=0.01)
+    steps_per_epoch = max(1, len(target) // 512)
+    total = options.epochs * steps_per_epoch
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / total)))
+    router.train()
+    loss = torch.tensor(0.0)
+    with torch.enable_grad():
+        for _ in range(options.epochs):
+            order = torch.randperm(len(target), generator=generator)
+            for rows in order.split(512):
+                loss = F.binary_cross_entropy_with_logits(router(current[rows], previous[rows]), target[rows])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+    router.eval()
+    return float(loss.detach())
+
+
+@torch.no_grad()
+def fit_probs(model: STTForCausalLM, fit: Sequence[Cached], layer: int) -> torch.Tensor:
+    """The layer's router probabilities over every valid fit token (dense stream), flat."""
+    block = model.model.layers[layer]
+    return torch.cat([router_probs(block, c.inputs[layer], previous_tokens(c.inputs[layer]))[c.batch.valid] for c in fit])
+
+
+def f1_score(model: STTForCausalLM, held: HeldOut, layer: int, cutoff: float) -> float:
+    """Student (router >= cutoff) vs teacher (the upper half by ‖Δx‖²) decisions, dense held-out stream."""
+    true_pos = predicted = actual = 0
+    block = model.model.layers[layer]
+    with torch.no_grad():
+        for c in held.cached:
+            valid = c.batch.valid
+            student = select(router_probs(block, c.inputs[layer], previous_tokens(c.inputs[layer])), cutoff) & valid
+            teacher = teacher_selected(c.residual_score(layer), valid, 0.5) & valid
+            true_pos += int((student & teacher).sum())
+            predicted += int(student.sum())
+            actual += int(teacher.sum())
+    return 2 * true_pos / max(predicted + actual, 1)
+
+
+# ---------------------------------------------------------------------------------------------------- the fit
+def route(loaded: Any, options: RouteOptions, log: Log) -> tuple[STTForCausalLM, RouteReport]:
+    """Fit and calibrate routing for `loaded` (a float32 `LoadedModel`): the routed model and what was measured."""
+    torch.manual_seed(options.seed)
+    model, clock = loaded.model, time.perf_counter()
+    count = model.config.num_hidden_layers
+    if options.layers is not None:
+        bad = [layer for layer in options.layers if not 0 <= layer < count]
+        if bad:
+            raise ValueError(f"layers {bad} out of range: the model has layers 0-{count - 1}")
+    conversations = self_distilled(loaded, options, log)
+    held_rows = [c for i, c in enumerate(conversations) if i % 4 == 3]
+    fit_rows = [c for i, c in enumerate(conversations) if i % 4 != 3]
+    pad = conversations[0].ids[0]
+    seconds = {"self-distill": time.perf_counter() - clock}
+
+    clock = time.perf_counter()
+    fit = [dense_pass(model, b) for b in batches(fit_rows, pad)]
+    held = HeldOut(model, [dense_pass(model, b) for b in batches(held_rows, pad)])
+    report = RouteReport(
+        skip_mode=options.skip_mode,
+        data=(
+            f"{len(conversations)} self-distilled replies (greedy, routing off, <= {options.answer_tokens} tokens) "
+            f"to general{' and tool' if held.probes else ''} prompts; every 4th held out"
+        ),
+        fit_tokens=sum(int(c.batch.valid.sum()) for c in fit),
+        held_out_tokens=held.tokens,
+        dense_ppl=math.exp(held.dense_nll),
+        dense_copy=held.dense_copy,
+        copy_probes=held.probes,
+    )
+    if options.layers is None:
+        report.single_layer = single_layer_costs(held, range(count), options.skip_mode, log)
+        candidates = sorted(report.single_layer, key=report.single_layer.get)
+        candidates = [layer for layer in candidates if report.single_layer[layer] <= options.budget]
+        candidates = candidates[: options.max_layers]
+    else:
+        candidates = list(options.layers)
+    seconds["choose layers"] = time.perf_counter() - clock
+    log(f"candidates, cheapest first: {candidates}")
+
+    clock = time.perf_counter()
+    routed = with_routed_layers(model, candidates, options.skip_mode)
+    for layer in candidates:
+        loss = fit_router(routed.model.layers[layer].causal_router, fit, layer, options)
+        log(f"layer {layer}: router fitted, final BCE {loss:.3f}")
+    probs = {layer: fit_probs(routed, fit, layer) for layer in candidates}
+    seconds["fit routers"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+
+    def cutoffs_at(rate: float, layers: Sequence[int]) -> dict[int, float]:
+        return {layer: float(torch.quantile(probs[layer], rate)) for layer in layers}
+
+    def measure(rate: float, n: int) -> Measure:
+        layers = sorted(candidates[:n])
+        cutoffs = cutoffs_at(rate, layers)
+
+        def decide_for(c: Cached) -> dict[int, Callable]:
+            def decide(layer: int) -> Callable[[torch.Tensor], torch.Tensor]:
+                block = routed.model.layers[layer]
+                return lambda x: select(router_probs(block, x, previous_tokens(x)), cutoffs[layer])
+
+            return {layer: decide(layer) for layer in layers}
+
+        ratio, copy, skipped = held.run(decide_for, options.skip_mode)
+        result = Measure(
+            layers=layers,
+            rate=rate,
+            ppl_ratio=ratio,
+            copy=copy,
+            compute_saved=compute_saved(sum(skipped.values()), held.tokens, count),
+            processed={layer: 1 - skipped[layer] / held.tokens for layer in layers},
+        )
+        report.tried.append(result)
+        log(
+            f"rate {rate:.2f}, {n} layers: perplexity x{ratio:.3f}, copy {copy:.0%}, "
+            f"compute saved {result.compute_saved:.1%}"
+        )
+        return result
+
+    def acceptable(m: Measure) -> bool:
+        return m.ppl_ratio <= options.budget and m.copy >= held.dense_copy - COPY_SLACK
+
+    best: Measure | None = None
+    for rate in options.rates:
+        # The largest prefix of the candidates (cheapest first) that stays acceptable: binary search, as adding
+        # a layer only adds skipping.
+        low, high, found = 1, len(candidates), None
+        while low <= high:
+            middle = (low + high) // 2
+            m = measure(rate, middle)
+            if acceptable(m):
+                found, low = m, middle + 1
+            else:
+                high = middle - 1
+        if found and (best is None or found.compute_saved > best.compute_saved):
+            best = found
+    seconds["calibrate"] = time.perf_counter() - clock
+    report.seconds = seconds
+    report.chosen = best
+    if best is None:
+        return with_routed_layers(model, [], options.skip_mode), report
+    final = with_routed_layers(model, best.layers, options.skip_mode)
+    report.cutoffs = cutoffs_at(best.rate, best.layers)
+    for layer in best.layers:
+        source, target = routed.model.layers[layer].causal_router, final.model.layers[layer].causal_router
+        target.load_state_dict(source.state_dict())
+        report.f1[layer] = f1_score(final, held, layer, report.cutoffs[layer])
+        fold_cutoff(target, report.cutoffs[layer])
+    return final, report
+
+
+def fold_cutoff(router: CausalRouter, cutoff: float) -> None:
+    """Shift the router's output bias so that probability 0.5 falls where `cutoff` did: σ(z + b) >= 0.5 exactly
+    when σ(z) >= cutoff, with b = -logit(cutoff)."""
+    c = min(max(cutoff, 1e-6), 1 - 1e-6)
+    with torch.no_grad():
+        router.out.bias -= math.log(c / (1 - c))
+
+
+def write_routed(model: STTForCausalLM, report: RouteReport, source: Path, target: Path) -> None:
+    """The routed model in `target` (the source's other files copied along), through the store: built beside it
+    and renamed into place, so an interrupted write leaves the previous model as it was."""
+    from chatapp import store
+
+    with store.staged_dir(target, what="routed model directory") as staging:
+        for path in source.iterdir():
+            if path.is_file() and path.name not in (CONFIG_NAME, WEIGHTS_NAME, store.STAMP) and not path.name.startswith("."):
+                shutil.copyfile(path, staging / path.name)
+        save_model(model, staging)
+        (staging / REPORT_NAME).write_text(report.to_json(), encoding="utf-8")
+
