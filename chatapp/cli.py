@@ -645,7 +645,7 @@ def _layer_list(value: str | None) -> list[int] | None:
     if value is None:
         return None
     try:
-        layers = sorted({int(part) for part in value.split(",") if part.strip()})
+        layers = list(dict.fromkeys(int(part) for part in value.split(",") if part.strip()))
     except ValueError:
         raise typer.BadParameter(f"{value!r} is not a comma-separated list of layer numbers (e.g. 3,4,5)") from None
     if not layers:
@@ -661,7 +661,10 @@ def route(
     ] = None,
     layers: Annotated[
         str | None,
-        typer.Option("--layers", help="Route these layers, e.g. 3,4,5 (default: chosen by measuring each layer)."),
+        typer.Option(
+            "--layers",
+            help="Candidate layers, cheapest first, e.g. 4,6,3 (default: chosen by measuring each layer alone).",
+        ),
     ] = None,
     max_layers: Annotated[int, typer.Option("--max-layers", min=1, help="At most this many routed layers.")] = 12,
     skip_mode: Annotated[
@@ -680,7 +683,8 @@ def route(
 
     from chatapp.models import load_model, resolve_model
     from chatapp.stt.config import SKIP_MODES
-    from chatapp.training.route import RouteOptions, route as fit_routing, write_routed
+    from chatapp.training.route import RouteOptions, write_routed
+    from chatapp.training.route import route as fit_routing
 
     if skip_mode not in SKIP_MODES:
         raise typer.BadParameter(f"{skip_mode!r}: use one of {', '.join(SKIP_MODES)}", param_hint="--skip-mode")

@@ -79,8 +79,15 @@ def test_folded_cutoff_decides_as_the_cutoff(cutoff: float, logits: list[float])
 
 
 def test_fold_cutoff_shifts_the_router_bias() -> None:
-    config = STTConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=1, vocab_size=32, causal_router_hidden_size=8)
+    config = STTConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+        causal_router_hidden_size=8,
+    )
     router = CausalRouter(config)
     x, prev = torch.randn(50, 16), torch.randn(50, 16)
     with torch.no_grad():
@@ -109,8 +116,16 @@ def test_teacher_skips_the_lowest_scores_never_the_first(n: int, rate: float, se
 def test_relayered_model_keeps_the_backbone() -> None:
     """Moving the STT layers changes no dense output: routing off gives the same logits."""
     torch.manual_seed(0)
-    config = STTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=50, stt_layers=[1], tie_word_embeddings=True)
+    config = STTConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        stt_layers=[1],
+        tie_word_embeddings=True,
+    )
     model = STTForCausalLM(config).eval()
     moved = with_routed_layers(model, [2, 3], "kv")
     assert moved.stt_layer_indices == [2, 3] and moved.config.skip_mode == "kv"

@@ -352,6 +352,31 @@ def export(work: Path, base: Path, *, log: Callable[[str], None]) -> Path:
     return PARTS_DIR
 
 
+def export_routing(model_dir: Path, *, log: Callable[[str], None]) -> Path:
+    """Ship the routing that `chatapp route` fitted on the prepared default model (`model_dir`): its STT layers'
+    router parts replace those in `parts.safetensors`, and the manifest's STT settings follow its config. The causal
+    routers stay float32: each layer's calibrated cutoff sits in its output bias (`chatapp.training.route`)."""
+    from safetensors.torch import load_file, save_file
+
+    from chatapp.models.smollm2 import MANIFEST_FILE, PARTS_DIR, PARTS_FILE, write_manifest
+    from chatapp.stt.io import CONFIG_NAME, ROUTER_PARTS, WEIGHTS_NAME
+
+    config = json.loads((model_dir / CONFIG_NAME).read_text(encoding="utf-8"))
+    routed = load_file(model_dir / WEIGHTS_NAME)
+    parts = {k: v for k, v in load_file(PARTS_DIR / PARTS_FILE).items() if not any(p in k for p in ROUTER_PARTS)}
+    for name, tensor in routed.items():
+        if any(part in name for part in ROUTER_PARTS):
+            dtype = torch.float32 if ".causal_router." in name else torch.float16
+            parts[name] = tensor.to(dtype).contiguous()
+    save_file(parts, str(PARTS_DIR / PARTS_FILE), metadata={"format": "pt"})
+    manifest = json.loads((PARTS_DIR / MANIFEST_FILE).read_text(encoding="utf-8"))
+    keys = ("stt_layers", "skip_mode", "router_threshold", "routing_trained", "causal_router_hidden_size")
+    manifest["stt"].update({key: config[key] for key in keys})
+    write_manifest(**{k: v for k, v in manifest.items() if k not in ("format", "base", "tool_markers")})
+    log(f"exported the routing of {model_dir}: STT layers {config['stt_layers']}, skip mode {config['skip_mode']}")
+    return PARTS_DIR
+
+
 def calibrate(work: Path, model_dir: Path, general: list[tuple[str, str]], *, seed: int, log: Callable[[str], None]) -> float:
     """The student's decision threshold: the one whose decisions best match the teacher's (mean F1 over STT layers)
     on training conversations, written to `work/calibration.json` for `export`."""
