@@ -705,7 +705,10 @@ def route(
         layers=chosen, max_layers=max_layers, skip_mode=skip_mode, budget=budget, prompts=prompts,
         answer_tokens=answer_tokens, seed=seed,
     )
-    routed, report = fit_routing(loaded, options, lambda line: err_console.print(f"[dim]{line}[/dim]"))
+    from chatapp.settings import data_dir
+
+    log = lambda line: err_console.print(f"[dim]{line}[/dim]")  # noqa: E731
+    routed, report = fit_routing(loaded, options, log, cache_dir=data_dir() / "routing-data")
     write_routed(routed, report, source, target)
     typer.echo(f"{report.summary()}\nwrote {target}")
 

@@ -26,8 +26,10 @@ Not done here: fine-tuning the backbone to tolerate the skips (the recipe's gate
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -175,6 +177,38 @@ def conversation(
         elif inside and not event.forced and any(c.isdigit() for c in decode([event.token])):
             copy[len(prompt) + j - 1] = True
     return Conversation(ids, scored, copy)
+
+
+def conversations_cached(loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None) -> list[Conversation]:
+    """`self_distilled`, kept in `cache_dir` for the next fit of the same weights and options (a second run, in the
+    other skip mode or with other layers, then starts at the dense pass). A damaged entry is made again."""
+    if cache_dir is None:
+        return self_distilled(loaded, options, log)
+    weights = Path(loaded.path) / WEIGHTS_NAME
+    stat = weights.stat() if weights.is_file() else None
+    key = json.dumps(
+        [
+            str(Path(loaded.path).resolve()),
+            stat and [stat.st_size, stat.st_mtime_ns],
+            options.prompts,
+            options.answer_tokens,
+            options.seed,
+        ]
+    )
+    path = cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        found = [Conversation(r["ids"], r["scored"], r["copy"]) for r in rows]
+        log(f"self-distilled replies from {path}")
+        return found
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    made = self_distilled(loaded, options, log)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps([asdict(c) for c in made]), encoding="utf-8")
+    os.replace(partial, path)
+    return made
 
 
 @dataclass
@@ -425,8 +459,11 @@ def f1_score(model: STTForCausalLM, held: HeldOut, layer: int, cutoff: float) ->
 
 
 # ---------------------------------------------------------------------------------------------------- the fit
-def route(loaded: Any, options: RouteOptions, log: Log) -> tuple[STTForCausalLM, RouteReport]:
-    """Fit and calibrate routing for `loaded` (a float32 `LoadedModel`): the routed model and what was measured."""
+def route(
+    loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None = None
+) -> tuple[STTForCausalLM, RouteReport]:
+    """Fit and calibrate routing for `loaded` (a float32 `LoadedModel`): the routed model and what was measured.
+    `cache_dir`: where the self-distilled replies are kept between runs (`conversations_cached`)."""
     torch.manual_seed(options.seed)
     model, clock = loaded.model, time.perf_counter()
     count = model.config.num_hidden_layers
@@ -434,7 +471,7 @@ def route(loaded: Any, options: RouteOptions, log: Log) -> tuple[STTForCausalLM,
         bad = [layer for layer in options.layers if not 0 <= layer < count]
         if bad:
             raise ValueError(f"layers {bad} out of range: the model has layers 0-{count - 1}")
-    conversations = self_distilled(loaded, options, log)
+    conversations = conversations_cached(loaded, options, log, cache_dir)
     held_rows = [c for i, c in enumerate(conversations) if i % 4 == 3]
     fit_rows = [c for i, c in enumerate(conversations) if i % 4 != 3]
     pad = conversations[0].ids[0]
