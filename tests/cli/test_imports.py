@@ -19,7 +19,7 @@ try:
     main()
 except SystemExit:
     pass
-heavy = ("torch", "transformers", "textual", "chatapp.recipes")
+heavy = ("torch", "transformers", "textual", "chatapp.recipes", "chatapp.training")
 print(json.dumps({name: name in sys.modules for name in heavy}), file=sys.stderr)
 """
 
@@ -42,4 +42,5 @@ def test_generate_runs_the_model_without_transformers_or_the_build_code():
     assert modules["torch"]
     assert not modules["transformers"], "the runtime imported transformers"
     assert not modules["chatapp.recipes"], "the runtime imported the build-time recipes"
+    assert not modules["chatapp.training"], "the runtime imported the build-time fitting code"
     assert not modules["textual"]
