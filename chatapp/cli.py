@@ -340,6 +340,10 @@ def run(
         chat.run()
     finally:
         close_backend(chat.backend)
+    if chat.engine_error is not None:  # the model did not load: the app closed so that this can be printed
+        if chat.unsent:
+            err_console.print(f"not sent (the model did not load): {chat.unsent}", markup=False, soft_wrap=True)
+        raise chat.engine_error
     if chat.return_code:  # the app stopped on an error it showed (a bug: user errors are notifications)
         raise typer.Exit(chat.return_code)
 
