@@ -142,7 +142,9 @@ class ChatApp(App[None]):
         prompt.border_title = "message · enter send · ctrl+j newline · esc stop"
         self.query_one(RoutingHeatmap).border_title = "routing · layers × tokens"
         self.query_one(ZonePills).set_program(self.backend.program)
-        prompt.focus()
+        # Focused now, not by `focus()`'s later callback: keys typed while the app was starting are already queued
+        # ahead of that callback, and with nothing focused they would be dropped.
+        self.screen.set_focus(prompt)
         if self.loading:
             self._panels.heatmap.border_subtitle = "loading the model…"
             self._wait_for_engine()
