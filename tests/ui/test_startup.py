@@ -109,3 +109,18 @@ async def test_quitting_while_the_model_loads_does_not_wait_for_it(build_app):
         await pilot.press("ctrl+q")
     assert app.engine_error is None and app.return_code == 0
     assert all(worker.is_finished for worker in app.workers)
+
+
+async def test_the_model_may_become_ready_under_another_screen(build_app):
+    backend = _loading_backend()
+    app = build_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        app.query_one(PromptInput).insert("Hi")
+        await pilot.press("enter", "f1")
+        await wait_until(pilot, lambda: app.screen is not app.screen_stack[0], what="the help screen")
+        backend.loaded.set()
+        await wait_until(pilot, lambda: app.transcript.answers() and not app.is_generating, what="the answer")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: app.screen is app.screen_stack[0], what="the chat screen")
+        assert backend.calls == [("send", "Hi")] and app.query_one(RoutingHeatmap).stt_layers == STT_LAYERS
