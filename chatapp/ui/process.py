@@ -7,10 +7,16 @@ Here `ProcessBackend` is the app's `ChatBackend` and an `EngineBackend` lives in
 thread worker still iterates a `StepStream` (the app does not know the difference), but the stream now reads
 `Step` events, plain picklable data, from a pipe.
 
+Start-up: constructing a `ProcessBackend` only starts the child; the app draws and takes keys while the child
+imports torch and loads the model (~3 s of the ~4 s until a first answer). The child's first message says it is
+ready, or why it is not; `wait_ready` reads it (the app does so in a worker thread).
+
 Protocol (one request at a time; the app never overlaps them, and a stream is always drained or closed before the
 next request):
 
     parent                         child
+                            <-     ("ok", (ModelInfo, settings, built-in programs, start-up program)) once loaded,
+                                   or ("error", ChatappError) and the child exits
     (method, args)          ->     calls EngineBackend.method(*args)
                             <-     ("ok", value) | ("error", ChatappError)
     a generating method     ->     ("open", None), then ("steps", [Step, ...]) batches, then ("end", None) or
@@ -34,11 +40,11 @@ import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from chatapp.errors import ChatappError, ModelDirError
 from chatapp.settings import GenerationSettings
-from chatapp.ui.backend import BackendState, Message, ProgramInfo, StepStream
+from chatapp.ui.backend import BackendState, Message, ModelInfo, ProgramInfo, StepStream
 
 # EngineBackend methods that return a StepStream.
 _GENERATING = frozenset({"send", "regenerate", "edit_last", "compare_last"})
@@ -51,8 +57,11 @@ SEND_INTERVAL = 1 / 60
 class ProcessBackend(BackendState):
     """`ChatBackend` whose engine (and its `ChatSession`) runs in a child process.
 
-    Construction waits until the child has loaded the model: a broken model directory raises `ModelDirError` here,
-    as `EngineBackend.load` would. `close()` (or leaving a `with` block) stops the child.
+    Construction starts the child and returns at once; the child loads the model (and switches to `program`, if
+    given) meanwhile. `wait_ready` says when it is done, or raises what stopped it (`ModelDirError` naming the
+    directory, a `ProgramError`, or `start_timeout` passing). Any other member waits for the model first: the app
+    uses none of them before `ready`, so its thread never waits on the load. `close()` (or leaving a `with` block)
+    stops the child.
     """
 
     def __init__(
@@ -60,17 +69,19 @@ class ProcessBackend(BackendState):
         model_dir: Path,
         *,
         device: str | None = None,
+        program: str | None = None,
         log_path: Path | None = None,
         start_timeout: float = 300.0,
     ) -> None:
         context = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and CUDA state
         self._conn, child_conn = context.Pipe()
+        self._model_dir = Path(model_dir)
         # The child's stdout/stderr (loading progress, warnings, a crash's traceback) go to `log_path`: written to
         # the terminal they would tear through the TUI's screen.
         self.log_path = log_path
         self._process = context.Process(
             target=serve,
-            args=(child_conn, str(model_dir), device, None if log_path is None else str(log_path)),
+            args=(child_conn, str(model_dir), device, None if log_path is None else str(log_path), program),
             name="chatapp-engine",
             daemon=True,
         )
@@ -82,15 +93,80 @@ class ProcessBackend(BackendState):
         # One call at a time on the pipe: a program compiles in a UI worker thread while the UI thread may make the
         # next call (after esc cancelled that compile, before its reply is in); that call waits for the reply.
         self._lock = threading.RLock()
-        if not self._conn.poll(start_timeout):
-            self.close()
-            raise ModelDirError(f"the engine process did not load {model_dir} within {start_timeout:.0f}s")
-        kind, payload = self._receive()
+        self._start_timeout = start_timeout
+        self._deadline = time.monotonic() + start_timeout
+        self._ready = False
+        self._start_error: ChatappError | None = None
+        self._closed = False
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def model_path(self) -> str:
+        return str(self._model_dir)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Read the child's first message when it comes (see `ChatBackend.wait_ready`).
+
+        The pipe is polled in short slices without the lock, so that a caller waiting here does not hold up `close`
+        from another thread (quitting while the model loads)."""
+        until = None if timeout is None else time.monotonic() + timeout
+        while not self._ready:
+            if self._start_error is not None:
+                raise self._start_error
+            if self._closed:
+                raise ChatappError("the engine process was closed before the model was loaded")
+            now = time.monotonic()
+            if now >= self._deadline:
+                self._fail_start(
+                    ModelDirError(
+                        f"the engine process did not load {self._model_dir} within {self._start_timeout:.0f}s",
+                        hint=f"its output is in {self.log_path}" if self.log_path else None,
+                    )
+                )
+            wait = min(0.1, self._deadline - now)
+            if until is not None:
+                wait = max(0.0, min(wait, until - now))
+            try:
+                arrived = self._conn.poll(wait)
+            except (OSError, ValueError):  # closed by `close` meanwhile: the next round says so
+                continue
+            if arrived:
+                with self._lock:
+                    if not self._ready and self._start_error is None:
+                        self._read_start()
+            elif until is not None and time.monotonic() >= until:
+                return False
+        return True
+
+    def _read_start(self) -> None:
+        """The child's first message: what the UI mirrors of the loaded engine, or what stopped it loading."""
+        try:
+            kind, payload = self._receive()
+        except ChatappError as err:  # it died without a word (killed, out of memory)
+            self._fail_start(err)
         if kind == "error":
-            self.close()
-            raise payload
+            self._fail_start(payload)
         # The state properties (`BackendState`) are mirrored on this side: the UI reads them every frame.
-        self._info, self._settings, self._builtin = payload
+        self._info, self._settings, self._builtin, self._program = payload
+        self._ready = True
+
+    def _fail_start(self, error: ChatappError) -> NoReturn:
+        self._start_error = error
+        self.close()
+        raise error
+
+    @property
+    def info(self) -> ModelInfo:
+        self.wait_ready()
+        return self._info
+
+    @property
+    def settings(self) -> GenerationSettings:
+        self.wait_ready()
+        return self._settings
 
     @property
     def pid(self) -> int | None:
@@ -98,6 +174,7 @@ class ProcessBackend(BackendState):
         return self._process.pid if self._process.is_alive() else None
 
     def builtin_programs(self) -> Sequence[str]:
+        self.wait_ready()
         return self._builtin
 
     # --- calls --------------------------------------------------------------------------------------------------
@@ -156,10 +233,15 @@ class ProcessBackend(BackendState):
 
     def close(self) -> None:
         """Stop the engine process (idempotent)."""
+        self._closed = True
         if self._process.is_alive():
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self._conn.send(("close", ()))
-            self._process.join(timeout=5)
+            if self._ready:
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    self._conn.send(("close", ()))
+                self._process.join(timeout=5)
+            else:  # still loading: it reads no request until it has loaded, and has nothing to keep
+                self._process.terminate()
+                self._process.join(timeout=5)
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join()
@@ -173,6 +255,7 @@ class ProcessBackend(BackendState):
 
     # --- the pipe -----------------------------------------------------------------------------------------------
     def _request(self, method: str, args: tuple[Any, ...]) -> None:
+        self.wait_ready()
         if self._streaming and inspect.getgeneratorstate(self._stream_gen) == inspect.GEN_CLOSED:
             # Closed before it was ever iterated, so its `finally` never ran: stop the child's answer now.
             self._streaming = False
@@ -247,8 +330,11 @@ class ProcessBackend(BackendState):
 COMPILE_AFTER_IDLE = 3.0
 
 
-def serve(conn: Connection, model_dir: str, device: str | None, log_path: str | None = None) -> None:
-    """The engine process: load the model, then answer requests until the pipe closes or `close` arrives."""
+def serve(
+    conn: Connection, model_dir: str, device: str | None, log_path: str | None = None, program: str | None = None
+) -> None:
+    """The engine process: load the model (and switch to `program`), then answer requests until the pipe closes or
+    `close` arrives."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl+c belongs to the UI; it closes us through the pipe
     if log_path is not None:
         _redirect_output(log_path)
@@ -256,13 +342,15 @@ def serve(conn: Connection, model_dir: str, device: str | None, log_path: str | 
 
     try:
         backend = EngineBackend.load(Path(model_dir), device=device)
+        if program is not None:
+            backend.switch_program(program)
     except ChatappError as err:
         conn.send(("error", err))
         return
     except Exception as err:  # anything else is reported as a model-directory problem
         conn.send(("error", ModelDirError(f"cannot load {model_dir}: {type(err).__name__}: {err}")))
         return
-    conn.send(("ok", (backend.info, backend.settings, tuple(backend.builtin_programs()))))
+    conn.send(("ok", (backend.info, backend.settings, tuple(backend.builtin_programs()), backend.program)))
     # Work the first replies would otherwise wait for, done while the user writes: the tool grammar's index
     # (~0.5 s), then the compiled decode step (loading a saved one ~4 s of mostly interpreter-bound work; the
     # first time on a machine, compiling it, 20-60 s, saved for every later process). Replies decode eagerly until

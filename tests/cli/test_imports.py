@@ -10,10 +10,14 @@ import sys
 
 import pytest
 
-# Runs the CLI in a fresh interpreter and prints which of the heavy packages it imported.
+# Runs the CLI in a fresh interpreter and prints which of the heavy packages it imported. `chatapp run` stops where
+# the TUI would start (its engine process, which loads torch, is started and stopped).
 PROBE = """
 import json, sys
 from chatapp.cli import main
+if sys.argv[1:2] == ["run"]:
+    from chatapp.ui.app import ChatApp
+    ChatApp.run = lambda self: None
 sys.argv = ["chatapp", *sys.argv[1:]]
 try:
     main()
@@ -44,3 +48,12 @@ def test_generate_runs_the_model_without_transformers_or_the_build_code():
     assert not modules["chatapp.recipes"], "the runtime imported the build-time recipes"
     assert not modules["chatapp.training"], "the runtime imported the build-time fitting code"
     assert not modules["textual"]
+
+
+def test_the_tui_process_imports_no_torch(tmp_path):
+    """`chatapp run` draws at once: the model (torch and all) loads in its engine process, not in the TUI's, which
+    only reads and checks what the user typed (here a program too) and opens the history."""
+    modules = imported("run", "--db", str(tmp_path / "h.sqlite3"), "--program", "think")
+    assert not modules["torch"], "the TUI's own process imported torch"
+    assert not modules["transformers"] and not modules["chatapp.recipes"]
+    assert modules["textual"]

@@ -214,10 +214,26 @@ class ScriptedBackend(BackendState):
         # What `compare_last` answers (routing off): None repeats the last answer streamed (identical).
         self.compare_answer: list[TokenEvent] | None = None
         self._last_answer: list[TokenEvent] = []
+        # A test can keep the model "loading" (clear `loaded` before building the app, set it to finish), and make
+        # the load fail with `load_error` (an engine process that cannot load its model directory).
+        self.loaded = threading.Event()
+        self.loaded.set()
+        self.load_error: ChatappError | None = None
         self._info = INFO
         self._settings = GenerationSettings()
         self._constraint: str | None = None
         self._program: ProgramInfo | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded.is_set() and self.load_error is None
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        if not self.loaded.wait(timeout):
+            return False
+        if self.load_error is not None:
+            raise self.load_error
+        return True
 
     def builtin_programs(self) -> Sequence[str]:
         return tuple(PROGRAMS)

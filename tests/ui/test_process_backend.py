@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import re
@@ -19,7 +20,7 @@ from chatapp.ui import make_app
 from chatapp.ui.app import close_backend
 from chatapp.ui.backend import EngineBackend
 from chatapp.ui.process import SEND_INTERVAL, ProcessBackend, _pump
-from tests.ui.conftest import SIZE, FixedClock, send_and_wait
+from tests.ui.conftest import SIZE, FixedClock, send_and_wait, wait_until
 
 GREEDY = GenerationSettings(max_tokens=12)
 SAMPLED = GenerationSettings(max_tokens=10, temperature=1.0, seed=7)
@@ -141,16 +142,67 @@ def test_a_second_request_while_streaming_is_refused(remote: ProcessBackend) -> 
     assert _events(remote.send("Again"))
 
 
-def test_a_broken_model_directory_fails_at_start(tmp_path: Path) -> None:
+def test_a_broken_model_directory_is_reported_when_the_engine_has_tried_it(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ModelDirError, match=str(tmp_path)):
-        ProcessBackend(tmp_path, device="cpu")
+    backend = ProcessBackend(tmp_path, device="cpu")  # returns at once: the child loads while the app draws
+    try:
+        assert not backend.ready and backend.model_path == str(tmp_path)
+        with pytest.raises(ModelDirError, match=str(tmp_path)):
+            backend.wait_ready()
+        assert not backend.ready and backend.pid is None
+        with pytest.raises(ModelDirError, match=str(tmp_path)):  # and so is every later use
+            backend.new_session()
+    finally:
+        backend.close()
+
+
+def test_an_engine_that_does_not_load_in_time_is_stopped(routed_model_dir: Path) -> None:
+    backend = ProcessBackend(routed_model_dir, device="cpu", start_timeout=0.2)
+    try:
+        assert backend.wait_ready(0.0) is False  # not yet, and not an error yet
+        with pytest.raises(ModelDirError, match=r"did not load .* within"):
+            backend.wait_ready()
+        assert backend.pid is None
+    finally:
+        backend.close()
+
+
+def test_an_engine_process_killed_while_loading_is_reported(routed_model_dir: Path) -> None:
+    backend = ProcessBackend(routed_model_dir, device="cpu")
+    try:
+        os.kill(backend._process.pid, signal.SIGKILL)
+        with pytest.raises(ChatappError, match="engine process stopped"):
+            backend.wait_ready()
+    finally:
+        backend.close()
+
+
+def test_closing_while_the_model_loads_stops_the_engine_at_once(routed_model_dir: Path) -> None:
+    backend = ProcessBackend(routed_model_dir, device="cpu")
+    started = time.monotonic()
+    backend.close()
+    assert backend.pid is None and time.monotonic() - started < 5
+    with pytest.raises(ChatappError):
+        backend.wait_ready()
+
+
+def test_a_start_up_program_is_switched_to_as_the_engine_loads(routed_model_dir: Path, tmp_path: Path) -> None:
+    with ProcessBackend(routed_model_dir, device="cpu", program="think") as backend:
+        assert backend.wait_ready()
+        assert backend.program is not None and backend.program.name == "think" and backend.program.tags
+    missing = tmp_path / "missing.toml"
+    with (
+        ProcessBackend(routed_model_dir, device="cpu", program=str(missing)) as backend,
+        pytest.raises(ProgramError, match=r"missing\.toml"),
+    ):
+        backend.wait_ready()
 
 
 def test_a_dead_engine_process_is_reported_not_hung_on(routed_model_dir: Path, tmp_path: Path) -> None:
     log = tmp_path / "logs" / "engine.log"
     backend = ProcessBackend(routed_model_dir, device="cpu", log_path=log)
     try:
+        assert backend.wait_ready()
         assert backend.pid is not None and log.is_file()  # the child's output goes there, not to the terminal
         os.kill(backend.pid, signal.SIGKILL)
         with pytest.raises(ChatappError, match=f"engine process stopped.*{re.escape(str(log))}"):
@@ -196,6 +248,46 @@ async def test_the_app_on_an_engine_process(routed_model_dir: Path, local: Engin
         close_backend(app.backend)
     local.configure(GREEDY, None)
     assert shown == _events(local.send("What is 37*45?"))
+
+
+@pytest.mark.asyncio
+async def test_the_app_on_an_engine_that_cannot_load_closes_with_the_error(routed_model_dir: Path, tmp_path: Path):
+    """The model directory passes the CLI's quick look but fails to load in the engine process: the app, already
+    drawn, closes and leaves the error to the CLI."""
+    import shutil
+
+    broken = Path(shutil.copytree(routed_model_dir, tmp_path / "broken"))
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    app = make_app(model_dir=broken, device="cpu", db_path=tmp_path / "h.sqlite3", clock=FixedClock())
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            assert app.loading
+            await wait_until(pilot, lambda: app.engine_error is not None, timeout=120, what="the load error")
+    finally:
+        close_backend(app.backend)
+    assert isinstance(app.engine_error, ModelDirError) and app.return_code == 1
+    assert "num_attention_heads must be a positive integer" in str(app.engine_error)
+
+
+def test_run_prints_what_stopped_the_engine_and_exits_non_zero(routed_model_dir: Path, tmp_path: Path, monkeypatch):
+    """`chatapp run` end to end (the app headless): the error is printed as every CLI error is, no traceback."""
+    import shutil
+
+    from textual.app import App
+    from typer.testing import CliRunner
+
+    from chatapp.cli import app as cli
+    from chatapp.ui.app import ChatApp
+
+    monkeypatch.setattr(ChatApp, "run", lambda self: App.run(self, headless=True, size=SIZE))
+    broken = Path(shutil.copytree(routed_model_dir, tmp_path / "broken"))
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 0}))
+    result = CliRunner().invoke(cli, ["run", "--model", str(broken), "--device", "cpu", "--db", str(tmp_path / "h")])
+    assert result.exit_code == 1, result.output
+    assert "max_position_embeddings must be a positive integer" in result.output
+    assert "Traceback" not in result.output
 
 
 class _ScriptedStream:

@@ -79,8 +79,19 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         self._gutter = max(len(self._label(r)) for r in range(self.grid_rows)) + 1
 
     def on_mount(self) -> None:
+        self._fit_height()
+
+    def _fit_height(self) -> None:
         # Exactly the grid, the ruler and the horizontal scrollbar: the layer count is fixed for a model.
         self.styles.height = self.grid_rows + 1 + self.styles.scrollbar_size_horizontal + self.styles.gutter.height
+
+    def set_layers(self, stt_layers: Sequence[int]) -> None:
+        """The model's STT layers, given once it has loaded (the app draws before it has), on an empty grid."""
+        self.stt_layers = tuple(stt_layers)
+        self._gutter = max(len(self._label(r)) for r in range(self.grid_rows)) + 1
+        self.set_tokens([])
+        if self.is_mounted:
+            self._fit_height()
 
     @property
     def rows(self) -> int:

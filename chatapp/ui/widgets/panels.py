@@ -72,6 +72,10 @@ class TokenInspector(LiveStatic):
     def on_mount(self) -> None:
         self.show(None)
 
+    def set_layers(self, stt_layers: Sequence[int]) -> None:
+        """The model's STT layers, given once it has loaded (the app draws before it has)."""
+        self.stt_layers = tuple(stt_layers)
+
     def show(self, event: TokenEvent | None, index: int | None = None) -> None:
         if event is None:
             self.show_content(Content.styled("click a token, or shift+tab then ←/→", "dim"))

@@ -68,6 +68,19 @@ class UserMessage(Static):
         self.border_title = "you"
 
 
+class PendingMessage(Static):
+    """A message sent while the model was still loading: shown at once, sent (and saved, as a `UserMessage`) when
+    the model is ready."""
+
+    virtual_size = _SIZE_WITHOUT_RELAYOUT
+
+    def __init__(self, text: str) -> None:
+        super().__init__(Content(text))
+        self.text = text
+        self.border_title = "you"
+        self.border_subtitle = "waiting: loading the model…"
+
+
 GROWTH = 3  # lines a streaming run's height grows by at a time
 
 

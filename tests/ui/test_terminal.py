@@ -1,0 +1,35 @@
+"""Keys typed while `chatapp run` starts: the terminal is held as the app will read it, and given back as it was."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+
+from chatapp.ui.terminal import keys_held_for_the_app
+
+termios = pytest.importorskip("termios")
+
+
+def test_the_terminal_is_held_for_the_app_and_restored() -> None:
+    parent, child = os.openpty()
+    try:
+        with os.fdopen(child, "r", closefd=False) as stream:
+            before = termios.tcgetattr(child)
+            assert before[3] & termios.ICANON and before[3] & termios.ECHO and before[0] & termios.ICRNL
+            with keys_held_for_the_app(stream):
+                held = termios.tcgetattr(child)
+                assert not held[3] & (termios.ICANON | termios.ECHO)  # no line wait, no echo on the shell's screen
+                assert not held[0] & termios.ICRNL  # Enter stays Enter ("\r"), not a newline (ctrl+j in the app)
+                os.write(parent, b"hi\r")
+                assert os.read(child, 16) == b"hi\r"  # what was typed waits, as typed, for the app to read
+            assert termios.tcgetattr(child) == before
+    finally:
+        os.close(parent)
+        os.close(child)
+
+
+def test_not_a_terminal_is_left_alone() -> None:
+    with keys_held_for_the_app(io.StringIO("piped")):
+        pass
