@@ -184,18 +184,7 @@ def conversations_cached(loaded: Any, options: RouteOptions, log: Log, cache_dir
     other skip mode or with other layers, then starts at the dense pass). A damaged entry is made again."""
     if cache_dir is None:
         return self_distilled(loaded, options, log)
-    weights = Path(loaded.path) / WEIGHTS_NAME
-    stat = weights.stat() if weights.is_file() else None
-    key = json.dumps(
-        [
-            str(Path(loaded.path).resolve()),
-            stat and [stat.st_size, stat.st_mtime_ns],
-            options.prompts,
-            options.answer_tokens,
-            options.seed,
-        ]
-    )
-    path = cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    path = cache_dir / f"{backbone_digest(loaded.model, options)}.json"
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))
         found = [Conversation(r["ids"], r["scored"], r["copy"]) for r in rows]
@@ -209,6 +198,17 @@ def conversations_cached(loaded: Any, options: RouteOptions, log: Log, cache_dir
     partial.write_text(json.dumps([asdict(c) for c in made]), encoding="utf-8")
     os.replace(partial, path)
     return made
+
+
+def backbone_digest(model: STTForCausalLM, options: RouteOptions) -> str:
+    """What the replies depend on: every weight but the routing parts (~1 s for 135M parameters), and the options
+    that make the data. A model routed in place keeps its digest, so a second fit reuses the first one's replies."""
+    digest = hashlib.sha256(json.dumps([options.prompts, options.answer_tokens, options.seed]).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        if not any(part in name for part in ROUTER_PARTS):
+            digest.update(name.encode())
+            digest.update(tensor.detach().contiguous().view(torch.uint8).numpy())
+    return digest.hexdigest()[:20]
 
 
 @dataclass
