@@ -12,7 +12,9 @@ Stages, each resumable from what it left in `--work` (a killed run picks up wher
    (seeds/stt.md §3.1, §5) and the gated second pass, so the adapters learn to tolerate the skips
    (`chatapp.recipes.smollm2.train`).
 4. `export`: only what training changed (adapters, token rows, routers) into `chatapp/models/smollm2/`.
-5. `eval`: the held-out metrics of the model card (`chatapp.recipes.smollm2.evaluate`).
+5. `route`: the routing refitted with the backbone frozen (`chatapp.training.route`, what `chatapp route` runs):
+   routers for the candidate layers, one cutoff per layer; the routers replace phase B's in the shipped parts.
+6. `eval`: the held-out metrics of the model card (`chatapp.recipes.smollm2.evaluate`).
 """
 
 from __future__ import annotations
@@ -95,11 +97,33 @@ def _finished(text: str, stopped: bool) -> str:
     return text[: cut + 1].strip() if cut > len(text) // 3 else ""
 
 
+# The routing fit's candidates, cheapest first: the oracle's single-layer table in kv mode at 50% (model card).
+ROUTE_CANDIDATES = [4, 6, 26, 3, 7, 5, 25, 12, 14, 9, 23, 15, 22, 10]
+
+
+def stage_route(work: Path) -> None:
+    """Fit the routing of the prepared model with its backbone frozen (`chatapp route`, kv mode), ship the routers
+    (`train.export_routing`) and prepare the model again from the new parts."""
+    from chatapp.models.loader import load_model
+    from chatapp.models.smollm2 import ensure_prepared
+    from chatapp.recipes.smollm2.train import export_routing
+    from chatapp.training.route import RouteOptions, route, write_routed
+
+    loaded = load_model(ensure_prepared(), dtype="float32")
+    routed, report = route(loaded, RouteOptions(layers=ROUTE_CANDIDATES), log, cache_dir=work / "routing-data")
+    log(report.summary())
+    write_routed(routed, report, loaded.path, work / "routed")
+    export_routing(work / "routed", log=log)
+    ensure_prepared()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="runs/smollm2", help="working directory (resumable)")
     parser.add_argument("--seed", type=int, default=0, help="training seed (the shipped parts: 0)")
-    parser.add_argument("--stage", default="all", choices=["all", "convert", "distill", "train", "export", "eval"])
+    parser.add_argument(
+        "--stage", default="all", choices=["all", "convert", "distill", "train", "export", "route", "eval"]
+    )
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -123,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         train.calibrate(work, ensure_prepared(), general, seed=args.seed, log=log)
         train.export(work, base, log=log)
         ensure_prepared()
+    if args.stage in ("all", "route"):
+        stage_route(work)
     if args.stage in ("all", "eval"):
         from chatapp.recipes.smollm2 import evaluate
 
