@@ -12,8 +12,8 @@ Stages, each resumable from what it left in `--work` (a killed run picks up wher
    (seeds/stt.md §3.1, §5) and the gated second pass, so the adapters learn to tolerate the skips
    (`chatapp.recipes.smollm2.train`).
 4. `export`: only what training changed (adapters, token rows, routers) into `chatapp/models/smollm2/`.
-5. `route`: the routing refitted with the backbone frozen (`chatapp.training.route`, what `chatapp route` runs):
-   routers for the candidate layers, one cutoff per layer; the routers replace phase B's in the shipped parts.
+5. `route` (only when asked): the routing refitted with the backbone frozen (`chatapp.training.route`, what
+   `chatapp route` runs), exported over phase B's routers. Measured and not shipped (model card, "Routing fit").
 6. `eval`: the held-out metrics of the model card (`chatapp.recipes.smollm2.evaluate`).
 """
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         train.calibrate(work, ensure_prepared(), general, seed=args.seed, log=log)
         train.export(work, base, log=log)
         ensure_prepared()
-    if args.stage in ("all", "route"):
+    if args.stage == "route":  # measured, not shipped: it cost tool and recall accuracy (model card, "Routing fit")
         stage_route(work)
     if args.stage in ("all", "eval"):
         from chatapp.recipes.smollm2 import evaluate
