@@ -66,6 +66,7 @@ from chatapp.stt import STTForCausalLM
 from chatapp.stt.config import betas_at
 from chatapp.stt.layers import STTLayer, self_attention_sink
 from chatapp.stt.teacher import previous_tokens
+from chatapp.training.route import teacher_selected
 
 SCORES = ("dx", "tpn", "g", "random")
 MODES = ("strict", "kv")
@@ -223,20 +224,6 @@ def dense_pass(model: STTForCausalLM, batch: Batch, names) -> Dense:
     return Dense(inputs, cos, sin, scores)
 
 
-def skip_lowest(score: torch.Tensor, valid: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Selected tokens (B, T): all but the ⌊fraction·n⌋ valid tokens of lowest score in each row of n valid
-    tokens, never the first (the attention sink). Padding stays selected (it follows every valid token, so it
-    changes nothing they compute)."""
-    n = valid.sum(1)
-    k = torch.minimum((fraction * n).floor().long(), n - 1)
-    s = score.float().masked_fill(~valid, math.inf)
-    s[:, 0] = math.inf
-    rank = torch.empty(s.shape, dtype=torch.long)
-    order = s.argsort(dim=1, stable=True)
-    rank.scatter_(1, order, torch.arange(s.shape[1]).expand_as(s).contiguous())
-    return ~(rank < k[:, None])
-
-
 @torch.no_grad()
 def routed_run(
     model: STTForCausalLM, batch: Batch, dense: Dense, plan: dict[int, float], score: str, mode: str
@@ -257,7 +244,7 @@ def routed_run(
         else:  # the stream changed below: score on what this layer actually receives
             y = layer.block(hidden, dense.cos, dense.sin, causal)
             s = layer_scores(model, index, hidden, y, (score,))[score]
-        selected = skip_lowest(s, batch.valid, plan[index])
+        selected = teacher_selected(s, batch.valid, plan[index])
         skipped += int((~selected & batch.valid).sum())
         hidden = layer.routed(hidden, dense.cos, dense.sin, selected, mode)
     return hidden, skipped
