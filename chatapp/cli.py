@@ -708,9 +708,11 @@ def route(
             f"layers {bad} do not exist: {source} has layers 0-{loaded.model.config.num_hidden_layers - 1}",
             param_hint="--layers",
         )
+    from chatapp.recipes.smollm2.data import route_prompts
+
     options = RouteOptions(
-        layers=chosen, max_layers=max_layers, skip_mode=skip_mode, budget=budget, prompts=prompts,
-        answer_tokens=answer_tokens, seed=seed,
+        layers=chosen, max_layers=max_layers, skip_mode=skip_mode, budget=budget, answer_tokens=answer_tokens,
+        seed=seed, prompts=route_prompts(prompts, seed, tools=loaded.chat_format.supports_tools),
     )
     from chatapp.settings import data_dir
 

@@ -2,9 +2,9 @@
 
 Minutes on 2 CPU cores, on any chatapp model directory (a converted GGUF, a Qwen2 directory, the default model):
 
-1. Data: the model's own greedy answers (routing off, float32) to a fixed set of prompts: general questions, and
-   tool questions when the chat format has tool markers, as whole token sequences with the results the engine
-   forced. Self-distilled text is what the model sees at run time and needs no download. A quarter is held out.
+1. Data: the model's own greedy answers (routing off, float32) to the prompts it is given (`chatapp route` gives
+   the default recipe's general questions, and tool questions when the chat format has tool markers), as whole
+   token sequences with the results the engine forced. Self-distilled text is what the model sees at run time and needs no download. A quarter is held out.
 2. One dense pass caches every layer's input. The teacher score of a token at a layer is ‖Δx‖², the block's
    residual (the spec's D_st): the oracle (`benchmarks/stt_oracle.py`, the default model's card) found it ranks
    tokens as well as the TPN error and better than the gate g, and it needs no trained part.
@@ -30,7 +30,6 @@ import hashlib
 import json
 import math
 import os
-import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -64,7 +63,7 @@ class RouteOptions:
     skip_mode: str = "kv"
     budget: float = 1.10  # held-out perplexity, student routing / routing off
     rates: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6)
-    prompts: int = 96
+    prompts: list[str] = field(default_factory=list)  # what the model answers: the data (e.g. `data.route_prompts`)
     answer_tokens: int = 128
     epochs: int = 40
     seed: int = 0
@@ -126,30 +125,15 @@ class Conversation:
     copy: list[bool]
 
 
-def prompts_for(count: int, seed: int, tools: bool) -> list[str]:
-    """General prompts, and a third tool questions when the model has a tool: training phrasings of the default
-    model's recipe (held-out phrasings stay unseen for its evaluation)."""
-    from chatapp.recipes.smollm2 import data
-
-    rng = random.Random(seed)
-    tool_count = count // 3 if tools else 0
-    general = data.general_prompts(rng, count - tool_count)
-    tool = [q.question for q, _ in data.tool_questions(rng, tool_count, held_out=False, kinds=data.TRAIN_KINDS)]
-    prompts = general + tool
-    rng.shuffle(prompts)
-    return prompts
-
-
 def self_distilled(loaded: Any, options: RouteOptions, log: Log) -> list[Conversation]:
-    """The model's own greedy replies, routing off, to `prompts_for`'s prompts (tool calls run, results forced)."""
+    """The model's own greedy replies, routing off, to `options.prompts` (tool calls run, results forced)."""
     from chatapp.engine.engine import Engine
     from chatapp.settings import GenerationSettings
 
     chat_format = loaded.chat_format
     # The calls unconstrained: the grammar would make a call differ from the raw argmax the copy probe reads.
     engine = Engine(loaded.model, loaded.tokenizer, chat_format, tool_grammar=False)
-    prompts = prompts_for(options.prompts, options.seed, tools=engine.toolbox is not None)
-    rendered = [chat_format.render_for_completion([{"role": "user", "content": p}]) for p in prompts]
+    rendered = [chat_format.render_for_completion([{"role": "user", "content": p}]) for p in options.prompts]
     settings = GenerationSettings(max_tokens=options.answer_tokens, routing="off")
     start_id, end_id = getattr(chat_format, "python_start_id", None), getattr(chat_format, "python_end_id", None)
     out: list[Conversation] = []
@@ -203,7 +187,7 @@ def conversations_cached(loaded: Any, options: RouteOptions, log: Log, cache_dir
 def backbone_digest(model: STTForCausalLM, options: RouteOptions) -> str:
     """What the replies depend on: every weight but the routing parts (~1 s for 135M parameters), and the options
     that make the data. A model routed in place keeps its digest, so a second fit reuses the first one's replies."""
-    digest = hashlib.sha256(json.dumps([options.prompts, options.answer_tokens, options.seed]).encode())
+    digest = hashlib.sha256(json.dumps([options.prompts, options.answer_tokens]).encode())
     for name, tensor in sorted(model.state_dict().items()):
         if not any(part in name for part in ROUTER_PARTS):
             digest.update(name.encode())

@@ -110,7 +110,8 @@ def stage_route(work: Path) -> None:
     from chatapp.training.route import RouteOptions, route, write_routed
 
     loaded = load_model(ensure_prepared(), dtype="float32")
-    routed, report = route(loaded, RouteOptions(layers=ROUTE_CANDIDATES), log, cache_dir=work / "routing-data")
+    options = RouteOptions(layers=ROUTE_CANDIDATES, prompts=data.route_prompts(96, 0, tools=True))
+    routed, report = route(loaded, options, log, cache_dir=work / "routing-data")
     log(report.summary())
     write_routed(routed, report, loaded.path, work / "routed")
     export_routing(work / "routed", log=log)

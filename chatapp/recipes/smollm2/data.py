@@ -967,3 +967,15 @@ def recall_conversations(
             messages.append({"role": "assistant", "content": answer.format(x=value)})
         out.append((item, messages))
     return out
+
+
+def route_prompts(count: int, seed: int, tools: bool) -> list[str]:
+    """What `chatapp route` has a model answer: general prompts, and a third tool questions when the model has a
+    tool, in training phrasings (the held-out phrasings stay unseen for the evaluation)."""
+    rng = random.Random(seed)
+    tool_count = count // 3 if tools else 0
+    general = general_prompts(rng, count - tool_count)
+    tool = [q.question for q, _ in tool_questions(rng, tool_count, held_out=False, kinds=TRAIN_KINDS)]
+    prompts = general + tool
+    rng.shuffle(prompts)
+    return prompts
