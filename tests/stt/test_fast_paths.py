@@ -71,14 +71,17 @@ def test_decode_equals_extend_on_a_ragged_batch(model, routing):
 
 
 @pytest.mark.parametrize("student", [False, True])
-def test_decode_plan_stacks_dense_layers_and_isolates_routed_ones(student):
+def test_decode_plan_stacks_dense_layers_and_starts_a_segment_at_each_routed_one(student):
     deep = routed_model(num_hidden_layers=15, stt_layers=[3, 4, 12])
     plan = decode_plan(deep, student)
     assert [i for segment in plan for i in range(segment.start, segment.stop)] == list(range(15))
     assert all(0 < segment.stop - segment.start <= STACK_LAYERS for segment in plan)
     routed = [segment for segment in plan if segment.routed]
     assert [s.start for s in routed] == ([3, 4, 12] if student else [])
-    assert all(s.stop == s.start + 1 for s in routed)
+    # A routed segment goes on with the dense layers after its STT layer, up to the next one or a stack's length.
+    assert [(s.start, s.stop) for s in plan] == (
+        [(0, 3), (3, 4), (4, 7), (7, 10), (10, 12), (12, 15)] if student else [(i, i + 3) for i in range(0, 15, 3)]
+    )
 
 
 @pytest.mark.parametrize("routing", ["student", "off"])
