@@ -42,16 +42,18 @@ def route_synthetically(
     layers: list[int],
     rate: float,
     skip_mode: str,
-    text: torch.Tensor,
+    prompt: list[int],
+    new_tokens: int = 64,
     rounds: int = 4,
     seed: int = 0,
 ) -> STTForCausalLM:
     """Make exactly `layers` the STT layers of the float32 `model` (in place, before any weight format), in
-    `skip_mode`, with routers that skip about `rate` of the tokens of `text` (1-D ids) decoded token by token.
+    `skip_mode`, with routers that skip about `rate` of the tokens of a greedy decode of `new_tokens` after
+    `prompt` (ids) with that routing: the decode a speed benchmark times.
 
     Layers already STT layers keep their routers' weights (only the output bias moves); STT layers not in `layers`
-    become dense blocks. The bias is calibrated in `rounds` passes, since a layer's inputs move as the layers
-    before it start skipping."""
+    become dense blocks. The bias is calibrated in `rounds` passes, since a layer's inputs, and the tokens, move as
+    the layers before it start skipping."""
     torch.manual_seed(seed)
     config = model.config
     for index, layer in enumerate(model.model.layers):
@@ -64,12 +66,11 @@ def route_synthetically(
     config.train_causal_router = True
     config.routing_trained = True
     model.__dict__.pop("_decode_plans", None)
-    # A decode step's router probabilities depend on the token before (x_{t-1}); calibrate on what decode sees.
     target = math.log(config.router_threshold / (1 - config.router_threshold))
     for _ in range(rounds):
-        probs = decoded_router_probs(model, text)  # (L_stt, T)
+        probs = decoded_router_probs(model, prompt, new_tokens)  # (L_stt, T)
         logits = torch.logit(probs.clamp(1e-6, 1 - 1e-6))
-        # Skip `rate`: the `rate` quantile of the logits moves onto the threshold's logit.
+        # Skip `rate`: the `rate` quantile of each layer's logits moves onto the threshold's logit.
         shift = target - torch.quantile(logits, rate, dim=1)
         with torch.no_grad():
             for slot, index in enumerate(config.stt_layers):
@@ -78,10 +79,14 @@ def route_synthetically(
 
 
 @torch.no_grad()
-def decoded_router_probs(model: STTForCausalLM, text: torch.Tensor, prompt: int = 16) -> torch.Tensor:
-    """Router probabilities (L_stt, T) of `text`'s tokens after the first `prompt`, decoded one at a time with the
-    student's routing (so each layer sees the inputs the routed layers before it leave)."""
-    cache = model.new_cache(1, len(text) + 1)
-    model.extend(text[None, :prompt], torch.tensor([prompt]), cache, routing="off")
-    probs = [model.decode(token[None], cache, routing="student").router_probs[:, 0, 0] for token in text[prompt:]]
+def decoded_router_probs(model: STTForCausalLM, prompt: list[int], new_tokens: int) -> torch.Tensor:
+    """Router probabilities (L_stt, new_tokens) of a greedy decode after `prompt` with the student's routing (so
+    each layer sees the inputs the routed layers before it leave), as the engine decodes it."""
+    cache = model.new_cache(1, len(prompt) + new_tokens + 1)
+    logits = model.extend(torch.tensor([prompt]), torch.tensor([len(prompt)]), cache, routing="student").logits
+    probs = []
+    for _ in range(new_tokens):
+        out = model.decode(logits.argmax(-1), cache, routing="student")
+        probs.append(out.router_probs[:, 0, 0])
+        logits = out.logits
     return torch.stack(probs, 1)
