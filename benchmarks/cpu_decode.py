@@ -15,6 +15,12 @@ see the same machine load), and the table reports medians:
 - the read-bandwidth floor: a 256 MB read measured in the same run, over the bytes of weight one decode step reads
   in each format (batch B reads them once for B tokens);
 - time to first token for a `--ttft-tokens` prompt (1,000 by default), chatapp formats vs transformers;
+- routing on vs off (`--routing-formats`, int4 by default): decode tokens/s at batch 1 with the student's routing
+  and without, on the same model, format and step (eager, and the saved compiled step), interleaved, with the
+  share of the routed layers' tokens skipped and of all block computations (`chatapp.compute_saved`), and the
+  time to first token of the `--ttft-tokens` prompt on vs off. The model routes as it is, or, with
+  `--routing-layers`, those layers are routed synthetically to skip about `--routing-rate` of their tokens in
+  `--skip-mode` (`_routing.py`: the speed of skipping, not its quality);
 - the quality guard for the lossy formats: greedy agreement with float32 over 32 prompts x 64 tokens (teacher-
   forced: each format decodes float32's greedy tokens and is asked for its own argmax at every position; and, free-
   running, the mean share of a row's tokens before its first difference from float32), and held-out perplexity (Python's own
@@ -25,6 +31,9 @@ llama.cpp is not a dependency: it builds from source (about 10 minutes on 2 core
 
 Run: .venv/bin/python benchmarks/cpu_decode.py --model DIR [--threads 2] [--rounds 3] [--batches 1,8,32]
      [--formats float32,bfloat16,int8,int4] [--compiled int8,int4] [--guarded int4] [--skip-quality] [--skip-speed]
+     [--skip-ttft] [--skip-routing] [--routing-formats int4] [--routing-steps eager,compiled]
+     [--routing-layers 3,4,5 --routing-rate 0.5 --skip-mode kv]
+Routing comparison alone: --skip-quality --skip-speed --skip-ttft --formats float32 --no-transformers --compiled ""
 """
 
 from __future__ import annotations
@@ -42,7 +51,9 @@ from pathlib import Path
 import torch
 from _formats import NoStopFormat
 from _machine import machine
+from _routing import route_synthetically
 
+from chatapp.compute_saved import compute_saved
 from chatapp.engine.engine import Engine
 from chatapp.settings import GenerationSettings
 from chatapp.stt import STTForCausalLM, precompile
@@ -142,12 +153,13 @@ def saved_compiled_step(model: STTForCausalLM, fmt: str):
 
 
 def time_engine(
-    engine: Engine, prompts: list[list[int]], new_tokens: int, compiled=None
+    engine: Engine, prompts: list[list[int]], new_tokens: int, compiled=None, routing: str = "off", computed=None
 ) -> tuple[float, float, list[list[int]]]:
     """(time to first token, decode tokens/s after it, tokens) of one greedy Engine call; `compiled` is the
-    compiled step functions to decode with (None: eager)."""
+    compiled step functions to decode with (None: eager). `computed`: a list that gets each decoded token's
+    per-STT-layer "ran the block" flags (routing "student")."""
     engine.model.compiled_steps = compiled
-    settings = GenerationSettings(max_tokens=new_tokens, routing="off", fast_forward=False)
+    settings = GenerationSettings(max_tokens=new_tokens, routing=routing, fast_forward=False)
     rows: list[list[int]] = [[] for _ in prompts]
     start = time.perf_counter()
     first = None
@@ -156,6 +168,8 @@ def time_engine(
             first = time.perf_counter()
         for event in step.tokens:
             rows[event.row].append(event.token)
+            if computed is not None and event.computed is not None:
+                computed.append(event.computed)
     end = time.perf_counter()
     return first - start, len(prompts) * (new_tokens - 1) / (end - first), rows
 
@@ -376,6 +390,91 @@ def ttft_section(models, hf, tokenizer, prompt: list[int], rounds: int) -> list[
     return lines
 
 
+# ---------------------------------------------------------------------------------------------------- routing
+def routing_models(model_dir: Path, args, prompt: list[int]) -> dict[str, STTForCausalLM]:
+    """Per format of `--routing-formats`, the model the routing comparison runs: the model as it is (its own
+    routers, layers, threshold and skip mode), or with `--routing-layers` routed synthetically at `--routing-rate`
+    in `--skip-mode` (`_routing.route_synthetically`, calibrated on the greedy decode this section times)."""
+    base = STTForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if args.routing_layers:
+        route_synthetically(base, args.routing_layers, args.routing_rate, args.skip_mode or "kv", prompt,
+                            args.new_tokens)
+    elif args.skip_mode:
+        base.config.skip_mode = args.skip_mode
+    adapters = load_merged_adapters(model_dir)
+    return {
+        fmt: base if fmt == "float32" else prepare_weights(copy.deepcopy(base), fmt, adapters if fmt == "int4" else None)
+        for fmt in args.routing_formats
+    }
+
+
+def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int], list[list[int]]], args) -> list[str]:
+    """Routing on ("student") vs off at batch 1 on the same model, format and step (eager, and the saved compiled
+    step as the app runs it), interleaved; and the time to first token of a `--ttft-tokens` prompt on vs off."""
+    prompt = prompts_for(1, args.prompt_tokens)
+    models = routing_models(model_dir, args, prompt[0])
+    model = next(iter(models.values()))
+    config = model.config
+    steps = {fmt: {"eager": None} for fmt in models}
+    for fmt in models:
+        if "compiled" in args.routing_steps:
+            steps[fmt]["compiled"] = saved_compiled_step(models[fmt], fmt)
+        if "eager" not in args.routing_steps:
+            del steps[fmt]["eager"]
+    engines = {fmt: Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
+    sides = [(fmt, step) for fmt in models for step in steps[fmt]]
+    rates: dict[tuple[str, str, str], list[float]] = {}
+    ratios: dict[tuple[str, str], list[float]] = {}
+    computed: dict[tuple[str, str], list[tuple[bool, ...]]] = {side: [] for side in sides}
+    for fmt, step in sides:  # warm-up
+        for routing in ("off", "student"):
+            time_engine(engines[fmt], prompts_for(1, 16), 8, steps[fmt][step], routing)
+    for round_ in range(args.rounds):
+        for fmt, step in sides:
+            order = ("off", "student") if round_ % 2 == 0 else ("student", "off")  # neither always goes first
+            got = {}
+            for routing in order:
+                flags = computed[(fmt, step)] if routing == "student" else None
+                got[routing] = time_engine(engines[fmt], prompt, args.new_tokens, steps[fmt][step], routing, flags)[1]
+                rates.setdefault((fmt, step, routing), []).append(got[routing])
+            ratios.setdefault((fmt, step), []).append(got["student"] / got["off"])
+        print(f"routing round {round_ + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}", flush=True)
+    ttft: dict[tuple[str, str], list[float]] = {}
+    long_prompt = prompts_for(1, args.ttft_tokens)
+    for round_ in range(args.ttft_rounds or args.rounds):
+        for fmt in models:
+            for routing in ("off", "student") if round_ % 2 == 0 else ("student", "off"):
+                ttft.setdefault((fmt, routing), []).append(time_engine(engines[fmt], long_prompt, 2, None, routing)[0])
+    how = (
+        f"layers {args.routing_layers} routed synthetically to skip {args.routing_rate:.0%} (`_routing.py`)"
+        if args.routing_layers
+        else f"the model's own routing, layers {config.stt_layers}"
+    )
+    lines = [
+        f"Routing on vs off, batch 1: {how}, skip mode {config.skip_mode!r}, threshold {config.router_threshold}; "
+        f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {args.threads} threads, median of "
+        f"{args.rounds} interleaved rounds (on/off: the median of each round's ratio).",
+        "",
+        "| format | step | off tok/s | on tok/s | on/off | routed-layer tokens skipped | all blocks skipped |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    layers = config.num_hidden_layers
+    for fmt, step in sides:
+        flags = computed[(fmt, step)]
+        skipped = sum(len(f) - sum(f) for f in flags)
+        routed_share = compute_saved(skipped, len(flags), len(config.stt_layers))
+        all_share = compute_saved(skipped, len(flags), layers)
+        off, on = (statistics.median(rates[(fmt, step, r)]) for r in ("off", "student"))
+        lines.append(f"| {fmt} | {step} | {off:.1f} | {on:.1f} | {statistics.median(ratios[(fmt, step)]):.2f}x "
+                     f"| {routed_share:.0%} | {all_share:.1%} |")
+    lines += ["", f"Time to first token, {args.ttft_tokens}-token prompt, batch 1 (median of "
+              f"{args.ttft_rounds or args.rounds}):", "", "| format | off ms | on ms | on/off time |", "|---|---:|---:|---:|"]
+    for fmt in models:
+        off, on = (statistics.median(ttft[(fmt, r)]) * 1e3 for r in ("off", "student"))
+        lines.append(f"| {fmt} | {off:.0f} | {on:.0f} | {on / off:.2f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model name or chatapp model directory (default: the default model)")
@@ -397,6 +496,16 @@ def main() -> None:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--skip-routing", action="store_true")
+    parser.add_argument("--routing-formats", type=lambda s: s.split(","), default=["int4"],
+                        help="formats of the routing on/off comparison")
+    parser.add_argument("--routing-steps", type=lambda s: s.split(","), default=["eager", "compiled"],
+                        help="decode steps of the routing comparison: eager, compiled (saved, as the app runs it)")
+    parser.add_argument("--routing-layers", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                        help="route these layers synthetically (default: the model's own routing, as it is)")
+    parser.add_argument("--routing-rate", type=float, default=0.5, help="share of tokens the synthetic routers skip")
+    parser.add_argument("--skip-mode", choices=["strict", "kv"], default=None,
+                        help="skip mode of the routing comparison (default: the model's; kv when synthetic)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from chatapp.models import resolve_model
@@ -428,6 +537,8 @@ def main() -> None:
         print("\n".join(lines), flush=True)
     if not args.skip_ttft:
         lines += [*ttft_section(models, hf, tokenizer, prompts_for(1, args.ttft_tokens)[0], args.ttft_rounds or args.rounds), ""]
+    if not args.skip_routing:
+        lines += [*routing_section(model_dir, tokenizer, prompts_for, args), ""]
     lines.append(f"machine at the end: {machine()}")
     print("\n".join(lines))
 

@@ -19,10 +19,15 @@ does the general `extend`'s maths with the bookkeeping hoisted out of the layers
 - Routing off runs no host sync. Student routing on a CPU reads each STT layer's decisions (one small host read
   per STT layer) and runs the block only for the selected rows; on CUDA it computes every row and discards
   unselected outputs, like `extend`.
+- Under student routing each STT layer heads a segment of the plan, the dense layers after it in the same stack
+  (`decode_plan`, `routed_segment`). When the layer's decision is the same for every row (at batch 1 it always
+  is), the segment is one stack call: the layer runs as a dense one, or, skipped, stores its K/V at the head of
+  the stack (`kv_lead`) in "kv" mode and is left out in "strict" mode. A skipped token then costs the layer its
+  K/V projection and nothing else, and the step makes about one more call per STT layer than routing off (where
+  the STT layers cut its stacks), no eager layer and no gathers. Rows that split go through `routed_layer`: the
+  selected ones gathered into the block's subset call, the skipped ones' K/V ("kv" mode) through a K/V-only stack.
 - Skip mode "kv" (`STTConfig.skip_mode`): an STT layer stores every row's K/V, so its lengths grow like a dense
-  layer's. On CUDA that is the dense call with unselected outputs discarded (a row's K/V depend only on its input);
-  on a CPU the skipped rows go through `kv_step` (eager, a few ops) and the selected ones through the same block
-  call shapes as "strict" mode, so the compiled and precompiled shapes are the same in both modes.
+  layer's. On CUDA that is the dense call with unselected outputs discarded (a row's K/V depend only on its input).
 
 The results equal `extend` with T = 1: tests/stt/test_fast_paths.py compares the two step by step (logits, router
 outputs, cache contents), and tests/stt/test_inference.py compares routing-off decode with transformers' Qwen2.
@@ -116,13 +121,20 @@ def stack_step(
     cos: torch.Tensor,
     sin: torch.Tensor,
     span: int,
+    kv_lead: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Consecutive blocks on every row, one after the other: (output, each block's input). The inputs are what
     an STT layer's router reads. Compiled, a stack is one call where its blocks one by one were as many, and each
-    call of a compiled function costs ~0.1 ms of guards and argument handling, a tenth of a block at batch 1."""
+    call of a compiled function costs ~0.1 ms of guards and argument handling, a tenth of a block at batch 1.
+
+    `kv_lead`: the first block is an STT layer that skipped every row in "kv" mode, so it only stores their K/V
+    (`kv_step`) and passes them on unchanged; the call goes on with the blocks after it (`routed_segment`)."""
     inputs = []
     for i, block in enumerate(blocks):
         inputs.append(x)
+        if i == 0 and kv_lead:
+            kv_step(block, x, keys[0], values[0], rows, slots[0], cos, sin)
+            continue
         x = block_step(block, x, keys[i], values[i], rows, slots[i], masks[i], cos, sin, span, False)
     return x, inputs
 
@@ -167,19 +179,21 @@ def _block_shape(block, x, keys, values, rows, slots, mask, cos, sin, span, subs
     return (x.shape[0] == 1, subset)  # batch 1 is a shape of its own (dynamic shapes specialise sizes 0 and 1)
 
 
-def _stack_shape(blocks, x, *rest) -> tuple:
-    return (len(blocks), x.shape[0] == 1)
+def _stack_shape(blocks, x, keys, values, rows, slots, masks, cos, sin, span, kv_lead=False) -> tuple:
+    # Last: the stack runs some of the cache's rows (a K/V-only stack of the rows a routed layer skipped), so one row
+    # of a larger cache is not batch 1 (a graph of batch 1 assumes a cache of one row).
+    return (len(blocks), x.shape[0] == 1, kv_lead, x.shape[0] < keys[0].shape[0])
 
 
 # Blocks per stack call. Compiled, a stack of 3 decoded the default model 8-10% faster than one block a call
 # (int8 and int4, batch 1); stacks of 6 and 10 were no faster and took longer to compile (a compiled stack is
-# that many blocks of code). With 3, student routing's stacks (the dense runs between STT layers) come in two
-# lengths, 1 and 3, on the default model.
+# that many blocks of code). Under student routing a routed segment is a stack too, of up to as many blocks.
 STACK_LAYERS = 3
 
 
 class Segment(NamedTuple):
-    """Consecutive layers a decode step runs together: a stack of blocks on every row, or one routed STT layer."""
+    """Consecutive layers a decode step runs together, in one stack call when it can. A routed segment starts at an
+    STT layer under student routing (which rows it runs is decided just before it) and goes on with dense layers."""
 
     start: int
     stop: int
@@ -187,31 +201,39 @@ class Segment(NamedTuple):
 
 
 def decode_plan(model, student: bool) -> list[Segment]:
-    """The step's segments. Without routing every layer runs every row, so the layers go in stacks of
-    `STACK_LAYERS`; under student routing each STT layer is a segment of its own (which rows it runs is decided
-    just before it) and the dense layers between them are stacked."""
+    """The step's segments: stacks of up to `STACK_LAYERS` layers. Without routing every layer runs every row and
+    the layers go in stacks in order. Under student routing each STT layer starts a segment (its rows are decided
+    just before it, from the router's reading of its input: one host read), followed by the dense layers after
+    it, so that a layer whose decision is the same for every row (at batch 1, always) costs no call of its own:
+    it heads the stack of the layers after it (`routed_segment`)."""
     key = (student, len(model.model.layers))
     cached = getattr(model, "_decode_plans", {})
     if key in cached:
         return cached[key]
     routed = set(model.stt_layer_indices) if student else set()
     plan: list[Segment] = []
-    start = 0
-    for index in range(len(model.model.layers) + 1):
-        if index == len(model.model.layers) or index in routed:
-            for first in range(start, index, STACK_LAYERS):
-                plan.append(Segment(first, min(first + STACK_LAYERS, index), False))
-            if index in routed:
-                plan.append(Segment(index, index + 1, True))
-            start = index + 1
+    start, count = 0, len(model.model.layers)
+    while start < count:
+        stop = start + 1
+        while stop < count and stop - start < STACK_LAYERS and stop not in routed:
+            stop += 1
+        plan.append(Segment(start, stop, start in routed))
+        start = stop
     model._decode_plans = {**cached, key: plan}
     return plan
 
 
 def dense_layers(
-    steps: DecodeSteps, blocks: list[BlockParts], x: torch.Tensor, state: StepState, cache: KVCache, segment: Segment
+    steps: DecodeSteps,
+    blocks: list[BlockParts],
+    x: torch.Tensor,
+    state: StepState,
+    cache: KVCache,
+    segment: Segment,
+    kv_lead: bool = False,
 ):
-    """Layers `segment` storing and computing every row's token: (output, each layer's input, their LayerWrites)."""
+    """Layers `segment` storing and computing every row's token (the first one only storing its K/V, with
+    `kv_lead`): (output, each layer's input, their LayerWrites)."""
     span = range(segment.start, segment.stop)
     out, inputs = steps.stack(
         tuple(blocks[i] for i in span),
@@ -224,8 +246,44 @@ def dense_layers(
         state.cos,
         state.sin,
         state.span,
+        kv_lead,
     )
     return out, inputs, [LayerWrite(cache.lengths[i], state.grown[i]) for i in span]
+
+
+def routed_segment(
+    steps: DecodeSteps,
+    blocks: list[BlockParts],
+    x: torch.Tensor,
+    selected: torch.Tensor,
+    state: StepState,
+    cache: KVCache,
+    segment: Segment,
+    store_skipped: bool,
+) -> tuple[torch.Tensor, list[LayerWrite]]:
+    """An STT layer under student routing (`segment.start`, its rows `selected` (B,)) and the dense layers after it.
+
+    On a CPU the decision is read on the host (one read; there it is free), and when it is the same for every row,
+    which at batch 1 it always is, the segment is one stack call: a layer that runs every row is a dense layer for
+    this step; one that skips every row stores their K/V at the head of the stack in "kv" mode (`kv_lead`) and is
+    left out in "strict" mode. So a skipped token costs the layer nothing but its K/V, and routing adds no call
+    to the step beyond where the STT layers cut the stacks. Rows split between the two go through `routed_layer`;
+    so does CUDA, which never syncs."""
+    rest = Segment(segment.start + 1, segment.stop, False)
+    taken = None
+    if x.device.type != "cuda":
+        taken = int(selected.sum())
+        if taken == x.shape[0]:
+            x, _, writes = dense_layers(steps, blocks, x, state, cache, segment)
+            return x, writes
+        if taken == 0 and store_skipped:
+            x, _, writes = dense_layers(steps, blocks, x, state, cache, segment, kv_lead=True)
+            return x, writes
+    x, write = routed_layer(steps, blocks, x, selected, state, cache, segment.start, store_skipped, taken)
+    if rest.start == rest.stop:
+        return x, [write]
+    x, _, writes = dense_layers(steps, blocks, x, state, cache, rest)
+    return x, [write, *writes]
 
 
 def routed_layer(
@@ -237,9 +295,11 @@ def routed_layer(
     cache: KVCache,
     index: int,
     store_skipped: bool,
+    taken: int | None = None,
 ):
-    """An STT layer under student routing: only `selected` (B,) rows run the block. The skipped rows store their
-    K/V too when `store_skipped` ("kv" skip mode), nothing otherwise ("strict")."""
+    """An STT layer under student routing on its own: only `selected` (B,) rows run the block. The skipped rows
+    store their K/V too when `store_skipped` ("kv" skip mode), nothing otherwise ("strict"). `taken`: how many rows
+    are selected, when the host knows (a CPU)."""
     lengths = cache.lengths[index]
     if store_skipped:
         slots, write = lengths, LayerWrite(lengths, state.grown[index])
@@ -256,21 +316,24 @@ def routed_layer(
             blocks[index], x, keys, values, state.rows, slots, mask, state.cos, state.sin, state.span, False
         )
         return torch.where(selected[:, None], out, x), write
-    picked = selected.nonzero().squeeze(1)  # the host read: on a CPU it is free, and a skipped row costs nothing
-    if picked.numel() == x.shape[0]:  # every row selected: the layer runs as a stack of one
-        out, _, (write,) = dense_layers(steps, blocks, x, state, cache, Segment(index, index + 1, False))
-        return out, write
+    if taken == 0:  # "strict", every row skipped: nothing to store or compute
+        return x, write
+    picked = selected.nonzero().squeeze(1)  # which rows: the shapes below depend on it
     if store_skipped:
+        # The skipped rows' K/V through the stack call with a K/V-only lead (compiled when the step is).
         skipped = (~selected).nonzero().squeeze(1)
-        kv_step(
-            blocks[index],
+        steps.stack(
+            (blocks[index],),
             x.index_select(0, skipped),
-            keys,
-            values,
+            (keys,),
+            (values,),
             skipped,
-            lengths.index_select(0, skipped),
+            (lengths.index_select(0, skipped),),
+            (state.bias[index],),  # unused by a K/V-only block
             state.cos.index_select(0, skipped),
             state.sin.index_select(0, skipped),
+            state.span,
+            True,
         )
     if picked.numel() == 0:
         return x, write
@@ -323,9 +386,9 @@ def warm_up(model, steps: DecodeSteps) -> None:
     As the engine: the cache made and the step run in inference mode (tensors made there carry other dispatch keys,
     which compiled graphs' guards check; the engine makes its caches there), a few tokens already cached (one key
     is a shape of its own, which decode never sees). Batch 1 and batch 2 (batch 1 is a shape of its own), routing
-    off and, when the model routes, the student's routing; then batches of 3 whose rows the first routed layer
-    splits, the cutoff put between their router probabilities, so that a routed subset of one row and of several
-    both come up.
+    off and, when the model routes, the student's routing at the model's threshold and at cutoffs that select every
+    row and none; then batches of 3 whose rows the first routed layer splits, the cutoff put between their router
+    probabilities, so that a routed subset of one row and of several both come up.
     """
 
     def run(rows: int, student: bool, cutoff: float) -> torch.Tensor:
@@ -337,8 +400,12 @@ def warm_up(model, steps: DecodeSteps) -> None:
 
     threshold = model.config.router_threshold
     for rows in (1, 2):
-        for student in (False, True) if model.routing_active else (False,):
-            run(rows, student, threshold)
+        run(rows, False, threshold)
+        if model.routing_active:
+            # Every row selected, then none (`select` is probability >= cutoff): the stacks a routed segment makes
+            # when its layer runs every row and when it skips every row (`routed_segment`).
+            for cutoff in (threshold, 0.0, 1.1):
+                run(rows, True, cutoff)
     if model.routing_active:
         first = run(3, False, threshold)[0, :, 0].sort().values.tolist()  # the first routed layer's probabilities
         for low, high in itertools.pairwise(first):
@@ -388,9 +455,9 @@ def decode_step(
     for segment in decode_plan(model, student):
         if segment.routed:
             selected = select(route(segment.start, x), cutoff)
-            x, write = routed_layer(steps, blocks, x, selected, state, cache, segment.start, store_skipped)
+            x, segment_writes = routed_segment(steps, blocks, x, selected, state, cache, segment, store_skipped)
             chosen.append(selected)
-            writes.append(write)
+            writes.extend(segment_writes)
             continue
         # Routing off, the routers still run on the inputs of the STT layers in the stack: the app shows them.
         # They read the stack's inputs afterwards; nothing in the stack depends on them.

@@ -95,6 +95,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         # Set by `stt.weights.fuse_projections` at load for quantized inference: q, k and v as one projection.
         self.qkv_proj: nn.Module | None = None
+        # Set beside it for an STT layer (`stt.weights.add_kv_projections`): k and v alone, the same weights.
+        self.kv_proj: nn.Module | None = None
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """q, k and v of `x` side by side on the last axis ((H + 2 H_kv) * D wide)."""
@@ -102,17 +104,22 @@ class Attention(nn.Module):
             return self.qkv_proj(x)
         return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
 
+    def project_kv_only(self, x: torch.Tensor) -> torch.Tensor:
+        """k and v of `x` side by side on the last axis (2 H_kv * D wide), and no query: what a token skipped in "kv"
+        mode computes. Under fused projections that is the layer's own k/v product (`kv_proj`) when it has one,
+        else the fused product with its query part dropped (a shape the int4 kernel cannot take alone)."""
+        if self.kv_proj is not None:
+            return self.kv_proj(x)
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x)[..., self.num_heads * self.head_dim :]
+        return torch.cat((self.k_proj(x), self.v_proj(x)), dim=-1)
+
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (rotary at their positions) and values (B, S, H_kv, D) of the normed inputs `x` (B, S, D), and no
-        query: what a token skipped in "kv" mode stores. With fused projections (`fuse_projections`) the one fused
-        product runs and its query part is dropped."""
+        query (`project_kv_only`): what a token skipped in "kv" mode stores."""
         b, s, _ = x.shape
         width = self.num_kv_heads * self.head_dim
-        if self.qkv_proj is not None:
-            kv = self.qkv_proj(x)[..., self.num_heads * self.head_dim :]
-        else:
-            kv = torch.cat((self.k_proj(x), self.v_proj(x)), dim=-1)
-        k, v = kv.split((width, width), dim=-1)
+        k, v = self.project_kv_only(x).split((width, width), dim=-1)
         k, v = k.view(b, s, self.num_kv_heads, self.head_dim), v.view(b, s, self.num_kv_heads, self.head_dim)
         c, n = cos.unsqueeze(2), sin.unsqueeze(2)
         return k * c + rotate_half(k) * n, v
@@ -406,12 +413,7 @@ def kv_step(
     """Store the K/V of tokens an STT layer skips in "kv" mode: the (B', D) layer inputs `x` of cache rows `rows`,
     normed and projected (no query, no attention, no MLP), rotary at their positions, written at `slots`."""
     attn = block.self_attn
-    y = rms_norm(block.input_layernorm, x)
-    if attn.qkv_proj is not None:
-        kv = attn.qkv_proj(y)[:, attn.num_heads * attn.head_dim :]
-    else:
-        kv = torch.cat((attn.k_proj(y), attn.v_proj(y)), dim=-1)
-    kv = kv.view(x.shape[0], 2 * attn.num_kv_heads, attn.head_dim)
+    kv = attn.project_kv_only(rms_norm(block.input_layernorm, x)).view(x.shape[0], 2 * attn.num_kv_heads, attn.head_dim)
     k = rotate(kv[:, : attn.num_kv_heads], cos, sin)
     keys.index_put_((rows, slots), k.to(keys.dtype))
     values.index_put_((rows, slots), kv[:, attn.num_kv_heads :].to(values.dtype))

@@ -34,7 +34,7 @@ from chatapp.stt.weights import Int4Linear, Int8Linear, LowRankLinear
 # Raised when what is stored here changes meaning (a new module kind, another layout).
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "weights.safetensors"
-_FUSED = (".qkv_proj", ".gate_up_proj")
+_FUSED = (".qkv_proj", ".gate_up_proj", ".kv_proj")  # the last: an STT layer's k/v-only copy (`add_kv_projections`)
 # Every stored tensor starts on a boundary of this many bytes (a cache line; AVX-512's widest load).
 ALIGNMENT = 64
 _PAD = "__padding__."
@@ -145,6 +145,9 @@ def read(directory: Path, device: torch.device | None = None) -> nn.Module:
             if layout["fused"]:
                 fuse_structure(model)
             for name, spec in layout["modules"].items():
+                parent, _, leaf = name.rpartition(".")
+                if getattr(model.get_submodule(parent), leaf, False) is None:  # an optional projection, e.g. kv_proj
+                    delattr(model.get_submodule(parent), leaf)
                 model.set_submodule(name, _empty_module(name, spec, state))
         for name in [name for name in state if name.startswith(_PAD)]:
             del state[name]

@@ -24,7 +24,8 @@ is loaded (`prepare_weights`); nothing is converted per step.
   weights gave 85.7% and perplexity -14%). A projection of a shape the kernel does not take (see
   `Int4Linear.fits`) stays in bfloat16.
 
-The quantized formats fuse q/k/v and gate/up into one projection each (`fuse_projections`).
+The quantized formats fuse q/k/v and gate/up into one projection each (`fuse_projections`); an STT layer keeps a
+k/v-only copy beside its fused q/k/v, for the tokens it skips in "kv" mode (`add_kv_projections`).
 Under every format the causal routers stay float32 (see `prepare_weights`), and on a CPU the KV cache is float32
 (`STTForCausalLM.kv_dtype`).
 
@@ -111,6 +112,16 @@ class Int8Linear(nn.Module):
         """The dequantized weight (N, K): for code that reads `.weight` of a projection; costs a conversion."""
         return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
 
+    def rows(self, index: torch.Tensor) -> Int8Linear:
+        """A projection computing only outputs `index` (1-D), with the same int8 weights and scales."""
+        part = Int8Linear.__new__(Int8Linear)
+        nn.Module.__init__(part)
+        part.out_features, part.in_features = len(index), self.in_features
+        part.register_buffer("weight_int8", self.weight_int8[index].contiguous())
+        part.register_buffer("scales", self.scales[index].contiguous())
+        part.register_buffer("bias", None if self.bias is None else self.bias[index].contiguous())
+        return part
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -151,6 +162,10 @@ class Int4Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP) -> None:
         super().__init__()
         q, scales_and_zeros = quantize_int4(weight, group, torch.bfloat16)
+        self._hold(q, scales_and_zeros, None if bias is None else bias.detach().to(torch.bfloat16).clone(), group)
+
+    def _hold(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None, group: int) -> None:
+        """Keep levels `q` (N, K int32 in [0, 15]) with their scales and offsets in the kernel's layouts."""
         self.out_features, self.in_features = q.shape
         self.group = group
         self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q, 1))
@@ -158,7 +173,20 @@ class Int4Linear(nn.Module):
         # The same levels two to a byte, in row order (even input channel in the low nibble): for `dequantized`.
         pairs = q.to(torch.uint8).view(self.out_features, -1, 2)
         self.register_buffer("weight_nibbles", (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone())
+        self.register_buffer("bias", bias)
+
+    def rows(self, index: torch.Tensor) -> Int4Linear | None:
+        """A projection computing only outputs `index` (1-D), from the same levels, scales and offsets (no second
+        rounding), or None when the kernel does not take that many outputs (a multiple of 16)."""
+        if len(index) % 16:
+            return None
+        nibbles = self.weight_nibbles[index]
+        q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).view(len(index), -1).to(torch.int32)
+        part = Int4Linear.__new__(Int4Linear)
+        nn.Module.__init__(part)
+        bias = None if self.bias is None else self.bias[index].contiguous()
+        part._hold(q, self.scales_and_zeros[:, index].contiguous(), bias, self.group)
+        return part
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: int = INT4_GROUP) -> Int4Linear:
@@ -231,6 +259,21 @@ class LowRankLinear(nn.Module):
         """The effective weight (N, K): base plus adapter, dequantized, in float32."""
         both = self.base.weight.float()
         return both[: self.out_features] + self.lora_B_t.t() @ both[self.out_features :]
+
+    def rows(self, index: torch.Tensor) -> LowRankLinear | None:
+        """A projection computing only outputs `index` (1-D): the base's rows with all of A's (a fused projection's
+        adapter is block-diagonal, so the rows of another output's adapter meet zeros in B), or None when the int4
+        kernel does not take that many outputs."""
+        rank_rows = torch.arange(self.out_features, self.out_features + self.rank, device=index.device)
+        base = self.base.rows(torch.cat((index, rank_rows)))
+        if base is None:
+            return None
+        part = LowRankLinear.__new__(LowRankLinear)
+        nn.Module.__init__(part)
+        part.out_features, part.in_features, part.rank = len(index), self.in_features, self.rank
+        part.base = base
+        part.register_buffer("lora_B_t", self.lora_B_t[:, index].contiguous())
+        return part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -326,6 +369,38 @@ def fuse_structure(model: nn.Module) -> None:
         layer.mlp = FusedMLP(nn.Identity(), mlp.down_proj, mlp.gate_proj.out_features)
 
 
+def output_rows(module: nn.Module, index: torch.Tensor) -> nn.Module | None:
+    """A projection computing only outputs `index` of `module` (any kind `prepare_weights` makes), with the same
+    weights, or None when its format cannot take that shape."""
+    if isinstance(module, Int4Linear | Int8Linear | LowRankLinear):
+        return module.rows(index)
+    if isinstance(module, nn.Linear):
+        part = nn.Linear(module.in_features, len(index), bias=module.bias is not None, device=module.weight.device)
+        part.to(module.weight.dtype)
+        with torch.no_grad():
+            part.weight.copy_(module.weight[index])
+            if module.bias is not None:
+                part.bias.copy_(module.bias[index])
+        return part.requires_grad_(module.weight.requires_grad)
+    return None
+
+
+def add_kv_projections(model: nn.Module) -> None:
+    """Give each STT layer's fused q/k/v projection a k/v-only copy (`Attention.kv_proj`), in place.
+
+    A token an STT layer skips in "kv" mode stores its K and V and nothing else (`layers.kv_step`): with q/k/v fused,
+    that took the whole fused product and dropped its query, 2.6x the k/v product's weights (SmolLM2-135M: q is
+    576 of the 960 outputs) and, at batch 1 in int4, as much time as a third of the rest of the block. The copy
+    holds the same levels, scales and adapter (no second rounding; 0.2 MB per layer of the default model in int4)."""
+    for index in getattr(model.config, "stt_layers", None) or []:
+        attn = model.model.layers[index].self_attn
+        if attn.qkv_proj is None or attn.kv_proj is not None:
+            continue
+        query = attn.num_heads * attn.head_dim
+        kv = torch.arange(query, query + 2 * attn.num_kv_heads * attn.head_dim, device=model.device)
+        attn.kv_proj = output_rows(attn.qkv_proj, kv)
+
+
 def prepare_weights(model: nn.Module, fmt: str, adapters: dict[str, Adapter] | None = None) -> nn.Module:
     """Put an STTForCausalLM's weights in format `fmt` in place (once, at load) and return it.
 
@@ -370,6 +445,7 @@ def prepare_weights(model: nn.Module, fmt: str, adapters: dict[str, Adapter] | N
         router.float().load_state_dict(state)
     for module, lora_b in low_rank:
         module.lora_B_t = lora_b
+    add_kv_projections(model)
     model.weight_format = fmt
     return model
 

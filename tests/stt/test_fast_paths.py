@@ -71,14 +71,17 @@ def test_decode_equals_extend_on_a_ragged_batch(model, routing):
 
 
 @pytest.mark.parametrize("student", [False, True])
-def test_decode_plan_stacks_dense_layers_and_isolates_routed_ones(student):
+def test_decode_plan_stacks_dense_layers_and_starts_a_segment_at_each_routed_one(student):
     deep = routed_model(num_hidden_layers=15, stt_layers=[3, 4, 12])
     plan = decode_plan(deep, student)
     assert [i for segment in plan for i in range(segment.start, segment.stop)] == list(range(15))
     assert all(0 < segment.stop - segment.start <= STACK_LAYERS for segment in plan)
     routed = [segment for segment in plan if segment.routed]
     assert [s.start for s in routed] == ([3, 4, 12] if student else [])
-    assert all(s.stop == s.start + 1 for s in routed)
+    # A routed segment goes on with the dense layers after its STT layer, up to the next one or a stack's length.
+    assert [(s.start, s.stop) for s in plan] == (
+        [(0, 3), (3, 4), (4, 7), (7, 10), (10, 12), (12, 15)] if student else [(i, i + 3) for i in range(0, 15, 3)]
+    )
 
 
 @pytest.mark.parametrize("routing", ["student", "off"])
@@ -88,6 +91,47 @@ def test_decode_equals_extend_across_several_stacks(routing):
     fast = ragged_cache(deep, [5, 2, 8], max_len=48)
     slow = ragged_cache(deep, [5, 2, 8], max_len=48)
     decode_both(deep, fast, slow, steps=6, routing=routing)
+
+
+@pytest.mark.parametrize("mode", ["strict", "kv"])
+def test_batch_one_decode_equals_extend_with_routed_segments(mode):
+    """At batch 1 every routed layer's decision is the same for all rows: a selected layer runs as a dense one at
+    the head of its segment's stack, a skipped one stores only its K/V there ("kv") or is left out ("strict"),
+    before the dense layers after it. Both decisions come up at each STT layer."""
+    deep = routed_model(seed=1, num_hidden_layers=8, stt_layers=[1, 2, 5], skip_mode=mode)
+    assert any(s.routed and s.stop - s.start > 1 for s in decode_plan(deep, True))
+    fast, slow = (ragged_cache(deep, [7], max_len=48, seed=5) for _ in range(2))
+    generator = torch.Generator().manual_seed(6)
+    decisions = []
+    for _ in range(24):
+        ids = torch.randint(0, VOCAB, (1,), generator=generator)
+        a = deep.decode(ids, fast)
+        b = deep.extend(ids[:, None], torch.ones(1, dtype=torch.long), slow)
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+        assert torch.equal(a.selected, b.selected)
+        decisions.append(a.selected[:, 0, 0])
+    assert_same_state(fast, slow)
+    decisions = torch.stack(decisions)
+    assert decisions.any(0).all() and (~decisions).any(0).all()
+
+
+@pytest.mark.parametrize("mode", ["strict", "kv"])
+def test_student_decode_of_every_none_and_some_rows_in_each_mode(mode):
+    """A batch whose rows an STT layer runs all, none or some of (the three branches of `routed_segment`), in each
+    skip mode, on a model whose routed segments go on with dense layers."""
+    deep = routed_model(num_hidden_layers=8, stt_layers=[1, 2, 5], skip_mode=mode)
+    fast, slow = (ragged_cache(deep, [5, 2, 7], max_len=64, seed=2) for _ in range(2))
+    generator = torch.Generator().manual_seed(3)
+    counts = set()
+    for _ in range(20):
+        ids = torch.randint(0, VOCAB, (3,), generator=generator)
+        a = deep.decode(ids, fast)
+        b = deep.extend(ids[:, None], torch.ones(3, dtype=torch.long), slow)
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+        assert torch.equal(a.selected, b.selected)
+        counts.update(a.selected[..., 0].sum(1).tolist())
+    assert {0, 3} <= counts and {1, 2} & counts
+    assert_same_state(fast, slow)
 
 
 def test_student_decode_runs_only_selected_rows(model):

@@ -73,7 +73,7 @@ def test_every_call_shape_is_captured_and_spans_under_two_fall_back(saved):
     shapes = set(compiled)
     # Stacks at batch 1 and more, and routed subsets of one row and of several.
     assert {("block", (True, True)), ("block", (False, True))} <= shapes
-    assert {shape for kind, shape in shapes if kind == "stack"} >= {(1, True), (1, False)}
+    assert {shape for kind, shape in shapes if kind == "stack"} >= {(1, True, False, False), (1, False, False, False)}
     calls = []
     steps = precompile.steps_from(compiled, fallback=DecodeSteps(refuse, lambda *a: calls.append(a) or refuse()))
     with torch.inference_mode(), pytest.raises(AssertionError, match="fallback"):
@@ -100,22 +100,27 @@ def test_missing_and_corrupt_artifacts(saved, tmp_path: Path):
         precompile.load(broken)
 
 
-def test_kv_skip_mode_makes_no_call_shape_of_its_own(saved):
-    """In "kv" skip mode a routed layer's skipped rows store their K/V eagerly (`layers.kv_step`) and its selected
-    rows take the strict mode's block calls: the shapes captured for a strict model serve a kv one, whose compiled
-    decode then equals its eager decode. (A kv model still gets artifacts of its own: the config is in the key.)"""
-    model, _, compiled = saved
+def test_kv_skip_mode_decodes_compiled_like_eager_without_falling_back(saved):
+    """In "kv" skip mode an STT layer that skips every row (at batch 1, whenever it skips) stores their K/V at the
+    head of the stack after it (`kv_lead`): call shapes of kv's own, captured and compiled like the others, so that a
+    routed step never falls back to eager. Batches of one row and of several (rows split: the skipped ones' K/V go
+    through the K/V-only stack on their own). (A kv model gets artifacts of its own: the config is in the key.)"""
+    model, _, _ = saved
     kv = copy.deepcopy(model)
     kv.config.skip_mode = "kv"
     assert precompile.artifact_key(kv) != precompile.artifact_key(model)
-    assert set(precompile.capture_calls(kv)) <= set(compiled)
+    compiled = precompile.precompile(kv)
+    kv_leads = {shape for kind, shape in compiled if kind == "stack" and shape[2]}
+    # Skipped at batch 1: STT layer 3 alone, 1 with layer 2; and one skipped row of a batch of 3.
+    assert {(1, True, True, False), (2, True, True, False), (1, True, True, True)} <= kv_leads
     loaded = precompile.steps_from(compiled, fallback=DecodeSteps(refuse, refuse))
-    fast, fast_cache = decode_tokens(kv, loaded, [9, 3, 14], 64, student=True)
-    slow, slow_cache = decode_tokens(kv, EAGER_STEPS, [9, 3, 14], 64, student=True)
-    for (logits, _, selected), (logits_ref, _, selected_ref) in zip(fast, slow, strict=True):
-        torch.testing.assert_close(logits, logits_ref, atol=1e-4, rtol=1e-4)
-        assert torch.equal(selected, selected_ref)
-    assert not torch.stack([s for _, _, s in slow]).all()  # some rows were skipped
-    assert torch.equal(fast_cache.lengths, slow_cache.lengths)
-    for index in kv.stt_layer_indices:  # every token stored, like a dense layer
-        assert torch.equal(fast_cache.lengths[index], fast_cache.seen)
+    for lengths in ([9], [9, 3, 14]):
+        fast, fast_cache = decode_tokens(kv, loaded, lengths, 64, student=True)
+        slow, slow_cache = decode_tokens(kv, EAGER_STEPS, lengths, 64, student=True)
+        for (logits, _, selected), (logits_ref, _, selected_ref) in zip(fast, slow, strict=True):
+            torch.testing.assert_close(logits, logits_ref, atol=1e-4, rtol=1e-4)
+            assert torch.equal(selected, selected_ref)
+        assert not torch.stack([s for _, _, s in slow]).all()  # some rows were skipped
+        assert torch.equal(fast_cache.lengths, slow_cache.lengths)
+        for index in kv.stt_layer_indices:  # every token stored, like a dense layer
+            assert torch.equal(fast_cache.lengths[index], fast_cache.seen)

@@ -42,9 +42,21 @@ def _run(model, ids: torch.Tensor, steps: int = 6) -> list[tuple[torch.Tensor, t
     return outputs
 
 
-@pytest.mark.parametrize(("fmt", "with_adapters"), [("int4", True), ("int4", False), ("int8", False), ("bfloat16", False)])
-def test_stored_format_computes_what_the_in_memory_conversion_does(tmp_path: Path, fmt: str, with_adapters: bool):
-    base = routed_model(seed=2)
+@pytest.mark.parametrize(
+    ("fmt", "with_adapters", "skip_mode"),
+    [
+        ("int4", True, "strict"),
+        ("int4", True, "kv"),
+        ("int4", False, "strict"),
+        ("int8", False, "kv"),
+        ("bfloat16", False, "strict"),
+    ],
+)
+def test_stored_format_computes_what_the_in_memory_conversion_does(
+    tmp_path: Path, fmt: str, with_adapters: bool, skip_mode: str
+):
+    """Including the STT layers' k/v-only projections, which "kv" mode runs for the tokens it skips."""
+    base = routed_model(seed=2, skip_mode=skip_mode)
     adapters = _adapters(base) if with_adapters else None
     converted = prepare_weights(copy.deepcopy(base), fmt, copy.deepcopy(adapters)).eval()
     served.write(converted, tmp_path)

@@ -23,6 +23,7 @@ from chatapp.stt.weights import (
     Int4Linear,
     Int8Linear,
     LowRankLinear,
+    add_kv_projections,
     fuse_projections,
     parse_format,
     prepare_weights,
@@ -144,6 +145,7 @@ def test_int4_model_computes_its_dequantized_weights(routing: str) -> None:
     converted = prepare_weights(spread_model(vocab_size=320), "int4")
     reference = spread_model(vocab_size=320)
     fuse_projections(reference)  # the same module names as the converted model
+    add_kv_projections(reference)
     with torch.no_grad():
         for name, module in converted.named_modules():
             if isinstance(module, Int4Linear | Int8Linear):  # the head is int8 under int4
@@ -187,7 +189,8 @@ def routed_greedy(model, prompt: list[int], steps: int, routing: str):
 def test_int8_replaces_every_projection_and_the_tied_head() -> None:
     model = prepare_weights(spread_model(), "int8")
     projections = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert len(projections) == 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down; the head
+    # qkv, o, gate_up, down; each STT layer's k/v alone (`add_kv_projections`); the head
+    assert len(projections) == 4 * model.config.num_hidden_layers + len(model.stt_layer_indices) + 1
     assert isinstance(model.lm_head, Int8Linear)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     router = model.model.layers[model.stt_layer_indices[0]].causal_router
@@ -196,9 +199,32 @@ def test_int8_replaces_every_projection_and_the_tied_head() -> None:
 
 def test_int4_replaces_every_projection_and_keeps_the_head_int8() -> None:
     model = prepare_weights(spread_model(), "int4")
-    assert len([m for m in model.modules() if isinstance(m, Int4Linear)]) == 4 * model.config.num_hidden_layers
+    expected = 4 * model.config.num_hidden_layers + len(model.stt_layer_indices)  # with the STT layers' k/v alone
+    assert len([m for m in model.modules() if isinstance(m, Int4Linear)]) == expected
     assert isinstance(model.lm_head, Int8Linear)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4 with adapters"])
+@pytest.mark.parametrize("rows", [1, 3, INT4_DEQUANT_ROWS + 1])
+def test_kv_projection_computes_the_fused_projections_k_and_v(fmt: str, rows: int) -> None:
+    """An STT layer's k/v-only copy holds the fused q/k/v's own levels, scales and adapter: its outputs are the fused
+    product's k/v columns (to the last bit at decode sizes, where the kernel computes each output on its own)."""
+    reference = spread_model()
+    adapters = merge_random_adapters(reference) if fmt.endswith("adapters") else None
+    model = prepare_weights(reference, fmt.split()[0], adapters)
+    for index, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        assert (attn.kv_proj is not None) == (index in model.stt_layer_indices)
+        if attn.kv_proj is None:
+            continue
+        assert isinstance(attn.kv_proj, type(attn.qkv_proj))
+        x = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(index)).bfloat16()
+        want = attn.qkv_proj(x)[:, attn.num_heads * attn.head_dim :]
+        if rows <= INT4_DEQUANT_ROWS:
+            assert torch.equal(attn.kv_proj(x), want)
+        else:
+            torch.testing.assert_close(attn.kv_proj(x), want, rtol=0.01, atol=0.01)
 
 
 def on_int4_grid(model) -> None:
@@ -241,7 +267,7 @@ def test_int4_runs_merged_adapters_apart_and_recovers_the_base_grid() -> None:
     prepare_weights(split, "int4", adapters)
     prepare_weights(merged, "int4")
     wrapped = [m for m in split.modules() if isinstance(m, LowRankLinear)]
-    assert len(wrapped) == 4 * split.config.num_hidden_layers
+    assert len(wrapped) == 4 * split.config.num_hidden_layers + len(split.stt_layer_indices)  # with k/v alone
     assert all(m.lora_B_t.dtype == torch.float32 and isinstance(m.base, Int4Linear) for m in wrapped)
     prompt = [5, 17, 42, 9, 111, 7, 250, 3]
     want, want_tokens = greedy(reference, prompt, 8, routing)
