@@ -103,7 +103,9 @@ def test_default_format_is_int4_with_the_adapters_apart(model_dir: Path) -> None
 
     model = load_model(model_dir, device="cpu").model
     assert weight_format(model) == "int4"
-    assert len([m for m in model.modules() if isinstance(m, LowRankLinear)]) == 4 * model.config.num_hidden_layers
+    # q/k/v, o, gate/up and down per layer, and each STT layer's k/v-only copy of its q/k/v (`add_kv_projections`).
+    expected = 4 * model.config.num_hidden_layers + len(model.stt_layer_indices)
+    assert len([m for m in model.modules() if isinstance(m, LowRankLinear)]) == expected
     out = generate("What is 37*45?", "--model", str(model_dir), "--dtype", "int8")
     assert "1665" in out
 
