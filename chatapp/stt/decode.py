@@ -35,7 +35,6 @@ outputs, cache contents), and tests/stt/test_inference.py compares routing-off d
 
 from __future__ import annotations
 
-import itertools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ class StepState:
     visible: torch.Tensor  # (L, B, 1, 1, span) bool: key slot < that layer's length once this token is written
     bias: torch.Tensor  # `visible` as an additive mask (0 / -inf), converted once rather than by every attention
     grown: torch.Tensor  # (L, B) every layer's length with this token written
+    trash: torch.Tensor  # (B,) the cache's trash slot, where a layer that skips a row in "strict" mode writes it
     span: int
 
 
@@ -101,7 +101,8 @@ def step_state(model, cache: KVCache, span: int) -> StepState:
     visible = (slot_ids < grown[..., None])[:, :, None, None, :]
     bias = torch.zeros(visible.shape, device=device, dtype=cache.kv_dtype).masked_fill_(~visible, float("-inf"))
     rows = torch.arange(cache.batch_size, device=device)
-    return StepState(cos=cos, sin=sin, rows=rows, visible=visible, bias=bias, grown=grown, span=span)
+    trash = torch.full((cache.batch_size,), cache.max_len, device=device)
+    return StepState(cos=cos, sin=sin, rows=rows, visible=visible, bias=bias, grown=grown, trash=trash, span=span)
 
 
 def block_parts(model) -> list[BlockParts]:
@@ -122,21 +123,35 @@ def stack_step(
     sin: torch.Tensor,
     span: int,
     kv_lead: bool = False,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Consecutive blocks on every row, one after the other: (output, each block's input). The inputs are what
-    an STT layer's router reads. Compiled, a stack is one call where its blocks one by one were as many, and each
-    call of a compiled function costs ~0.1 ms of guards and argument handling, a tenth of a block at batch 1.
+    routers: tuple[STTLayer | None, ...] = (),
+    previous: tuple[torch.Tensor | None, ...] = (),
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Consecutive blocks on every row, one after the other. Compiled, a stack is one call where its blocks one by
+    one were as many, and each call of a compiled function costs ~0.05 ms of argument handling, a seventh of a
+    block at batch 1.
 
     `kv_lead`: the first block is an STT layer that skipped every row in "kv" mode, so it only stores their K/V
-    (`kv_step`) and passes them on unchanged; the call goes on with the blocks after it (`routed_segment`)."""
-    inputs = []
+    (`kv_step`) and passes them on unchanged; the call goes on with the blocks after it (`routed_segment`).
+
+    `routers`: per block, the STT layer whose causal router reads that block's input, and one more that reads the
+    stack's output (the next layer's input), None where there is none; `previous`: each one's stored x_{t-1}.
+    Inside the call a router costs a few fused kernels; run eagerly between calls, ~12 ops and ~0.1 ms. Returns
+    (output, the routers' probabilities, their inputs), in order."""
+    probs, inputs = [], []
+
+    def route(position: int, layer_input: torch.Tensor) -> None:
+        if position < len(routers) and routers[position] is not None:
+            probs.append(router_probs(routers[position], layer_input, previous[position]))
+            inputs.append(layer_input)
+
     for i, block in enumerate(blocks):
-        inputs.append(x)
+        route(i, x)
         if i == 0 and kv_lead:
             kv_step(block, x, keys[0], values[0], rows, slots[0], cos, sin)
             continue
         x = block_step(block, x, keys[i], values[i], rows, slots[i], masks[i], cos, sin, span, False)
-    return x, inputs
+    route(len(blocks), x)
+    return x, probs, inputs
 
 
 @dataclass(frozen=True)
@@ -145,7 +160,7 @@ class DecodeSteps:
     compiled copies (`compile_decode`, kept on the model as `compiled_steps`)."""
 
     block: Callable[..., torch.Tensor]
-    stack: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]
+    stack: Callable[..., tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]
 
 
 EAGER_STEPS = DecodeSteps(block_step, stack_step)
@@ -179,10 +194,14 @@ def _block_shape(block, x, keys, values, rows, slots, mask, cos, sin, span, subs
     return (x.shape[0] == 1, subset)  # batch 1 is a shape of its own (dynamic shapes specialise sizes 0 and 1)
 
 
-def _stack_shape(blocks, x, keys, values, rows, slots, masks, cos, sin, span, kv_lead=False) -> tuple:
-    # Last: the stack runs some of the cache's rows (a K/V-only stack of the rows a routed layer skipped), so one row
-    # of a larger cache is not batch 1 (a graph of batch 1 assumes a cache of one row).
-    return (len(blocks), x.shape[0] == 1, kv_lead, x.shape[0] < keys[0].shape[0])
+def _stack_shape(
+    blocks, x, keys, values, rows, slots, masks, cos, sin, span, kv_lead=False, routers=(), previous=()
+) -> tuple:
+    # After kv_lead: the stack runs some of the cache's rows (a K/V-only stack of the rows a routed layer skipped),
+    # so one row of a larger cache is not batch 1 (a graph of batch 1 assumes a cache of one row); last, where
+    # routers run.
+    subset = x.shape[0] < keys[0].shape[0] if keys else False
+    return (len(blocks), x.shape[0] == 1, kv_lead, subset, tuple(router is not None for router in routers))
 
 
 # Blocks per stack call. Compiled, a stack of 3 decoded the default model 8-10% faster than one block a call
@@ -223,6 +242,25 @@ def decode_plan(model, student: bool) -> list[Segment]:
     return plan
 
 
+def plan_readers(model, student: bool) -> list[tuple[int | None, ...]]:
+    """Per segment of `decode_plan`, whose router reads each of its layers' inputs and its output: the STT layer
+    at each position (None for a dense layer and for a routed segment's own STT layer, whose router must have read
+    its input before the segment, to decide it), then the next segment's STT layer when that one is routed (it reads
+    this segment's output), else None. So every router runs inside a stack call, compiled with it."""
+    key = (student, len(model.model.layers))
+    cached = getattr(model, "_plan_readers", {})
+    if key in cached:
+        return cached[key]
+    plan, stt = decode_plan(model, student), set(model.stt_layer_indices)
+    readers = []
+    for k, segment in enumerate(plan):
+        own = [i if i in stt and not (segment.routed and i == segment.start) else None for i in range(*segment[:2])]
+        after = plan[k + 1] if k + 1 < len(plan) and plan[k + 1].routed else None
+        readers.append((*own, None if after is None else after.start))
+    model._plan_readers = {**cached, key: readers}
+    return readers
+
+
 def dense_layers(
     steps: DecodeSteps,
     blocks: list[BlockParts],
@@ -231,11 +269,19 @@ def dense_layers(
     cache: KVCache,
     segment: Segment,
     kv_lead: bool = False,
+    routers: tuple[STTLayer | None, ...] = (),
+    previous: tuple[torch.Tensor | None, ...] = (),
 ):
     """Layers `segment` storing and computing every row's token (the first one only storing its K/V, with
-    `kv_lead`): (output, each layer's input, their LayerWrites)."""
+    `kv_lead`), and the `routers` (see `stack_step`): (output, the routers' probabilities, their inputs, the layers'
+    LayerWrites). An empty segment runs its routers only, eagerly (they read `x`)."""
+    if segment.start == segment.stop:
+        readers = [(router, stored) for router, stored in zip(routers, previous, strict=True) if router is not None]
+        return x, [router_probs(router, x, stored) for router, stored in readers], [x] * len(readers), []
+    if not any(router is not None for router in routers):
+        routers, previous = (), ()  # one call shape for a stack without routers, however it was asked
     span = range(segment.start, segment.stop)
-    out, inputs = steps.stack(
+    out, probs, inputs = steps.stack(
         tuple(blocks[i] for i in span),
         x,
         tuple(cache.keys[i] for i in span),
@@ -247,21 +293,28 @@ def dense_layers(
         state.sin,
         state.span,
         kv_lead,
+        routers,
+        previous,
     )
-    return out, inputs, [LayerWrite(cache.lengths[i], state.grown[i]) for i in span]
+    return out, probs, inputs, [LayerWrite(cache.lengths[i], state.grown[i]) for i in span]
 
 
 def routed_segment(
     steps: DecodeSteps,
     blocks: list[BlockParts],
     x: torch.Tensor,
-    selected: torch.Tensor,
+    selected: torch.Tensor | None,
+    taken: int | None,
     state: StepState,
     cache: KVCache,
     segment: Segment,
     store_skipped: bool,
-) -> tuple[torch.Tensor, list[LayerWrite]]:
-    """An STT layer under student routing (`segment.start`, its rows `selected` (B,)) and the dense layers after it.
+    routers: tuple[STTLayer | None, ...],
+    previous: tuple[torch.Tensor | None, ...],
+):
+    """An STT layer under student routing (`segment.start`, its rows `selected` (B,), `taken` of them when the host
+    knows already: `selected` may then be None if that is every row or none) and the dense layers after it, with
+    their `routers` (`dense_layers`; the first, the STT layer's own, is None: it ran before, to decide it).
 
     On a CPU the decision is read on the host (one read; there it is free), and when it is the same for every row,
     which at batch 1 it always is, the segment is one stack call: a layer that runs every row is a dense layer for
@@ -269,21 +322,19 @@ def routed_segment(
     left out in "strict" mode. So a skipped token costs the layer nothing but its K/V, and routing adds no call
     to the step beyond where the STT layers cut the stacks. Rows split between the two go through `routed_layer`;
     so does CUDA, which never syncs."""
-    rest = Segment(segment.start + 1, segment.stop, False)
-    taken = None
-    if x.device.type != "cuda":
+    if taken is None and x.device.type != "cuda":
         taken = int(selected.sum())
-        if taken == x.shape[0]:
-            x, _, writes = dense_layers(steps, blocks, x, state, cache, segment)
-            return x, writes
-        if taken == 0 and store_skipped:
-            x, _, writes = dense_layers(steps, blocks, x, state, cache, segment, kv_lead=True)
-            return x, writes
-    x, write = routed_layer(steps, blocks, x, selected, state, cache, segment.start, store_skipped, taken)
-    if rest.start == rest.stop:
-        return x, [write]
-    x, _, writes = dense_layers(steps, blocks, x, state, cache, rest)
-    return x, [write, *writes]
+    rest = Segment(segment.start + 1, segment.stop, False)
+    if taken == x.shape[0]:
+        return dense_layers(steps, blocks, x, state, cache, segment, False, routers, previous)
+    if taken == 0 and store_skipped:
+        return dense_layers(steps, blocks, x, state, cache, segment, True, routers, previous)
+    if taken == 0:  # "strict", every row skipped: the layer stores and computes nothing
+        write = LayerWrite(state.trash, cache.lengths[segment.start])
+    else:
+        x, write = routed_layer(steps, blocks, x, selected, state, cache, segment.start, store_skipped)
+    x, probs, inputs, writes = dense_layers(steps, blocks, x, state, cache, rest, False, routers[1:], previous[1:])
+    return x, probs, inputs, [write, *writes]
 
 
 def routed_layer(
@@ -295,11 +346,9 @@ def routed_layer(
     cache: KVCache,
     index: int,
     store_skipped: bool,
-    taken: int | None = None,
 ):
     """An STT layer under student routing on its own: only `selected` (B,) rows run the block. The skipped rows
-    store their K/V too when `store_skipped` ("kv" skip mode), nothing otherwise ("strict"). `taken`: how many rows
-    are selected, when the host knows (a CPU)."""
+    store their K/V too when `store_skipped` ("kv" skip mode), nothing otherwise ("strict")."""
     lengths = cache.lengths[index]
     if store_skipped:
         slots, write = lengths, LayerWrite(lengths, state.grown[index])
@@ -316,8 +365,6 @@ def routed_layer(
             blocks[index], x, keys, values, state.rows, slots, mask, state.cos, state.sin, state.span, False
         )
         return torch.where(selected[:, None], out, x), write
-    if taken == 0:  # "strict", every row skipped: nothing to store or compute
-        return x, write
     picked = selected.nonzero().squeeze(1)  # which rows: the shapes below depend on it
     if store_skipped:
         # The skipped rows' K/V through the stack call with a K/V-only lead (compiled when the step is).
@@ -386,37 +433,33 @@ def warm_up(model, steps: DecodeSteps) -> None:
     As the engine: the cache made and the step run in inference mode (tensors made there carry other dispatch keys,
     which compiled graphs' guards check; the engine makes its caches there), a few tokens already cached (one key
     is a shape of its own, which decode never sees). Batch 1 and batch 2 (batch 1 is a shape of its own), routing
-    off and, when the model routes, the student's routing at the model's threshold and at cutoffs that select every
-    row and none; then batches of 3 whose rows the first routed layer splits, the cutoff put between their router
-    probabilities, so that a routed subset of one row and of several both come up.
+    off and, when the model routes, the student's routing with every row selected at every STT layer, then none
+    (`routed_segment`'s two stacks); then rows split at every STT layer, one of two selected, two of three, one of
+    three (`routed_layer`'s subsets), each row given a cutoff of its own that selects it (0) or skips it (above 1).
     """
 
-    def run(rows: int, student: bool, cutoff: float) -> torch.Tensor:
+    def run(rows: int, student: bool, cutoff: float | torch.Tensor) -> None:
         with torch.inference_mode():
             cache = model.new_cache(rows, 64)
             ids = (torch.arange(rows * 3, device=model.device).view(rows, 3) * 7919 + 11) % model.config.vocab_size
             model.extend(ids, torch.full((rows,), 3, device=model.device), cache, routing="off")
-            return decode_step(model, ids[:, 0], cache, student, cutoff, steps)[1]
+            decode_step(model, ids[:, 0], cache, student, cutoff, steps)
 
-    threshold = model.config.router_threshold
     for rows in (1, 2):
-        run(rows, False, threshold)
+        run(rows, False, 0.0)
         if model.routing_active:
-            # Every row selected, then none (`select` is probability >= cutoff): the stacks a routed segment makes
-            # when its layer runs every row and when it skips every row (`routed_segment`).
-            for cutoff in (threshold, 0.0, 1.1):
-                run(rows, True, cutoff)
+            run(rows, True, 0.0)
+            run(rows, True, 1.1)
     if model.routing_active:
-        first = run(3, False, threshold)[0, :, 0].sort().values.tolist()  # the first routed layer's probabilities
-        for low, high in itertools.pairwise(first):
-            if low < high:
-                run(3, True, (low + high) / 2)
+        for cutoffs in ((0.0, 1.1), (0.0, 1.1, 0.0), (0.0, 1.1, 1.1)):
+            run(len(cutoffs), True, torch.tensor(cutoffs, device=model.device))
 
 
 def configure_compiler() -> None:
     """The compiler settings the decode graphs are made with. torch keeps its config per thread, so a thread that
     may recompile them (the engine's, when a shape comes up that the warm-up did not cover) calls this too."""
     import torch._dynamo
+    import torch._inductor.config
     import torch.fx.experimental._config as fx_config
 
     # Sizes that happen to be equal at compile time (a cache row's offset and the head count, say) must not be
@@ -424,15 +467,27 @@ def configure_compiler() -> None:
     fx_config.use_duck_shape = False
     # Each compiled copy holds one graph, or a few more when a model in another dtype shares the process.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    # No size and stride assertion on every input of every call: a stack of 3 blocks has ~90 inputs (each module's
+    # tensors), and the checks cost ~70 us a call, 3.5% of a step of the default model at batch 1 in int4 (2-core
+    # EPYC, 1 thread). What they would catch, a graph given shapes it was not made for, cannot happen: a call goes
+    # to the graph compiled for its call shape (`CompiledByShape`, `precompile.ShapeDispatch`), within which sizes
+    # are dynamic, and the inputs' layouts are the step's own (tests/stt/test_precompile.py).
+    torch._inductor.config.size_asserts = False
 
 
 def decode_step(
-    model, ids: torch.Tensor, cache: KVCache, student: bool, cutoff: float, steps: DecodeSteps | None = None
+    model,
+    ids: torch.Tensor,
+    cache: KVCache,
+    student: bool,
+    cutoff: float | torch.Tensor,
+    steps: DecodeSteps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token per row (`ids` (B,)): returns (logits (B, V), router_probs (L_stt, B, 1), selected (L_stt, B, 1)).
 
-    `student` applies the causal routers with threshold `cutoff`; otherwise every layer runs every row. `steps`:
-    the block functions to run (default: the model's compiled ones when it has them, else eager).
+    `student` applies the causal routers with threshold `cutoff` (a float, or one per row); otherwise every layer
+    runs every row. `steps`: the block functions to run (default: the model's compiled ones when it has them, else
+    eager).
     """
     span = max(cache.reserve(1, 1), 1)
     state = step_state(model, cache, span)
@@ -441,39 +496,51 @@ def decode_step(
     stt_slot = {index: slot for slot, index in enumerate(model.stt_layer_indices)}
     x = model.model.embed_tokens(ids)
     writes: list[LayerWrite] = []
-    probs, chosen = [], []
-
-    def route(index: int, layer_input: torch.Tensor) -> torch.Tensor:
-        """The STT layer's router probability for this token, from its input and the previous token's."""
-        stored = cache.prev_hidden[stt_slot[index]]
-        prob = router_probs(layers[index], layer_input, stored.to(layer_input.dtype))
-        stored.copy_(layer_input)  # this token is the next token's x_{t-1}
-        probs.append(prob)
-        return prob
-
+    chosen = []
+    # Per STT layer, its router's probability for this token and the input it read (the next token's x_{t-1}:
+    # written to the cache once every router of the step has read the stored one).
+    probs: dict[int, torch.Tensor] = {}
+    inputs: dict[int, torch.Tensor] = {}
+    stored = cache.prev_hidden.unbind(0)
     store_skipped = model.config.skip_mode == "kv"
-    for segment in decode_plan(model, student):
+    # Batch 1 on a CPU: a decision is one number, read on the host, where the rule takes it as it is.
+    one_row = ids.shape[0] == 1 and x.device.type != "cuda"
+    for segment, readers in zip(decode_plan(model, student), plan_readers(model, student), strict=True):
+        routers = tuple(None if i is None else layers[i] for i in readers)
+        previous = tuple(None if i is None else stored[stt_slot[i]] for i in readers)
         if segment.routed:
-            selected = select(route(segment.start, x), cutoff)
-            x, segment_writes = routed_segment(steps, blocks, x, selected, state, cache, segment, store_skipped)
-            chosen.append(selected)
-            writes.extend(segment_writes)
-            continue
-        # Routing off, the routers still run on the inputs of the STT layers in the stack: the app shows them.
-        # They read the stack's inputs afterwards; nothing in the stack depends on them.
-        x, inputs, stack_writes = dense_layers(steps, blocks, x, state, cache, segment)
-        for offset, layer_input in enumerate(inputs):
-            if isinstance(layers[segment.start + offset], STTLayer):
-                route(segment.start + offset, layer_input)
-        writes.extend(stack_writes)
+            if segment.start not in probs:  # no call before it read its input: it is the first layer
+                probs[segment.start] = router_probs(layers[segment.start], x, stored[stt_slot[segment.start]])
+                inputs[segment.start] = x
+            if one_row:
+                selected, taken = None, int(select(probs[segment.start].item(), cutoff))
+            else:
+                selected, taken = select(probs[segment.start], cutoff), None
+            chosen.append(selected if selected is not None else bool(taken))
+            x, read, read_inputs, segment_writes = routed_segment(
+                steps, blocks, x, selected, taken, state, cache, segment, store_skipped, routers, previous
+            )
+        else:
+            x, read, read_inputs, segment_writes = dense_layers(
+                steps, blocks, x, state, cache, segment, False, routers, previous
+            )
+        for index, prob, layer_input in zip([i for i in readers if i is not None], read, read_inputs, strict=True):
+            probs[index], inputs[index] = prob, layer_input
+        writes.extend(segment_writes)
     commit(cache, writes, state, every_row=not chosen or store_skipped)
+    if stt_slot:
+        torch.stack([inputs[i] for i in stt_slot], out=cache.prev_hidden)
     logits = model.lm_head(rms_norm(model.model.norm, x))
     batch, device = ids.shape[0], ids.device
-    router = torch.stack(probs)[..., None] if probs else torch.zeros(0, batch, 1, device=device)
-    if chosen:
+    router = (
+        torch.stack([probs[i] for i in stt_slot])[..., None] if stt_slot else torch.zeros(0, batch, 1, device=device)
+    )
+    if chosen and one_row:
+        selected = torch.tensor(chosen, device=device).view(-1, 1, 1)
+    elif chosen:
         selected = torch.stack(chosen)[..., None]
     else:
-        selected = torch.ones(len(probs), batch, 1, dtype=torch.bool, device=device)
+        selected = torch.ones(len(stt_slot), batch, 1, dtype=torch.bool, device=device)
     return logits, router, selected
 
 

@@ -186,7 +186,12 @@ def load(directory: Path) -> dict[CallShape, StepFn] | None:
             with store.open_regular(directory / entry["file"]) as f:
                 fn = torch.compiler.load_compiled_function(f)
             fn.disable_guard_check()
-            compiled[(entry["kind"], tuple(entry["shape"]))] = fn
+            compiled[(entry["kind"], _as_tuple(entry["shape"]))] = fn
     except Exception as err:  # unpickling and the inductor loader raise anything from OSError to AttributeError
         raise PrecompileError(f"cannot load the compiled decode step in {directory}: {err}") from err
     return compiled
+
+
+def _as_tuple(value: Any) -> Any:
+    """A call shape read back from JSON, its lists (a stack's router flags among them) tuples again."""
+    return tuple(_as_tuple(item) for item in value) if isinstance(value, list) else value

@@ -73,7 +73,9 @@ def test_every_call_shape_is_captured_and_spans_under_two_fall_back(saved):
     shapes = set(compiled)
     # Stacks at batch 1 and more, and routed subsets of one row and of several.
     assert {("block", (True, True)), ("block", (False, True))} <= shapes
-    assert {shape for kind, shape in shapes if kind == "stack"} >= {(1, True, False, False), (1, False, False, False)}
+    stacks = {shape for kind, shape in shapes if kind == "stack"}
+    assert {(1, True), (1, False)} <= {shape[:2] for shape in stacks}
+    assert any(any(shape[4]) for shape in stacks)  # routers run inside the stacks
     calls = []
     steps = precompile.steps_from(compiled, fallback=DecodeSteps(refuse, lambda *a: calls.append(a) or refuse()))
     with torch.inference_mode(), pytest.raises(AssertionError, match="fallback"):
@@ -110,7 +112,7 @@ def test_kv_skip_mode_decodes_compiled_like_eager_without_falling_back(saved):
     kv.config.skip_mode = "kv"
     assert precompile.artifact_key(kv) != precompile.artifact_key(model)
     compiled = precompile.precompile(kv)
-    kv_leads = {shape for kind, shape in compiled if kind == "stack" and shape[2]}
+    kv_leads = {shape[:4] for kind, shape in compiled if kind == "stack" and shape[2]}
     # Skipped at batch 1: STT layer 3 alone, 1 with layer 2; and one skipped row of a batch of 3.
     assert {(1, True, True, False), (2, True, True, False), (1, True, True, True)} <= kv_leads
     loaded = precompile.steps_from(compiled, fallback=DecodeSteps(refuse, refuse))
