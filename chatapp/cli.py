@@ -107,7 +107,8 @@ CompileOption = Annotated[
     ),
 ]
 ProgramOption = Annotated[
-    str | None, typer.Option("--program", help="TTFA program: a built-in name (chat, think, calc, json) or a .toml file.")
+    str | None,
+    typer.Option("--program", help="TTFA program: a built-in name (chat, think, calc, json) or a .toml file."),
 ]
 TemperatureOption = Annotated[float, typer.Option("--temperature", help="0 = greedy.")]
 TopKOption = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
@@ -369,7 +370,9 @@ def generate(
     ] = None,
     json_schema: Annotated[
         str | None,
-        typer.Option("--json-schema", help="Constrain the reply to JSON matching this schema (inline JSON or a .json file)."),
+        typer.Option(
+            "--json-schema", help="Constrain the reply to JSON matching this schema (inline JSON or a .json file)."
+        ),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timing: tokens/s, forced %, ...")] = False,
     logprobs: LogprobsOption = 0,
@@ -562,7 +565,9 @@ def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: st
                 f"cannot use {init} as a model config: {config_problem(err)}", hint="write an STTConfig JSON"
             ) from None
         if config.vocab_size < tokenizer.get_vocab_size():
-            raise TrainingError(f"{init}: vocab_size {config.vocab_size} < the tokenizer's {tokenizer.get_vocab_size()}")
+            raise TrainingError(
+                f"{init}: vocab_size {config.vocab_size} < the tokenizer's {tokenizer.get_vocab_size()}"
+            )
         model = STTForCausalLM(config).to(resolved)
     try:
         chat_format = chat_format_for(tokenizer, source if source.is_dir() else None)
@@ -618,8 +623,13 @@ def train(
     else:
         sequences, heldout = split_heldout(sequences, 0.05, seed)
     config = TrainConfig(
-        steps=steps, batch_size=batch_size, seq_len=seq_len, lr_scale=lr_scale, warmup_steps=warmup,
-        seed=seed, eval_interval=eval_interval,
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lr_scale=lr_scale,
+        warmup_steps=warmup,
+        seed=seed,
+        eval_interval=eval_interval,
     )
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
@@ -635,12 +645,20 @@ def train(
             )
             if report.eval is not None:
                 ppl = "  ".join(f"{mode} {value:.2f}" for mode, value in report.eval.perplexity.items())
-                progress.console.print(f"step {report.step}: held-out perplexity {ppl}; student F1 "
-                                       + " ".join(f"{f:.2f}" for f in report.eval.student_f1))
+                progress.console.print(
+                    f"step {report.step}: held-out perplexity {ppl}; student F1 "
+                    + " ".join(f"{f:.2f}" for f in report.eval.student_f1)
+                )
 
         run_training(
-            net, token_stream(sequences), config, eval_data=token_stream(heldout), out_dir=out, resume=resume,
-            on_step=on_step, dist_info=dist_info,
+            net,
+            token_stream(sequences),
+            config,
+            eval_data=token_stream(heldout),
+            out_dir=out,
+            resume=resume,
+            on_step=on_step,
+            dist_info=dist_info,
         )
     if dist_info.is_main:
         copy_tokenizer_files(tokenizer_dir, Path(out))
@@ -680,12 +698,29 @@ def route(
     budget: Annotated[
         float, typer.Option("--budget", min=1.0, help="Held-out perplexity allowed, routed / routing off.")
     ] = 1.10,
-    prompts: Annotated[int, typer.Option("--prompts", min=8, help="Self-distilled replies to fit and measure on.")] = 96,
+    prompts: Annotated[
+        int,
+        typer.Option(
+            "--prompts",
+            min=8,
+            help="Self-distilled conversations to fit and measure on (a quarter of them three turns).",
+        ),
+    ] = 96,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", min=8, help="Tokens per reply.")] = 128,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the prompts and the fit.")] = 0,
+    tune_steps: Annotated[
+        int,
+        typer.Option(
+            "--tune-steps",
+            min=0,
+            help="Fine-tune the model (LoRA) this many steps to tolerate its routing before the routers are fitted "
+            "again and calibrated (~10 s a step on 2 CPU cores; resumable). 0: the weights stay frozen.",
+        ),
+    ] = 0,
 ) -> None:
-    """Fit the STT routing of a model with its weights frozen, and calibrate one cutoff per layer on held-out
-    perplexity and a copy probe (minutes on a CPU). Works on any model directory, e.g. one `chatapp convert` wrote."""
+    """Fit the STT routing of a model and calibrate one cutoff per layer on held-out perplexity and a copy probe
+    (minutes on a CPU, the weights frozen; --tune-steps fine-tunes them to the routing too). Works on any model
+    directory, e.g. one `chatapp convert` wrote."""
     from pathlib import Path
 
     from chatapp.models import load_model, resolve_model
@@ -708,25 +743,34 @@ def route(
             f"layers {bad} do not exist: {source} has layers 0-{loaded.model.config.num_hidden_layers - 1}",
             param_hint="--layers",
         )
-    from chatapp.recipes.smollm2.data import route_prompts
+    from chatapp.recipes.smollm2.data import route_dialogues
+    from chatapp.training.tune import TuneOptions
 
     options = RouteOptions(
-        layers=chosen, max_layers=max_layers, skip_mode=skip_mode, budget=budget, answer_tokens=answer_tokens,
-        seed=seed, prompts=route_prompts(prompts, seed, tools=loaded.chat_format.supports_tools),
+        layers=chosen,
+        max_layers=max_layers,
+        skip_mode=skip_mode,
+        budget=budget,
+        answer_tokens=answer_tokens,
+        seed=seed,
+        dialogues=route_dialogues(prompts, seed, tools=loaded.chat_format.supports_tools),
+        tune=TuneOptions(steps=tune_steps),
     )
     from chatapp.settings import data_dir
 
     log = lambda line: err_console.print(f"[dim]{line}[/dim]")  # noqa: E731
-    routed, report = fit_routing(loaded, options, log, cache_dir=data_dir() / "routing-data")
-    write_routed(routed, report, source, target)
-    typer.echo(f"{report.summary()}\nwrote {target}")
+    routed = fit_routing(loaded, options, log, cache_dir=data_dir() / "routing-data")
+    write_routed(routed, source, target)
+    typer.echo(f"{routed.report.summary()}\nwrote {target}")
 
 
 @app.command(name="eval")
 def eval_model(
     corpus: Annotated[
         str | None,
-        typer.Argument(help="Held-out data: JSONL conversations or text (default: the default model's held-out split)."),
+        typer.Argument(
+            help="Held-out data: JSONL conversations or text (default: the default model's held-out split)."
+        ),
     ] = None,
     model: ModelOption = None,
     seq_len: Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per window.")] = 256,
@@ -779,8 +823,12 @@ def eval_model(
         saved, skipped = report.compute_saved(mode), report.routed_skipped(mode)
         table.add_row(mode, f"{ppl:.3f}", f"{saved:.1%}", f"{skipped:.1%}", fractions)
     console.print(table)
-    console.print("student vs teacher F1: " + " ".join(f"{f:.2f}" for f in report.student_f1)
-                  + "  accuracy: " + " ".join(f"{a:.2f}" for a in report.student_accuracy))
+    console.print(
+        "student vs teacher F1: "
+        + " ".join(f"{f:.2f}" for f in report.student_f1)
+        + "  accuracy: "
+        + " ".join(f"{a:.2f}" for a in report.student_accuracy)
+    )
     if task_report is not None:
         console.print(task_table(task_report, f"{task_count} held-out questions, greedy, student routing"))
 

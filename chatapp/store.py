@@ -22,7 +22,7 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -106,7 +106,9 @@ def staged_dir(target: str | Path, *, stamp: bool = True, what: str = "directory
     target = Path(target)
     check_writable_dir(target.parent, f"parent of the {what}")
     if target.exists() and not target.is_dir():
-        raise DataDirError(f"the {what} {target} exists and is not a directory", hint=f"remove {target} or pick another path")
+        raise DataDirError(
+            f"the {what} {target} exists and is not a directory", hint=f"remove {target} or pick another path"
+        )
     with target_lock(target):
         clean_stale(target.parent, target.name)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{_STAGING}", dir=target.parent))
@@ -184,6 +186,20 @@ def clean_stale(parent: str | Path, name: str | None = None, *, legacy: bool = F
 
 
 # ------------------------------------------------------------------------------------------------------ reading
+def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
+    """Call `write(tmp)` for a temporary file beside `path`, then rename it over `path`: a reader (or a run resumed
+    after kill -9) sees the previous file or the whole new one, never a part."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def open_regular(path: str | Path) -> BinaryIO:
     """Open `path` for reading in binary, refusing (DataDirError) anything but a regular file without blocking: a
     FIFO is opened non-blocking and refused by its type, where a plain `open` would wait for a writer forever."""
@@ -209,7 +225,9 @@ def read_regular_bytes(path: str | Path, max_bytes: int) -> bytes:
     with open_regular(path) as fh:
         size = os.fstat(fh.fileno()).st_size
         if size > max_bytes:
-            raise DataDirError(f"{path} is {size} bytes, more than the {max_bytes} expected", hint=_remove_hint(Path(path)))
+            raise DataDirError(
+                f"{path} is {size} bytes, more than the {max_bytes} expected", hint=_remove_hint(Path(path))
+            )
         data = fh.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise DataDirError(f"{path} grew past {max_bytes} bytes while it was read", hint=_remove_hint(Path(path)))
@@ -217,8 +235,13 @@ def read_regular_bytes(path: str | Path, max_bytes: int) -> bytes:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return "not a regular file"

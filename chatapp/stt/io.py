@@ -8,9 +8,7 @@ written to a temporary name and moved into place, so an interrupted save never l
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from chatapp.errors import ModelDirError
+from chatapp.store import atomic_write
 from chatapp.stt.config import STTConfig, config_problem
 
 CONFIG_NAME = "config.json"
@@ -124,7 +123,7 @@ def save_merged_adapters(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
         state[f"{module}.lora_A"] = a.detach().float().contiguous().cpu()
         state[f"{module}.lora_B"] = b.detach().float().contiguous().cpu()
     path = Path(model_dir) / MERGED_ADAPTERS_NAME
-    _atomic_write(path, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    atomic_write(path, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
 
 
 def load_merged_adapters(model_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -201,18 +200,6 @@ def load_model(
     return model.to(device=device, dtype=dtype or default_dtype(device)).eval()
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Call `write(tmp_path)` then move the file over `path` so readers never see a partial file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_model(model: torch.nn.Module, model_dir: str | Path) -> None:
     """Write config.json and model.safetensors into `model_dir` (created if needed)."""
     model_dir = Path(model_dir)
@@ -221,8 +208,8 @@ def save_model(model: torch.nn.Module, model_dir: str | Path) -> None:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     config_text = json.dumps(model.config.to_dict(), indent=2, sort_keys=True) + "\n"
-    _atomic_write(model_dir / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-    _atomic_write(model_dir / CONFIG_NAME, lambda p: p.write_text(config_text, encoding="utf-8"))
+    atomic_write(model_dir / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    atomic_write(model_dir / CONFIG_NAME, lambda p: p.write_text(config_text, encoding="utf-8"))
 
 
 def copy_tokenizer_files(source: str | Path, target: str | Path) -> list[str]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -40,11 +39,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from chatapp import store
 from chatapp.compute_saved import compute_saved
 from chatapp.stt import STTConfig, STTForCausalLM
-from chatapp.stt.io import CONFIG_NAME, ROUTER_PARTS, WEIGHTS_NAME, save_model
+from chatapp.stt.io import (
+    CONFIG_NAME,
+    MERGED_ADAPTERS_NAME,
+    ROUTER_PARTS,
+    WEIGHTS_NAME,
+    load_merged_adapters,
+    save_merged_adapters,
+    save_model,
+)
 from chatapp.stt.layers import CausalRouter, router_probs, select, self_attention_sink
 from chatapp.stt.teacher import previous_tokens
+from chatapp.training.tune import Adapters, TuneOptions, dense_targets, tune
 
 Log = Callable[[str], None]
 REPORT_NAME = "routing.json"  # the fit's record, written beside the routed model
@@ -63,10 +72,12 @@ class RouteOptions:
     skip_mode: str = "kv"
     budget: float = 1.10  # held-out perplexity, student routing / routing off
     rates: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6)
-    prompts: list[str] = field(default_factory=list)  # what the model answers: the data (e.g. `data.route_prompts`)
+    # What the model answers, each conversation's user turns (e.g. `data.route_dialogues`): the data.
+    dialogues: list[list[str]] = field(default_factory=list)
     answer_tokens: int = 128
     epochs: int = 40
     seed: int = 0
+    tune: TuneOptions = field(default_factory=TuneOptions)  # the backbone's fine-tune (`tune.steps` 0: none)
 
 
 @dataclass
@@ -89,7 +100,7 @@ class RouteReport:
     data: str
     fit_tokens: int
     held_out_tokens: int
-    dense_ppl: float
+    dense_ppl: float  # routing off, the model as given
     dense_copy: float
     copy_probes: int
     single_layer: dict[int, float] = field(default_factory=dict)  # layer -> ppl ratio skipping SWEEP_RATE alone
@@ -98,6 +109,8 @@ class RouteReport:
     cutoffs: dict[int, float] = field(default_factory=dict)
     f1: dict[int, float] = field(default_factory=dict)  # student vs teacher decisions, held out, dense stream
     seconds: dict[str, float] = field(default_factory=dict)
+    tune_steps: int = 0
+    tuned_dense_ppl: float | None = None  # routing off, after the fine-tune (same held-out replies)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -107,8 +120,9 @@ class RouteReport:
         if chosen is None or not chosen.layers:
             return f"no layer can route within the perplexity budget (dense perplexity {self.dense_ppl:.3f})"
         processed = ", ".join(f"L{layer} {share:.0%}" for layer, share in chosen.processed.items())
+        tuned = f" (backbone tuned {self.tune_steps} steps)" if self.tune_steps else ""
         return (
-            f"routed {len(chosen.layers)} layers ({self.skip_mode} mode) at rate {chosen.rate:.2f}: "
+            f"routed {len(chosen.layers)} layers{tuned} ({self.skip_mode} mode) at rate {chosen.rate:.2f}: "
             f"compute saved {chosen.compute_saved:.1%} of all block work, perplexity x{chosen.ppl_ratio:.3f}, "
             f"copy probe {chosen.copy:.0%} (dense {self.dense_copy:.0%}); processed {processed}"
         )
@@ -126,23 +140,33 @@ class Conversation:
 
 
 def self_distilled(loaded: Any, options: RouteOptions, log: Log) -> list[Conversation]:
-    """The model's own greedy replies, routing off, to `options.prompts` (tool calls run, results forced)."""
+    """The model's own greedy replies, routing off, to `options.dialogues` (tool calls run, results forced), turn by
+    turn: each later user turn follows the model's own earlier replies. A conversation scores its last reply."""
     from chatapp.engine.engine import Engine
     from chatapp.settings import GenerationSettings
 
     chat_format = loaded.chat_format
     # The calls unconstrained: the grammar would make a call differ from the raw argmax the copy probe reads.
     engine = Engine(loaded.model, loaded.tokenizer, chat_format, tool_grammar=False)
-    rendered = [chat_format.render_for_completion([{"role": "user", "content": p}]) for p in options.prompts]
     settings = GenerationSettings(max_tokens=options.answer_tokens, routing="off")
     start_id, end_id = getattr(chat_format, "python_start_id", None), getattr(chat_format, "python_end_id", None)
-    out: list[Conversation] = []
-    for first in range(0, len(rendered), GENERATE_BATCH):
-        chunk = rendered[first : first + GENERATE_BATCH]
-        for prompt, reply in zip(chunk, engine.generate_batch(chunk, settings), strict=True):
-            out.append(conversation(prompt, reply.events, start_id, end_id, chat_format.decode))
-        log(f"self-distilled {len(out)}/{len(rendered)} replies")
-    return out
+    dialogues = options.dialogues
+    messages: list[list[dict[str, Any]]] = [[] for _ in dialogues]
+    out: list[Conversation | None] = [None] * len(dialogues)
+    for turn in range(max((len(d) for d in dialogues), default=0)):
+        rows = [i for i, dialogue in enumerate(dialogues) if len(dialogue) > turn]
+        for first in range(0, len(rows), GENERATE_BATCH):
+            chunk = rows[first : first + GENERATE_BATCH]
+            rendered = []
+            for i in chunk:
+                messages[i].append({"role": "user", "content": dialogues[i][turn]})
+                rendered.append(chat_format.render_for_completion(messages[i]))
+            for i, prompt, reply in zip(chunk, rendered, engine.generate_batch(rendered, settings), strict=True):
+                messages[i].append({"role": "assistant", "content": reply.content})
+                if turn == len(dialogues[i]) - 1:
+                    out[i] = conversation(prompt, reply.events, start_id, end_id, chat_format.decode)
+        log(f"self-distilled turn {turn + 1}: {len(rows)} replies")
+    return [c for c in out if c is not None]
 
 
 def conversation(
@@ -178,16 +202,15 @@ def conversations_cached(loaded: Any, options: RouteOptions, log: Log, cache_dir
         pass
     made = self_distilled(loaded, options, log)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps([asdict(c) for c in made]), encoding="utf-8")
-    os.replace(partial, path)
+    text = json.dumps([asdict(c) for c in made])
+    store.atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return made
 
 
 def backbone_digest(model: STTForCausalLM, options: RouteOptions) -> str:
     """What the replies depend on: every weight but the routing parts (~1 s for 135M parameters), and the options
     that make the data. A model routed in place keeps its digest, so a second fit reuses the first one's replies."""
-    digest = hashlib.sha256(json.dumps([options.prompts, options.answer_tokens]).encode())
+    digest = hashlib.sha256(json.dumps([options.dialogues, options.answer_tokens]).encode())
     for name, tensor in sorted(model.state_dict().items()):
         if not any(part in name for part in ROUTER_PARTS):
             digest.update(name.encode())
@@ -317,7 +340,9 @@ class Scores:
 class HeldOut:
     """The held-out conversations with their dense passes cached: `measure` routes a plan over all of them."""
 
-    def __init__(self, model: STTForCausalLM, cached: list[Cached]) -> None:
+    def __init__(self, model: STTForCausalLM, cached: list[Cached], reference_nll: float | None = None) -> None:
+        """`reference_nll`: the per-token loss routed runs are compared with (default: this model's dense one; a
+        tuned backbone is compared with the model before tuning, so that what tuning cost counts too)."""
         self.model, self.cached = model, cached
         self.tokens = sum(int(c.batch.valid.sum()) for c in cached)
         self.scored = sum(int(c.batch.scored.sum()) for c in cached)
@@ -326,19 +351,20 @@ class HeldOut:
         for c in cached:
             dense.add(model, c.inputs[-1], c)
         self.dense_nll = dense.nll / max(self.scored, 1)
+        self.reference_nll = self.dense_nll if reference_nll is None else reference_nll
         self.dense_copy = dense.copies_right / self.probes if self.probes else 1.0
 
     def run(
         self, decide_for: Callable[[Cached], dict[int, Callable]], mode: str
     ) -> tuple[float, float, dict[int, int]]:
-        """(perplexity ratio to dense, copy-probe share, skipped tokens per layer) of a routing plan."""
+        """(perplexity ratio to the reference, copy-probe share, skipped tokens per layer) of a routing plan."""
         scores = Scores()
         for c in self.cached:
             hidden, skipped = routed_pass(self.model, c, decide_for(c), mode)
             scores.add(self.model, hidden, c)
             for layer, n in skipped.items():
                 scores.skipped[layer] = scores.skipped.get(layer, 0) + n
-        ratio = math.exp(scores.nll / max(self.scored, 1) - self.dense_nll)
+        ratio = math.exp(scores.nll / max(self.scored, 1) - self.reference_nll)
         copy = scores.copies_right / self.probes if self.probes else 1.0
         return ratio, copy, scores.skipped
 
@@ -443,11 +469,19 @@ def f1_score(model: STTForCausalLM, held: HeldOut, layer: int, cutoff: float) ->
 
 
 # ---------------------------------------------------------------------------------------------------- the fit
-def route(
-    loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None = None
-) -> tuple[STTForCausalLM, RouteReport]:
-    """Fit and calibrate routing for `loaded` (a float32 `LoadedModel`): the routed model and what was measured.
-    `cache_dir`: where the self-distilled replies are kept between runs (`conversations_cached`)."""
+@dataclass
+class Routed:
+    """What `route` made: the routed model, what was measured, and the adapters a fine-tune merged into it."""
+
+    model: STTForCausalLM
+    report: RouteReport
+    adapters: Adapters = field(default_factory=dict)
+
+
+def route(loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None = None) -> Routed:
+    """Fit and calibrate routing for `loaded` (a float32 `LoadedModel`), with its backbone frozen or, when
+    `options.tune.steps`, fine-tuned to the routing first. `cache_dir`: where the self-distilled replies and the
+    fine-tune's checkpoint are kept between runs (`conversations_cached`)."""
     torch.manual_seed(options.seed)
     model, clock = loaded.model, time.perf_counter()
     count = model.config.num_hidden_layers
@@ -490,12 +524,29 @@ def route(
     log(f"candidates, cheapest first: {candidates}")
 
     clock = time.perf_counter()
-    routed = with_routed_layers(model, candidates, options.skip_mode)
-    for layer in candidates:
-        loss = fit_router(routed.model.layers[layer].causal_router, fit, layer, options)
-        log(f"layer {layer}: router fitted, final BCE {loss:.3f}")
-    probs = {layer: fit_probs(routed, fit, layer) for layer in candidates}
+    routed, probs = fit_routers(model, candidates, fit, options, log)
     seconds["fit routers"] = time.perf_counter() - clock
+    adapters: Adapters = {}
+    if options.tune.steps:
+        # The backbone learns to tolerate these routers' skips; then everything downstream of the weights (the
+        # dense passes, the teacher, the routers) is measured again on the tuned backbone, and routed runs are
+        # compared with the untuned model's dense perplexity, so that what the tune cost counts.
+        clock = time.perf_counter()
+        checkpoint = None
+        if cache_dir is not None:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            key = json.dumps([backbone_digest(model, options), candidates, options.skip_mode, list(options.rates)])
+            checkpoint = cache_dir / f"tune-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
+        adapters = tune_backbone(routed, fit, candidates, probs, options, log, checkpoint)
+        seconds["tune"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        model = routed
+        fit = [dense_pass(model, c.batch) for c in fit]
+        held = HeldOut(model, [dense_pass(model, c.batch) for c in held.cached], reference_nll=held.dense_nll)
+        report.tune_steps, report.tuned_dense_ppl = options.tune.steps, math.exp(held.dense_nll)
+        log(f"tuned: dense perplexity {report.tuned_dense_ppl:.3f} (before {report.dense_ppl:.3f})")
+        routed, probs = fit_routers(model, candidates, fit, options, log)
+        seconds["fit routers"] += time.perf_counter() - clock
 
     clock = time.perf_counter()
 
@@ -550,7 +601,7 @@ def route(
     report.seconds = seconds
     report.chosen = best
     if best is None:
-        return with_routed_layers(model, [], options.skip_mode), report
+        return Routed(with_routed_layers(model, [], options.skip_mode), report, adapters)
     final = with_routed_layers(model, best.layers, options.skip_mode)
     report.cutoffs = cutoffs_at(best.rate, best.layers)
     for layer in best.layers:
@@ -558,7 +609,55 @@ def route(
         target.load_state_dict(source.state_dict())
         report.f1[layer] = f1_score(final, held, layer, report.cutoffs[layer])
         fold_cutoff(target, report.cutoffs[layer])
-    return final, report
+    return Routed(final, report, adapters)
+
+
+def fit_routers(
+    model: STTForCausalLM, layers: Sequence[int], fit: Sequence[Cached], options: RouteOptions, log: Log
+) -> tuple[STTForCausalLM, dict[int, torch.Tensor]]:
+    """A copy of `model` routed at `layers`, each router fitted, and each router's probabilities on the fit data."""
+    routed = with_routed_layers(model, layers, options.skip_mode)
+    for layer in layers:
+        loss = fit_router(routed.model.layers[layer].causal_router, fit, layer, options)
+        log(f"layer {layer}: router fitted, final BCE {loss:.3f}")
+    return routed, {layer: fit_probs(routed, fit, layer) for layer in layers}
+
+
+def tune_backbone(
+    routed: STTForCausalLM,
+    fit: Sequence[Cached],
+    layers: Sequence[int],
+    probs: dict[int, torch.Tensor],
+    options: RouteOptions,
+    log: Log,
+    checkpoint: Path | None,
+) -> Adapters:
+    """Fine-tune `routed`'s backbone (in place) with its routers deciding at each of `options.rates` (the cutoff of
+    a rate: that quantile of the router's fit probabilities, as the calibration sets it), against the dense
+    predictions of the fit data (`chatapp.training.tune`)."""
+    cutoffs = {rate: {layer: float(torch.quantile(probs[layer], rate)) for layer in layers} for rate in options.rates}
+    targets = [
+        dense_targets(routed, c.batch.ids, c.batch.valid, c.batch.scored, c.inputs[-1], options.tune.top_k) for c in fit
+    ]
+    batches_ = [t for t in targets if len(t.top_ids)]
+    log(f"tune: {options.tune.steps} steps on {sum(len(t.top_ids) for t in batches_)} scored positions")
+
+    def decide(layer: int, x: torch.Tensor, rate: float) -> torch.Tensor:
+        block = routed.model.layers[layer]
+        return select(router_probs(block, x, previous_tokens(x)), cutoffs[rate][layer])
+
+    return tune(
+        routed,
+        batches_,
+        layers,
+        decide,
+        options.rates,
+        options.skip_mode,
+        options.tune,
+        log,
+        checkpoint=checkpoint,
+        seed=options.seed,
+    )
 
 
 def fold_cutoff(router: CausalRouter, cutoff: float) -> None:
@@ -569,18 +668,33 @@ def fold_cutoff(router: CausalRouter, cutoff: float) -> None:
         router.out.bias -= math.log(c / (1 - c))
 
 
-def write_routed(model: STTForCausalLM, report: RouteReport, source: Path, target: Path) -> None:
+def write_routed(routed: Routed, source: Path, target: Path) -> None:
     """The routed model in `target` (the source's other files copied along), through the store: built beside it
-    and renamed into place, so an interrupted write leaves the previous model as it was."""
-    from chatapp import store
-
+    and renamed into place, so an interrupted write leaves the previous model as it was. A fine-tune's adapters join
+    those the source had merged (`stt.io.MERGED_ADAPTERS_NAME`, which int4 keeps apart from the rounded weights):
+    two low-rank updates of one module are one of the summed rank, [B1 B2] [A1; A2]."""
+    adapters = combine_adapters(load_merged_adapters(source), routed.adapters)
     with store.staged_dir(target, what="routed model directory") as staging:
         for path in source.iterdir():
             if (
                 path.is_file()
-                and path.name not in (CONFIG_NAME, WEIGHTS_NAME, store.STAMP)
+                and path.name not in (CONFIG_NAME, WEIGHTS_NAME, MERGED_ADAPTERS_NAME, store.STAMP)
                 and not path.name.startswith(".")
             ):
                 shutil.copyfile(path, staging / path.name)
-        save_model(model, staging)
-        (staging / REPORT_NAME).write_text(report.to_json(), encoding="utf-8")
+        save_model(routed.model, staging)
+        if adapters:
+            save_merged_adapters(adapters, staging)
+        (staging / REPORT_NAME).write_text(routed.report.to_json(), encoding="utf-8")
+
+
+def combine_adapters(first: Adapters, second: Adapters) -> Adapters:
+    """Per module, the low-rank update equal to both applied: (A, B) with B A = B1 A1 + B2 A2."""
+    out = dict(first)
+    for module, (a, b) in second.items():
+        if module in out:
+            a0, b0 = out[module]
+            out[module] = (torch.cat((a0, a)), torch.cat((b0, b), dim=1))
+        else:
+            out[module] = (a, b)
+    return out

@@ -110,10 +110,10 @@ def stage_route(work: Path) -> None:
     from chatapp.training.route import RouteOptions, route, write_routed
 
     loaded = load_model(ensure_prepared(), dtype="float32")
-    options = RouteOptions(layers=ROUTE_CANDIDATES, prompts=data.route_prompts(96, 0, tools=True))
-    routed, report = route(loaded, options, log, cache_dir=work / "routing-data")
-    log(report.summary())
-    write_routed(routed, report, loaded.path, work / "routed")
+    options = RouteOptions(layers=ROUTE_CANDIDATES, dialogues=data.route_dialogues(96, 0, tools=True))
+    routed = route(loaded, options, log, cache_dir=work / "routing-data")
+    log(routed.report.summary())
+    write_routed(routed, loaded.path, work / "routed")
     export_routing(work / "routed", log=log)
     ensure_prepared()
 

@@ -969,13 +969,21 @@ def recall_conversations(
     return out
 
 
-def route_prompts(count: int, seed: int, tools: bool) -> list[str]:
-    """What `chatapp route` has a model answer: general prompts, and a third tool questions when the model has a
-    tool, in training phrasings (the held-out phrasings stay unseen for the evaluation)."""
+def route_dialogues(count: int, seed: int, tools: bool) -> list[list[str]]:
+    """What `chatapp route` has a model answer, as each conversation's user turns: general prompts, a third tool
+    questions when the model has a tool (training phrasings: the held-out ones stay unseen for the evaluation), and
+    a quarter recall conversations (a fact, an unrelated question, the question that recalls the fact), so that the
+    fit sees answers that read back across turns."""
     rng = random.Random(seed)
-    tool_count = count // 3 if tools else 0
+    recall_count = count // 4
+    tool_count = (count - recall_count) // 3 if tools else 0
     general = general_prompts(rng, count - tool_count)
     tool = [q.question for q, _ in tool_questions(rng, tool_count, held_out=False, kinds=TRAIN_KINDS)]
-    prompts = general + tool
-    rng.shuffle(prompts)
-    return prompts
+    singles = general[: count - tool_count - recall_count] + tool
+    middles = general[count - tool_count - recall_count :]
+    dialogues = [[prompt] for prompt in singles]
+    for middle in middles:
+        kind, fact, recall, _ = rng.choice(_FACTS_TRAIN)
+        dialogues.append([fact.format(x=_fact_value(rng, kind, held_out=False)), middle, recall])
+    rng.shuffle(dialogues)
+    return dialogues

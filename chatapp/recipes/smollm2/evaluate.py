@@ -114,7 +114,9 @@ def switch_tool_scores(engine: Any, count: int) -> dict[str, Score]:
         ]
         results = _generate(engine, conversations, "student")
         for (first, _), (second, _), result in zip(firsts, seconds, results, strict=True):
-            scores[name].add(_tool_correct(result, second), f"{first.question} / {second.question} -> {result.text!r:.160}")
+            scores[name].add(
+                _tool_correct(result, second), f"{first.question} / {second.question} -> {result.text!r:.160}"
+            )
             if name == "letters after arithmetic":
                 call = result.text.split(engine.chat_format.tool_markers.call_end)[0]
                 repeats.add(first.expression in call, f"{first.expression} in {call!r:.80}")
@@ -185,7 +187,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default=None, help="model directory (default: the prepared default model)")
     parser.add_argument("--quick", action="store_true", help="small slices (a smoke run)")
     parser.add_argument("--skip-base", action="store_true", help="do not score the base conversion")
-    parser.add_argument("--threshold", type=float, default=None, help="student routing threshold (default: the model's)")
+    parser.add_argument(
+        "--threshold", type=float, default=None, help="student routing threshold (default: the model's)"
+    )
     parser.add_argument("--out", default="eval.json", help="file name for the results, in --work")
     args = parser.parse_args(argv)
     import torch

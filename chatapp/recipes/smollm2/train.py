@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -99,7 +98,8 @@ def conversations(general: list[tuple[str, str]], seed: int, recipe: Recipe) -> 
     """The training mix: tool calls, the base model's own general answers, recall, and chains of exchanges."""
     rng = random.Random(seed + 1)
     tool = [
-        data.tool_conversation(q, a) for q, a in data.tool_questions(rng, recipe.tool_conversations, held_out=False, kinds=data.TRAIN_KINDS)
+        data.tool_conversation(q, a)
+        for q, a in data.tool_questions(rng, recipe.tool_conversations, held_out=False, kinds=data.TRAIN_KINDS)
     ]
     plain = [[{"role": "user", "content": p}, {"role": "assistant", "content": a}] for p, a in general]
     middles = [(c[0]["content"], c[1]["content"]) for c in plain + tool[: len(plain) // 2]]
@@ -217,9 +217,9 @@ def trainable_state(model: Any) -> dict[str, torch.Tensor]:
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    from chatapp.store import atomic_write
+
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
@@ -305,7 +305,10 @@ def run(work: Path, base: Path, general: list[tuple[str, str]], *, seed: int, lo
                 f"step {step}/{total} {'B' if phase_b else 'A'} {losses} teacher {fraction:.2f} f1 {f1:.2f} {rate:.0f} tok/s"
             )
         if step == recipe.steps_a:  # the dense model, kept apart: phase B can be rerun from it
-            _atomic_save({"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": step}, work / "phase_a.pt")
+            _atomic_save(
+                {"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": step},
+                work / "phase_a.pt",
+            )
         if step % CHECKPOINT_EVERY == 0 and step < total:
             _atomic_save(
                 {"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": step}, checkpoint
@@ -377,7 +380,9 @@ def export_routing(model_dir: Path, *, log: Callable[[str], None]) -> Path:
     return PARTS_DIR
 
 
-def calibrate(work: Path, model_dir: Path, general: list[tuple[str, str]], *, seed: int, log: Callable[[str], None]) -> float:
+def calibrate(
+    work: Path, model_dir: Path, general: list[tuple[str, str]], *, seed: int, log: Callable[[str], None]
+) -> float:
     """The student's decision threshold: the one whose decisions best match the teacher's (mean F1 over STT layers)
     on training conversations, written to `work/calibration.json` for `export`."""
     from chatapp.models.loader import load_model
@@ -400,6 +405,8 @@ def calibrate(work: Path, model_dir: Path, general: list[tuple[str, str]], *, se
         fn += (~chosen & targets[None]).sum(-1)
     f1 = (2 * tp / (2 * tp + fp + fn).clamp(min=1)).mean(-1)
     best = thresholds[int(f1.argmax())]
-    log(f"calibration: threshold {best} (mean F1 {f1.max().item():.3f}; at 0.5: {f1[thresholds.index(0.5)].item():.3f})")
+    log(
+        f"calibration: threshold {best} (mean F1 {f1.max().item():.3f}; at 0.5: {f1[thresholds.index(0.5)].item():.3f})"
+    )
     (work / "calibration.json").write_text(json.dumps({"router_threshold": best, "f1": f1.max().item()}) + "\n")
     return best

@@ -1,0 +1,203 @@
+"""Fine-tune a backbone to tolerate its own routing: LoRA trained with the routers' skips in the loop (issue 27).
+
+The frozen-backbone fit (`chatapp.training.route`) found that most of what skipping costs is the backbone's, not the
+router's: even the teacher's own choice of tokens costs ~14% perplexity at 30% skipped in seven layers of the default
+model. So the backbone learns to do without the skipped work:
+
+- The student is the model with its routers deciding, in the skip mode it will run (in "kv" mode a skipped token's
+  keys and values are the dense ones, so a full-sequence pass computes every block and keeps the computed tokens'
+  outputs: exactly what the cached decode does). The skip rate of each step is drawn from the rates the calibration
+  will try, so the adapters tolerate all of them.
+- The target is the model's own dense prediction (its top `top_k` probabilities at each scored position, computed
+  once from the dense pass): self-distillation keeps what the model answers, including tool calls and recall, and
+  needs no data beyond the replies the fit already has. Training on hard labels would sharpen the model on its own
+  greedy text and flatter the perplexity the calibration reads.
+- LoRA (peft) on every projection of every block; the routers stay frozen (they are refitted on the tuned backbone).
+  When done the adapters are merged into the weights and returned, so the int4 format can keep them apart.
+
+Resumable: the adapters and the optimizer are saved atomically every `checkpoint_every` steps, and a step's batch and
+rate depend only on the seed and the step, so a resumed run is the run that was not interrupted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from chatapp.stt import STTForCausalLM
+from chatapp.stt.layers import self_attention_sink
+
+Log = Callable[[str], None]
+Decide = Callable[[int, torch.Tensor, float], torch.Tensor]  # (layer, its input (B, T, D), rate) -> selected (B, T)
+Adapters = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A (r, in), B (out, r), scale folded into B)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class TuneOptions:
+    steps: int = 0  # 0: no fine-tune
+    rank: int = 16
+    alpha: int = 32
+    lr: float = 2e-4
+    warmup: int = 10
+    top_k: int = 32  # the dense prediction kept per position: ~all of its probability mass on a chat model
+    checkpoint_every: int = 20
+
+
+@dataclass
+class TuneBatch:
+    """Right-padded token rows and what the dense model predicted at their scored positions."""
+
+    ids: torch.Tensor  # (B, T)
+    valid: torch.Tensor  # (B, T)
+    scored: torch.Tensor  # (B, T - 1): the prediction at t of ids[t + 1] counts
+    top_ids: torch.Tensor  # (N, k) for the N scored positions, in row-major order
+    top_logp: torch.Tensor  # (N, k) the dense log-probabilities of `top_ids`
+
+
+@torch.no_grad()
+def dense_targets(
+    model: STTForCausalLM, ids: torch.Tensor, valid: torch.Tensor, scored: torch.Tensor, final: torch.Tensor, k: int
+) -> TuneBatch:
+    """A `TuneBatch` from a dense pass's final hidden state `final` (B, T, D) (before the final norm)."""
+    logits = model.lm_head(model.model.norm(final[:, :-1][scored])).float()
+    top = logits.log_softmax(-1).topk(k, dim=-1)
+    return TuneBatch(ids, valid, scored, top.indices, top.values)
+
+
+def routed_logits(
+    model: STTForCausalLM, batch: TuneBatch, layers: Sequence[int], decide: Decide, rate: float, skip_mode: str
+) -> torch.Tensor:
+    """Log-probabilities (N, V) at the scored positions with `layers` routed by `decide` at `rate`, with grad."""
+    hidden = model.model.embed_tokens(batch.ids)
+    positions = torch.arange(batch.ids.shape[1])[None, :].expand_as(batch.ids)
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    causal = self_attention_sink()
+    for index, layer in enumerate(model.model.layers):
+        if index in layers:
+            with torch.no_grad():
+                selected = decide(index, hidden, rate) | ~batch.valid
+            hidden = layer.routed(hidden, cos, sin, selected, skip_mode)
+        else:
+            hidden = layer.block(hidden, cos, sin, causal)
+    return model.lm_head(model.model.norm(hidden[:, :-1][batch.scored])).float().log_softmax(-1)
+
+
+def distillation_loss(logp: torch.Tensor, batch: TuneBatch) -> torch.Tensor:
+    """Cross-entropy of the student against the dense prediction's top k: -Σ p_dense log p_student, mean over
+    positions (equal to the KL divergence up to the dense entropy, a constant)."""
+    return -(batch.top_logp.exp() * logp.gather(-1, batch.top_ids)).sum(-1).mean()
+
+
+def _lr_factor(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _inject_lora(model: STTForCausalLM, options: TuneOptions) -> list[torch.nn.Parameter]:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    for param in model.parameters():
+        param.requires_grad_(False)
+    config = LoraConfig(r=options.rank, lora_alpha=options.alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
+    # Only the decoder blocks: the routers' own linear layers are not adapted (their names differ anyway).
+    inject_adapter_in_model(config, model.model.layers)
+    params = [p for name, p in model.named_parameters() if "lora_" in name]
+    for param in params:
+        param.requires_grad_(True)
+    return params
+
+
+def _lora_modules(model: STTForCausalLM) -> list[tuple[str, torch.nn.Module]]:
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+
+
+def merge_lora(model: STTForCausalLM) -> Adapters:
+    """Merge every LoRA module of `model` into its base weight and put the plain layer back; return the adapters."""
+    adapters: Adapters = {}
+    for name, module in _lora_modules(model):
+        base = module.get_base_layer()
+        a = module.lora_A["default"].weight.detach().float()
+        b = module.lora_B["default"].weight.detach().float() * module.scaling["default"]
+        with torch.no_grad():
+            base.weight += (b @ a).to(base.weight.dtype)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, base)
+        adapters[name] = (a.contiguous(), b.contiguous())
+    return adapters
+
+
+def tune(
+    model: STTForCausalLM,
+    batches: Sequence[TuneBatch],
+    layers: Sequence[int],
+    decide: Decide,
+    rates: Sequence[float],
+    skip_mode: str,
+    options: TuneOptions,
+    log: Log,
+    *,
+    checkpoint: Path | None = None,
+    seed: int = 0,
+) -> Adapters:
+    """Train LoRA on `model` (in place) for `options.steps` steps with `layers` routed by `decide`, then merge it:
+    the adapters merged (for `stt.io.save_merged_adapters`). `checkpoint`: where the run is saved and resumed."""
+    from chatapp.store import atomic_write
+
+    params = _inject_lora(model, options)
+    optimizer = torch.optim.AdamW(params, lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    step = 0
+    if checkpoint is not None and checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=True)
+        if saved.get("options") == asdict(options) | {"steps": saved["options"]["steps"]} and saved["names"] == names:
+            for param, tensor in zip(params, saved["lora"], strict=True):
+                param.data.copy_(tensor)
+            optimizer.load_state_dict(saved["optimizer"])
+            step = int(saved["step"])
+            log(f"tune: resumed from {checkpoint} at step {step}")
+
+    def save() -> None:
+        if checkpoint is not None:
+            state = {
+                "step": step,
+                "options": asdict(options),
+                "names": names,
+                "lora": [p.detach().clone() for p in params],
+                "optimizer": optimizer.state_dict(),
+            }
+            atomic_write(checkpoint, lambda tmp: torch.save(state, tmp))
+
+    model.train()
+    began, recent = time.perf_counter(), []
+    while step < options.steps:
+        pick = random.Random(seed * 1_000_003 + step)  # a step's batch and rate depend on nothing else
+        batch, rate = batches[pick.randrange(len(batches))], pick.choice(list(rates))
+        for group in optimizer.param_groups:
+            group["lr"] = options.lr * _lr_factor(step, options.steps, options.warmup)
+        loss = distillation_loss(routed_logits(model, batch, layers, decide, rate, skip_mode), batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        recent.append(float(loss.detach()))
+        if step % 10 == 0 or step == options.steps:
+            per_step = (time.perf_counter() - began) / len(recent)
+            log(
+                f"tune step {step}/{options.steps}: loss {sum(recent[-10:]) / len(recent[-10:]):.4f} ({per_step:.1f} s/step)"
+            )
+        if step % options.checkpoint_every == 0 or step == options.steps:
+            save()
+    model.eval()
+    return merge_lora(model)
