@@ -358,11 +358,15 @@ def export(work: Path, base: Path, *, log: Callable[[str], None]) -> Path:
 def export_routing(model_dir: Path, *, log: Callable[[str], None]) -> Path:
     """Ship the routing that `chatapp route` fitted on the prepared default model (`model_dir`): its STT layers'
     router parts replace those in `parts.safetensors`, and the manifest's STT settings follow its config. The causal
-    routers stay float32: each layer's calibrated cutoff sits in its output bias (`chatapp.training.route`)."""
+    routers stay float32: each layer's calibrated cutoff sits in its output bias (`chatapp.training.route`).
+
+    When the fit also tuned the backbone (`--tune-steps`), its adapters ship too: the routed model's merged adapters
+    are the recipe's LoRA and the tune's side by side ([B1 B2] [A1; A2], scale folded into B), so they replace the
+    parts' LoRA as one adapter of the summed rank, and preparation rebuilds exactly the tuned weights."""
     from safetensors.torch import load_file, save_file
 
     from chatapp.models.smollm2 import MANIFEST_FILE, PARTS_DIR, PARTS_FILE, write_manifest
-    from chatapp.stt.io import CONFIG_NAME, ROUTER_PARTS, WEIGHTS_NAME
+    from chatapp.stt.io import CONFIG_NAME, ROUTER_PARTS, WEIGHTS_NAME, load_merged_adapters
 
     config = json.loads((model_dir / CONFIG_NAME).read_text(encoding="utf-8"))
     routed = load_file(model_dir / WEIGHTS_NAME)
@@ -371,8 +375,18 @@ def export_routing(model_dir: Path, *, log: Callable[[str], None]) -> Path:
         if any(part in name for part in ROUTER_PARTS):
             dtype = torch.float32 if ".causal_router." in name else torch.float16
             parts[name] = tensor.to(dtype).contiguous()
-    save_file(parts, str(PARTS_DIR / PARTS_FILE), metadata={"format": "pt"})
     manifest = json.loads((PARTS_DIR / MANIFEST_FILE).read_text(encoding="utf-8"))
+    adapters = load_merged_adapters(model_dir)
+    rank = next(iter(adapters.values()))[0].shape[0] if adapters else manifest["lora"]["rank"]
+    if rank != manifest["lora"]["rank"]:
+        scale = manifest["lora"]["alpha"] / manifest["lora"]["rank"]  # kept: B is stored over the same scale
+        parts = {k: v for k, v in parts.items() if "lora_" not in k}
+        for module, (a, b) in adapters.items():
+            parts[f"{module}.lora_A.weight"] = a.to(torch.float16).contiguous()
+            parts[f"{module}.lora_B.weight"] = (b / scale).to(torch.float16).contiguous()
+        manifest["lora"].update(rank=rank, alpha=scale * rank)
+        log(f"exported the tuned backbone's adapters: rank {rank}")
+    save_file(parts, str(PARTS_DIR / PARTS_FILE), metadata={"format": "pt"})
     keys = ("stt_layers", "skip_mode", "router_threshold", "routing_trained", "causal_router_hidden_size")
     manifest["stt"].update({key: config[key] for key in keys})
     write_manifest(**{k: v for k, v in manifest.items() if k not in ("format", "base", "tool_markers")})
