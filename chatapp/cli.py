@@ -608,8 +608,8 @@ def train(
 
     from chatapp.recipes.training_data import load_sequences, split_heldout, token_stream
     from chatapp.stt.io import copy_tokenizer_files
-    from chatapp.stt.train import TrainConfig, init_distributed
-    from chatapp.stt.train import train as run_training
+    from chatapp.training.loop import TrainConfig, init_distributed
+    from chatapp.training.loop import train as run_training
     from chatapp.validation import check_output_dir
 
     check_output_dir(out, "--out directory")

@@ -16,7 +16,6 @@ run resumes from its last checkpoint with the same data order.
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from collections.abc import Callable
@@ -28,6 +27,8 @@ import torch
 
 from chatapp.recipes.smollm2 import data
 from chatapp.tools.base import JUPYTER_TOOL_MARKERS
+from chatapp.training.checkpoint import save_state
+from chatapp.training.schedule import warmup_cosine
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK = 16
@@ -216,19 +217,6 @@ def trainable_state(model: Any) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    from chatapp.store import atomic_write
-
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
-
-
-def lr_factor(step: int, total: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def run(work: Path, base: Path, general: list[tuple[str, str]], *, seed: int, log: Callable[[str], None]) -> None:
     """Phases A and B, resumable from `work/train.pt`; the final trainable state goes to `work/trained.pt`."""
     from tokenizers import Tokenizer
@@ -279,7 +267,7 @@ def run(work: Path, base: Path, general: list[tuple[str, str]], *, seed: int, lo
         if phase_b:
             for key, value in TEACHER.items():
                 setattr(model.config, key, value)
-        factor = lr_factor(
+        factor = warmup_cosine(
             step - recipe.steps_a if phase_b else step, recipe.steps_b if phase_b else recipe.steps_a, recipe.warmup
         )
         for group in optimizer.param_groups:
@@ -305,15 +293,15 @@ def run(work: Path, base: Path, general: list[tuple[str, str]], *, seed: int, lo
                 f"step {step}/{total} {'B' if phase_b else 'A'} {losses} teacher {fraction:.2f} f1 {f1:.2f} {rate:.0f} tok/s"
             )
         if step == recipe.steps_a:  # the dense model, kept apart: phase B can be rerun from it
-            _atomic_save(
+            save_state(
                 {"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": step},
                 work / "phase_a.pt",
             )
         if step % CHECKPOINT_EVERY == 0 and step < total:
-            _atomic_save(
+            save_state(
                 {"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": step}, checkpoint
             )
-    _atomic_save({"trainable": trainable_state(model), "rows": rows, "recipe": recipe.__dict__}, final)
+    save_state({"trainable": trainable_state(model), "rows": rows, "recipe": recipe.__dict__}, final)
     log("training done")
 
 

@@ -47,7 +47,7 @@ class Recipe:
     num_heads: int = 3
     num_kv_heads: int = 3
     context: int = 256
-    # Training: conversations laid end to end and cut into windows (chatapp.stt.train), AdamW with linear warmup
+    # Training: conversations laid end to end and cut into windows (chatapp.training.loop), AdamW with linear warmup
     # then cosine decay to `min_lr_ratio` of the peak. `lr` is the base model's peak learning rate.
     steps: int = 3600
     batch_size: int = 16
@@ -187,7 +187,7 @@ def evaluate_model_dir(model_dir: Path, heldout: list[Conversation], log=print) 
 
 
 def _progress(log, every: int, started: float):
-    """An `on_step` callback for `chatapp.stt.train.train` that logs losses and routing every `every` steps."""
+    """An `on_step` callback for `chatapp.training.loop.train` that logs losses and routing every `every` steps."""
 
     def on_step(report) -> None:
         if report.step % every and report.step != report.steps:
@@ -209,7 +209,7 @@ def train_model(recipe: Recipe, corpus: list[Conversation], chat_format, log=pri
     import torch
 
     from chatapp.stt import STTForCausalLM
-    from chatapp.stt.train import TokenStream, TrainConfig, train
+    from chatapp.training.loop import TokenStream, TrainConfig, train
 
     torch.manual_seed(recipe.seed)
     model = STTForCausalLM(build_config(recipe, chat_format.tokenizer.get_vocab_size()))
@@ -477,7 +477,7 @@ the 9 chat special tokens and `<think>`, `</think>`.
 
 ## Training
 
-{phases}, with `chatapp.stt.train` on {recipe.batch_size} windows of {recipe.seq_len} tokens per step (each window
+{phases}, with `chatapp.training.loop` on {recipe.batch_size} windows of {recipe.seq_len} tokens per step (each window
 starts at a conversation's start), on the CPU
 (training took {train_seconds / 60:.1f} min, the whole build {total_seconds / 60:.1f} min).{calibration}
 
