@@ -72,9 +72,10 @@ TEACHER = {
 # 29 to 1.62; 17, 5, 3, 7, 9 and 25 cost 0.04-0.13 each. Skipping in all 15 odd layers (even 20% of tokens) left a
 # loss above 2 after the gated phase, far from the dense 0.2-0.5.
 STT_LAYERS = [3, 5, 7, 9, 17, 25]
-# The student's shipped threshold. The F1 calibration (`calibrate`) picks 0.4, where the students skip about half of
-# the STT layers' tokens, but held-out tool accuracy then falls far (22/25 routing off, 8/25 at 0.4): skipped tokens
-# break the operand copying the calculator calls need. Swept on 40 held-out tool questions (int8, greedy): 0.05 ->
+# The student's shipped threshold. The F1 calibration picked 0.4 (its argmax over 0.2-0.8, before `calibrate` took
+# the tiny recipe's rule in `training.calibrate`), where the students skip about half of the STT layers' tokens, but
+# held-out tool accuracy then falls far (22/25 routing off, 8/25 at 0.4): skipped tokens break the operand copying
+# the calculator calls need. Swept on 40 held-out tool questions (int8, greedy): 0.05 ->
 # 33/40 with ~5% of STT tokens skipped, 0.15 -> 24/40 with ~14% (model card). Quality first: the lowest measured
 # threshold that keeps routing-off accuracy. Users can raise it (`routing_threshold`) to watch more skipping.
 SHIPPED_ROUTER_THRESHOLD = 0.05
@@ -371,30 +372,17 @@ def export_routing(model_dir: Path, *, log: Callable[[str], None]) -> Path:
 def calibrate(
     work: Path, model_dir: Path, general: list[tuple[str, str]], *, seed: int, log: Callable[[str], None]
 ) -> float:
-    """The student's decision threshold: the one whose decisions best match the teacher's (mean F1 over STT layers)
-    on training conversations, written to `work/calibration.json` for `export`."""
+    """The student's decision threshold by the one calibration rule (`training.calibrate`) on 48 training
+    conversations, each its own batch (whole conversations, as generation sees them), written to
+    `work/calibration.json` for `export`."""
     from chatapp.models.loader import load_model
+    from chatapp.training.calibrate import calibrate_router_threshold
 
     loaded = load_model(model_dir, dtype="float32")  # the precision the routers were trained in
-    model, chat_format = loaded.model, loaded.chat_format
     mix = conversations(split_general(work, general), seed, Recipe())[:48]
-    thresholds = [round(0.2 + 0.02 * i, 2) for i in range(31)]
-    tp = torch.zeros(len(thresholds), len(model.stt_layer_indices))
-    fp, fn = tp.clone(), tp.clone()
-    cuts = torch.tensor(thresholds)[:, None, None]
-    for messages in mix:
-        ids, _ = chat_format.render_conversation(messages)
-        out = model.forward_eval(torch.tensor([ids]), "teacher")
-        probs = out.router_probs[:, 0]  # (L, T)
-        targets = out.teacher_targets[:, 0]  # type: ignore[index]
-        chosen = probs[None] >= cuts  # (K, L, T)
-        tp += (chosen & targets[None]).sum(-1)
-        fp += (chosen & ~targets[None]).sum(-1)
-        fn += (~chosen & targets[None]).sum(-1)
-    f1 = (2 * tp / (2 * tp + fp + fn).clamp(min=1)).mean(-1)
-    best = thresholds[int(f1.argmax())]
-    log(
-        f"calibration: threshold {best} (mean F1 {f1.max().item():.3f}; at 0.5: {f1[thresholds.index(0.5)].item():.3f})"
-    )
-    (work / "calibration.json").write_text(json.dumps({"router_threshold": best, "f1": f1.max().item()}) + "\n")
-    return best
+    batches = [(torch.tensor([loaded.chat_format.render_conversation(m)[0]]), None) for m in mix]
+    found = calibrate_router_threshold(loaded.model, batches)
+    log(f"calibration: threshold {found.threshold} (mean F1 {found.f1:.3f}, {found.processed:.1%} processed)")
+    record = {"router_threshold": found.threshold, "f1": found.f1, "processed": found.processed}
+    (work / "calibration.json").write_text(json.dumps(record) + "\n")
+    return found.threshold
