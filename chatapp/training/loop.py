@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from chatapp.errors import TrainingError
-from chatapp.stt.evaluation import EvalReport, evaluate
 from chatapp.stt.io import load_state_dict, save_model
 from chatapp.stt.model import STTForCausalLM
 from chatapp.training.checkpoint import latest_step, save_step
+from chatapp.training.evaluation import EvalReport, evaluate
 from chatapp.training.schedule import warmup_cosine
 
 STATE_NAME = "trainer_state.pt"

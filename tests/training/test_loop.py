@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from chatapp.errors import TrainingError
 from chatapp.stt import STTForCausalLM
-from chatapp.stt.evaluation import evaluate
+from chatapp.training.evaluation import evaluate
 from chatapp.training.loop import DistInfo, TokenStream, TrainConfig, WindowSampler, latest_checkpoint, train
 from tests.stt.conftest import tiny_config
 

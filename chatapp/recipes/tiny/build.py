@@ -21,6 +21,8 @@ from chatapp.recipes.tiny.corpus import THINK_CLOSE, THINK_OPEN, Conversation, c
 from chatapp.recipes.tiny.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
 
 SPECIAL_TOKENS: tuple[str, ...] = (*CHAT_SPECIAL_TOKENS, THINK_OPEN, THINK_CLOSE)
+# The first line of MODEL_CARD.md: how a model directory says the tiny recipe made it (`recipes.heldout.recipe_of`).
+CARD_TITLE = "# chatapp tiny model"
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,7 @@ def evaluate_model_dir(model_dir: Path, heldout: list[Conversation], log=print) 
     from chatapp.models import load_engine
     from chatapp.recipes.tiny.evaluate import evaluate_tasks, routing_batches
     from chatapp.settings import GenerationSettings
-    from chatapp.stt.evaluation import evaluate
+    from chatapp.training.evaluation import evaluate
 
     engine = load_engine(model_dir, device="cpu")
     started = time.perf_counter()
@@ -396,7 +398,7 @@ def model_card(recipe: Recipe, metrics: Metrics, train_seconds: float, total_sec
         else f"{recipe.steps} steps of the spec's single dense training pass"
     )
     failures = "\n".join(f"- `{q}` → `{a}`" for q, a in metrics.failures) or "- none"
-    return f"""# chatapp tiny model
+    return f"""{CARD_TITLE}
 
 A tiny Subjective Timescale Transformer (STT) chat model, trained from scratch on a synthetic corpus so that
 `chatapp run` works offline out of the box. It is a demonstration model: it calls the calculator for arithmetic
