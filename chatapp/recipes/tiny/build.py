@@ -466,8 +466,8 @@ make train-tiny             # = python -m chatapp.recipes.tiny.build
 ```
 
 The build is seeded end to end (corpus, tokenizer, initialisation, batch order) and runs on the CPU; it writes
-this directory only after the new model was evaluated. `chatapp eval` prints the same metrics for any model
-directory.
+this directory only after the new model was evaluated. `chatapp eval` prints the same metrics for this model and
+its rebuilds (it knows them by this card's title).
 """
 
 
