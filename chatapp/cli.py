@@ -784,7 +784,7 @@ def eval_model(
             "--tasks",
             min=0,
             help="Answer N held-out questions of the model's recipe (greedy, student routing) and report its task "
-            "accuracy (default without CORPUS: 300 on the tiny model, 40 on the default model; 0 with one).",
+            "accuracy (default without CORPUS: 300 on the tiny model, 16 on the default model; 0 with one).",
         ),
     ] = None,
 ) -> None:
@@ -806,7 +806,7 @@ def eval_model(
     task_count = tasks if tasks is not None else (held_out.default_tasks if corpus is None and held_out else 0)
     engine = load_engine(model, device, dtype="float32")  # the model's own quality, not a lossy format's
     if corpus is None and held_out is not None:
-        count = task_count or held_out.default_conversations
+        count = tasks or held_out.default_conversations  # --tasks N also bounds the conversations (a quick look)
         batches = conversation_batches(held_out.conversations(count), engine.chat_format, batch_size)
         data = held_out.description
     else:
