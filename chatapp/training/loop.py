@@ -1,10 +1,13 @@
 """The STT training loop: token windows in, a trained model directory out.
 
 Input is a `TokenStream` (concatenated token ids and loss mask; how text becomes ids is the caller's business:
-`recipes.training_data` for corpus files, the tiny recipe for its synthetic corpus). The stream is cut into windows that start where sequences start (`TokenStream`);
-every epoch visits them in a seeded permutation, and the batch of step s on rank r is a pure function of
-(seed, s, r): resuming from a checkpoint replays exactly the batches an uninterrupted run would have seen, and ranks never share a window
-(DistributedSampler-style sharding).
+`recipes.training_data` for corpus files, the tiny recipe for its synthetic corpus). The stream is cut into windows
+that start where sequences start (`TokenStream`); every epoch visits them in a seeded permutation, and the batch of
+step s on rank r is a pure function of (seed, s, r): resuming from a checkpoint replays exactly the batches an
+uninterrupted run would have seen, and ranks never share a window (DistributedSampler-style sharding).
+
+The default model's recipe (`recipes.smollm2.train`) runs its own loop over padded, length-grouped conversations
+with LoRA, per-group clipping and two phases; it shares the schedule, the checkpoint writer and the calibration.
 
 Multi-GPU runs use torchrun: `init_distributed()` reads RANK / WORLD_SIZE / LOCAL_RANK, the model is wrapped in
 DistributedDataParallel (its `forward` is the teacher's training forward), and rank 0 alone evaluates, reports

@@ -11,6 +11,12 @@ The marker rows are trained through the tied embedding matrix with a gradient ho
 Adam's update of a parameter whose gradient is always zero is exactly zero, so the other 49,149 rows stay bitwise
 the base model's. Only trainable tensors are checkpointed (atomically, every `CHECKPOINT_EVERY` steps), so a killed
 run resumes from its last checkpoint with the same data order.
+
+The loop is this recipe's, not `training.loop`'s: it batches whole conversations by length with padding (the loop
+cuts a token stream into windows), trains LoRA and masked embedding rows with their own learning rates and one
+clipping norm per group (the loop clips one global norm over `parameter_groups`), switches the model's config between
+phases, and checkpoints the trainable tensors only (the loop saves whole model directories). It shares the learning
+rate schedule (`training.schedule`), the checkpoint writer (`training.checkpoint`) and the threshold calibration.
 """
 
 from __future__ import annotations
