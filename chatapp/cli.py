@@ -608,8 +608,8 @@ def train(
 
     from chatapp.recipes.training_data import load_sequences, split_heldout, token_stream
     from chatapp.stt.io import copy_tokenizer_files
-    from chatapp.stt.train import TrainConfig, init_distributed
-    from chatapp.stt.train import train as run_training
+    from chatapp.training.loop import TrainConfig, init_distributed
+    from chatapp.training.loop import train as run_training
     from chatapp.validation import check_output_dir
 
     check_output_dir(out, "--out directory")
@@ -769,7 +769,8 @@ def eval_model(
     corpus: Annotated[
         str | None,
         typer.Argument(
-            help="Held-out data: JSONL conversations or text (default: the default model's held-out split)."
+            help="Held-out data: JSONL conversations or text (default: the held-out set of the recipe that made "
+            "the model: the tiny model's synthetic split, the default model's held-out tool conversations)."
         ),
     ] = None,
     model: ModelOption = None,
@@ -782,37 +783,42 @@ def eval_model(
         typer.Option(
             "--tasks",
             min=0,
-            help="Answer N synthetic held-out questions (greedy, student routing) and report calculator, letter-count "
-            "and JSON accuracy (default: 300 without CORPUS, 0 with one).",
+            help="Answer N held-out questions of the model's recipe (greedy, student routing) and report its task "
+            "accuracy (default without CORPUS: 300 on the tiny model, 16 on the default model; 0 with one).",
         ),
     ] = None,
 ) -> None:
     """Held-out perplexity with routing off / teacher / student, per-layer selected fraction and student F1;
-    task accuracy (calculator, letter counting, JSON) on the synthetic held-out split."""
+    task accuracy (tool calls, and what else the model's recipe measures) on its held-out questions."""
     from itertools import islice
 
     from rich.table import Table
 
     from chatapp.errors import TrainingError
     from chatapp.models import load_engine, resolve_model
-    from chatapp.recipes.tiny.corpus import generate_corpus
-    from chatapp.recipes.tiny.evaluate import heldout_task_report, routing_batches, task_table
+    from chatapp.recipes.heldout import held_out_for
     from chatapp.recipes.training_data import load_sequences, token_stream
-    from chatapp.stt.evaluation import evaluate
+    from chatapp.training.evaluation import conversation_batches, evaluate
 
-    task_count = tasks if tasks is not None else (300 if corpus is None else 0)
+    model_dir = resolve_model(model)
+    # The model's own held-out set, found before the model loads: a model no recipe made fails at once.
+    held_out = held_out_for(model_dir) if corpus is None or tasks else None
+    task_count = tasks if tasks is not None else (held_out.default_tasks if corpus is None and held_out else 0)
     engine = load_engine(model, device, dtype="float32")  # the model's own quality, not a lossy format's
-    if corpus is None:  # the synthetic held-out split, one conversation per row (no packing, no padding)
-        batches = routing_batches(generate_corpus(task_count or 300, "heldout"), engine.chat_format, batch_size)
+    if corpus is None and held_out is not None:
+        count = tasks or held_out.default_conversations  # --tasks N also bounds the conversations (a quick look)
+        batches = conversation_batches(held_out.conversations(count), engine.chat_format, batch_size)
+        data = held_out.description
     else:
         stream = token_stream(load_sequences(corpus, engine.tokenizer, engine.chat_format))
         if stream.num_windows(seq_len) < 1:
             raise TrainingError(f"{corpus} has {len(stream)} tokens, fewer than one window", hint="lower --seq-len")
         batches = stream.batches(batch_size, seq_len)
+        data = str(corpus)
     report = evaluate(engine.model, islice(batches, max_batches))
-    task_report = heldout_task_report(engine, task_count) if task_count else None
+    task_rows = held_out.tasks(engine, task_count) if held_out is not None and task_count else None
     console = Console(highlight=False)
-    table = Table(title=f"{resolve_model(model)}: {report.tokens} tokens, skip mode {report.skip_mode}")
+    table = Table(title=f"{model_dir} on {data}: {report.tokens} tokens, skip mode {report.skip_mode}")
     table.add_column("routing")
     table.add_column("perplexity", justify="right")
     table.add_column("compute saved", justify="right")
@@ -829,8 +835,13 @@ def eval_model(
         + "  accuracy: "
         + " ".join(f"{a:.2f}" for a in report.student_accuracy)
     )
-    if task_report is not None:
-        console.print(task_table(task_report, f"{task_count} held-out questions, greedy, student routing"))
+    if task_rows is not None:
+        tally_table = Table(title=f"{task_count} held-out questions, greedy, student routing")
+        tally_table.add_column("task metric")
+        tally_table.add_column("accuracy", justify="right")
+        for label, tally in task_rows:
+            tally_table.add_row(label, str(tally))
+        console.print(tally_table)
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ denominator is tokens x all decoder layers. A token an STT layer skips counts as
 "kv" mode it still projects its K/V (about 6% of a block), which this share leaves out.
 
 Plain arithmetic, no torch: the reply fold (`chatapp.engine.reply`, read by the UI, the CLI and the batch records)
-and held-out evaluation (`chatapp.stt.evaluation`, read by `chatapp eval` and the recipes) both call it. The same
+and held-out evaluation (`chatapp.training.evaluation`, read by `chatapp eval` and the recipes) both call it. The same
 function over the STT layers only (`layers` = their count) gives the routed-layer share shown beside it.
 """
 

@@ -133,3 +133,19 @@ def test_no_import_cycle_between_modules() -> None:
         if module not in state:
             visit(module)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# What only building a model needs: an optimiser, a backward pass, process groups. The runtime's units (every level
+# below `training`) serve models and never train one, so the trainers cannot drift back into them.
+BUILD_ONLY = ("torch.optim", "torch.distributed", "torch.nn.parallel", ".backward(")
+
+
+def test_training_code_lives_on_the_build_side() -> None:
+    runtime = {name for name, level in LEVEL.items() if level < LEVEL["training"]}
+    found = []
+    for path in ROOT.rglob("*.py"):
+        if _unit(_module_name(path)) not in runtime:
+            continue
+        text = path.read_text(encoding="utf-8")
+        found += [f"{path.relative_to(ROOT)}: {marker}" for marker in BUILD_ONLY if marker in text]
+    assert not found, "build-time code in the runtime packages (move it to chatapp/training):\n" + "\n".join(found)

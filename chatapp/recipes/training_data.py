@@ -1,4 +1,4 @@
-"""From a corpus file to the token streams `chatapp.stt.train` consumes.
+"""From a corpus file to the token streams `chatapp.training.loop` consumes.
 
 Two formats: JSONL with one conversation per line (`{"messages": [...]}`, rendered by the model's chat format,
 loss on the assistant's tokens only), and plain text (every token is a target; documents are separated by blank
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from chatapp.chat import AnyChatFormat
-    from chatapp.stt.train import TokenStream
+    from chatapp.training.loop import TokenStream
 
 Sequence = tuple[list[int], list[int]]
 
@@ -98,6 +98,6 @@ def split_heldout(sequences: list[Sequence], fraction: float, seed: int) -> tupl
 
 
 def token_stream(sequences: list[Sequence]) -> TokenStream:
-    from chatapp.stt.train import TokenStream
+    from chatapp.training.loop import TokenStream
 
     return TokenStream.from_sequences(sequences)

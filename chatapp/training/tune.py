@@ -21,7 +21,6 @@ rate depend only on the seed and the step, so a resumed run is the run that was 
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +31,8 @@ import torch
 
 from chatapp.stt import STTForCausalLM
 from chatapp.stt.layers import self_attention_sink
+from chatapp.training.checkpoint import save_state
+from chatapp.training.schedule import warmup_cosine
 
 Log = Callable[[str], None]
 Decide = Callable[[int, torch.Tensor, float], torch.Tensor]  # (layer, its input (B, T, D), rate) -> selected (B, T)
@@ -95,13 +96,6 @@ def distillation_loss(logp: torch.Tensor, batch: TuneBatch) -> torch.Tensor:
     return -(batch.top_logp.exp() * logp.gather(-1, batch.top_ids)).sum(-1).mean()
 
 
-def _lr_factor(step: int, total: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def _inject_lora(model: STTForCausalLM, options: TuneOptions) -> list[torch.nn.Parameter]:
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -152,8 +146,6 @@ def tune(
 ) -> Adapters:
     """Train LoRA on `model` (in place) for `options.steps` steps with `layers` routed by `decide`, then merge it:
     the adapters merged (for `stt.io.save_merged_adapters`). `checkpoint`: where the run is saved and resumed."""
-    from chatapp.store import atomic_write
-
     params = _inject_lora(model, options)
     optimizer = torch.optim.AdamW(params, lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -176,7 +168,7 @@ def tune(
                 "lora": [p.detach().clone() for p in params],
                 "optimizer": optimizer.state_dict(),
             }
-            atomic_write(checkpoint, lambda tmp: torch.save(state, tmp))
+            save_state(state, checkpoint)
 
     model.train()
     began, recent = time.perf_counter(), []
@@ -184,7 +176,7 @@ def tune(
         pick = random.Random(seed * 1_000_003 + step)  # a step's batch and rate depend on nothing else
         batch, rate = batches[pick.randrange(len(batches))], pick.choice(list(rates))
         for group in optimizer.param_groups:
-            group["lr"] = options.lr * _lr_factor(step, options.steps, options.warmup)
+            group["lr"] = options.lr * warmup_cosine(step, options.steps, options.warmup)
         loss = distillation_loss(routed_logits(model, batch, layers, decide, rate, skip_mode), batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -57,3 +57,14 @@ def test_the_tui_process_imports_no_torch(tmp_path):
     assert not modules["torch"], "the TUI's own process imported torch"
     assert not modules["transformers"] and not modules["chatapp.recipes"]
     assert modules["textual"]
+
+
+def test_importing_the_cli_loads_no_build_code():
+    """The runtime stays apart from the build: the CLI module itself imports neither the recipes nor the trainers
+    (the commands that need them load them when they run)."""
+    probe = (
+        "import json, sys, chatapp.cli; print(json.dumps(sorted(m for m in sys.modules if m.startswith('chatapp'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    loaded = json.loads(done.stdout)
+    assert not [m for m in loaded if m.startswith(("chatapp.training", "chatapp.recipes"))], loaded

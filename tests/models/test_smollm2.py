@@ -186,3 +186,13 @@ def test_builtin_think_program_runs_without_think_tokens(model_dir: Path) -> Non
     assert "program think" in result.output and '"think"' in result.output
     out = generate("Why is the sky blue?", "--model", str(model_dir), "--program", "think")
     assert out.startswith("<think>")  # forced by the program's first zone, as text
+
+
+@pytest.mark.slow  # three generated replies of the 135M model and one conversation in three routing modes
+def test_eval_without_corpus_scores_the_default_models_own_held_out_set(default_home: Path) -> None:
+    result = CliRunner().invoke(app, ["eval", "--tasks", "1", "--max-batches", "1"])
+    assert result.exit_code == 0, result.output
+    assert "SmolLM2 recipe's held-out tool conversations" in " ".join(result.output.split())  # (the title wraps)
+    for row in ("tool calls (all kinds)", "tool call after a tool exchange", "recall two turns back"):
+        assert row in result.output
+    assert "letter-count accuracy" not in result.output  # the tiny corpus's metrics are not the default model's

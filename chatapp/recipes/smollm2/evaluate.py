@@ -22,31 +22,15 @@ import argparse
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from chatapp.recipes.smollm2 import data
+from chatapp.training.evaluation import Tally, conversation_batches, evaluate
 
 HELD_OUT_SEED = 1234  # held-out items are drawn from their own stream, apart from the training seed's
 SWITCH_SEED = 999  # the switch pairs' own draw (the model card's 24 pairs)
-
-
-@dataclass
-class Score:
-    right: int = 0
-    total: int = 0
-    misses: list[str] = field(default_factory=list)
-
-    def add(self, ok: bool, what: str) -> None:
-        self.total += 1
-        self.right += int(ok)
-        if not ok and len(self.misses) < 8:
-            self.misses.append(what)
-
-    @property
-    def rate(self) -> float:
-        return self.right / self.total if self.total else 0.0
 
 
 def _engine(model_dir: Path) -> Any:
@@ -71,18 +55,18 @@ def _tool_correct(result: Any, item: data.ToolQuestion) -> bool:
     return any(e.output == item.result for e in outcomes) and item.result in result.text.split(item.expression)[-1]
 
 
-def tool_score(engine: Any, count: int) -> dict[str, Score]:
+def tool_score(engine: Any, count: int) -> dict[str, Tally]:
     items = data.tool_questions(random.Random(HELD_OUT_SEED), count, held_out=True)
     results = _generate(engine, [[{"role": "user", "content": q.question}] for q, _ in items], "student")
-    scores: dict[str, Score] = {}
+    scores: dict[str, Tally] = {}
     for (item, _), result in zip(items, results, strict=True):
         ok = _tool_correct(result, item)
         for key in (item.kind, "all"):
-            scores.setdefault(key, Score()).add(ok, f"{item.question} -> {result.text!r:.160}")
+            scores.setdefault(key, Tally()).add(ok, f"{item.question} -> {result.text!r:.160}")
     return scores
 
 
-def follow_up_tool_score(engine: Any, count: int) -> Score:
+def follow_up_tool_score(engine: Any, count: int) -> Tally:
     items = data.tool_questions(random.Random(HELD_OUT_SEED + 4), 2 * count, held_out=True)
     firsts, seconds = items[::2], items[1::2]
     conversations = [
@@ -90,20 +74,20 @@ def follow_up_tool_score(engine: Any, count: int) -> Score:
         for first, (second, _) in zip(firsts, seconds, strict=True)
     ]
     results = _generate(engine, conversations, "student")
-    score = Score()
+    score = Tally()
     for (first, _), (second, _), result in zip(firsts, seconds, results, strict=True):
         score.add(_tool_correct(result, second), f"{first.question} / {second.question} -> {result.text!r:.160}")
     return score
 
 
-def switch_tool_scores(engine: Any, count: int) -> dict[str, Score]:
+def switch_tool_scores(engine: Any, count: int) -> dict[str, Tally]:
     """A letter count asked right after an arithmetic exchange, and arithmetic right after a letter count: `count`
     pairs each. The first is where a model repeats the call already in its context ("repeats" counts those)."""
     items = data.tool_questions(random.Random(SWITCH_SEED), 10 * count, held_out=True)
     arithmetic = [i for i in items if i[0].kind == "arithmetic"][:count]
     letters = [i for i in items if i[0].kind == "letters"][:count]
-    scores: dict[str, Score] = {"letters after arithmetic": Score(), "arithmetic after letters": Score()}
-    repeats = Score()
+    scores: dict[str, Tally] = {"letters after arithmetic": Tally(), "arithmetic after letters": Tally()}
+    repeats = Tally()
     for name, (firsts, seconds) in (
         ("letters after arithmetic", (arithmetic, letters)),
         ("arithmetic after letters", (letters, arithmetic)),
@@ -124,38 +108,30 @@ def switch_tool_scores(engine: Any, count: int) -> dict[str, Score]:
     return scores
 
 
-def general_score(engine: Any, routing: str) -> Score:
+def general_score(engine: Any, routing: str) -> Tally:
     questions = list(data.FACT_QUESTIONS)
     results = _generate(engine, [[{"role": "user", "content": q.question}] for q in questions], routing)
-    score = Score()
+    score = Tally()
     for question, result in zip(questions, results, strict=True):
         ok = any(k.lower() in result.text.lower() for k in question.keywords)
         score.add(ok, f"{question.question} -> {result.text!r:.120}")
     return score
 
 
-def recall_score(engine: Any, count: int, general: list[tuple[str, str]]) -> Score:
+def recall_score(engine: Any, count: int, general: list[tuple[str, str]]) -> Tally:
     rng = random.Random(HELD_OUT_SEED + 1)
     tools = data.tool_questions(random.Random(HELD_OUT_SEED + 2), 20, held_out=True)
     middles = general + [(q.question, data.tool_conversation(q, a)[1]["content"]) for q, a in tools]
     items = data.recall_conversations(rng, count, middles, held_out=True)
     results = _generate(engine, [messages for _, messages in items], "student")
-    score = Score()
+    score = Tally()
     for (item, _), result in zip(items, results, strict=True):
         score.add(item.answer.lower() in result.text.lower(), f"{item.fact} / {item.recall} -> {result.text!r:.100}")
     return score
 
 
 def stt_report(engine: Any, conversations: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    import torch
-
-    from chatapp.stt.evaluation import evaluate
-
-    batches = []
-    for messages in conversations:
-        ids, mask = engine.chat_format.render_conversation(messages)
-        batches.append((torch.tensor([ids]), torch.tensor([mask])))
-    report = evaluate(engine.model, batches)
+    report = evaluate(engine.model, conversation_batches(conversations, engine.chat_format))
     fractions = report.selected_fraction.get("student", [])
     return {
         "tokens": report.tokens,
@@ -179,6 +155,18 @@ def held_out_chat(general: list[tuple[str, str]], count: int) -> list[list[dict[
         data.tool_conversation(q, a) for q, a in data.tool_questions(random.Random(HELD_OUT_SEED + 3), count, True)
     ]
     return plain[:count] + tools
+
+
+def task_tallies(engine: Any, count: int) -> list[tuple[str, Tally]]:
+    """The model card's generated metrics that need no file: held-out tool questions (`count`, by kind), a tool
+    question after a tool exchange and recall two turns back (`count // 4` each, at least one); for `chatapp eval`.
+    The self-distilled general answers held out at training time live in the recipe's working directory, so recall's
+    middle turns here are tool exchanges only."""
+    tool = tool_score(engine, count)
+    rows = [("tool calls (all kinds)", tool.pop("all"))] + [(f"tool calls: {kind}", t) for kind, t in tool.items()]
+    rows.append(("tool call after a tool exchange", follow_up_tool_score(engine, max(1, count // 4))))
+    rows.append(("recall two turns back", recall_score(engine, max(1, count // 4), [])))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -213,25 +201,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"model": str(model_dir), "router_threshold": engine.model.config.router_threshold}
     tool = tool_score(engine, n)
     results["tool"] = {k: asdict(v) | {"rate": v.rate} for k, v in tool.items()}
-    print(f"tool {tool['all'].rate:.1%} " + " ".join(f"{k} {v.right}/{v.total}" for k, v in tool.items()), flush=True)
+    print(f"tool {tool['all'].rate:.1%} " + " ".join(f"{k} {v.correct}/{v.total}" for k, v in tool.items()), flush=True)
     follow_up = follow_up_tool_score(engine, 10 if args.quick else 40)
     results["follow_up_tool"] = asdict(follow_up) | {"rate": follow_up.rate}
-    print(f"follow-up tool {follow_up.right}/{follow_up.total}", flush=True)
+    print(f"follow-up tool {follow_up.correct}/{follow_up.total}", flush=True)
     switches = switch_tool_scores(engine, 6 if args.quick else 24)
     results["switch_tool"] = {name: asdict(score) | {"rate": score.rate} for name, score in switches.items()}
-    print(", ".join(f"{name} {score.right}/{score.total}" for name, score in switches.items()), flush=True)
+    print(", ".join(f"{name} {score.correct}/{score.total}" for name, score in switches.items()), flush=True)
     general_ours = general_score(engine, "student")
     results["general"] = asdict(general_ours) | {"rate": general_ours.rate}
-    print(f"general {general_ours.right}/{general_ours.total}", flush=True)
+    print(f"general {general_ours.correct}/{general_ours.total}", flush=True)
     recall = recall_score(engine, 10 if args.quick else 40, general)
     results["recall"] = asdict(recall) | {"rate": recall.rate}
-    print(f"recall {recall.right}/{recall.total}", flush=True)
+    print(f"recall {recall.correct}/{recall.total}", flush=True)
     results["stt"] = stt_report(engine, held_out_chat(general, 10 if args.quick else 40))
     print(json.dumps(results["stt"]), flush=True)
     if not args.skip_base and (work / "base").is_dir():
         base = general_score(_engine(work / "base"), "off")
         results["general_base_routing_off"] = asdict(base) | {"rate": base.rate}
-        print(f"general (base conversion, routing off) {base.right}/{base.total}", flush=True)
+        print(f"general (base conversion, routing off) {base.correct}/{base.total}", flush=True)
     results["seconds"] = time.perf_counter() - began
     (work / args.out).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return results

@@ -11,12 +11,17 @@ The marker rows are trained through the tied embedding matrix with a gradient ho
 Adam's update of a parameter whose gradient is always zero is exactly zero, so the other 49,149 rows stay bitwise
 the base model's. Only trainable tensors are checkpointed (atomically, every `CHECKPOINT_EVERY` steps), so a killed
 run resumes from its last checkpoint with the same data order.
+
+The loop is this recipe's, not `training.loop`'s: it batches whole conversations by length with padding (the loop
+cuts a token stream into windows), trains LoRA and masked embedding rows with their own learning rates and one
+clipping norm per group (the loop clips one global norm over `parameter_groups`), switches the model's config between
+phases, and checkpoints the trainable tensors only (the loop saves whole model directories). It shares the learning
+rate schedule (`training.schedule`), the checkpoint writer (`training.checkpoint`) and the threshold calibration.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from collections.abc import Callable
@@ -28,6 +33,8 @@ import torch
 
 from chatapp.recipes.smollm2 import data
 from chatapp.tools.base import JUPYTER_TOOL_MARKERS
+from chatapp.training.checkpoint import save_state
+from chatapp.training.schedule import warmup_cosine
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK = 16
@@ -71,9 +78,10 @@ TEACHER = {
 # 29 to 1.62; 17, 5, 3, 7, 9 and 25 cost 0.04-0.13 each. Skipping in all 15 odd layers (even 20% of tokens) left a
 # loss above 2 after the gated phase, far from the dense 0.2-0.5.
 STT_LAYERS = [3, 5, 7, 9, 17, 25]
-# The student's shipped threshold. The F1 calibration (`calibrate`) picks 0.4, where the students skip about half of
-# the STT layers' tokens, but held-out tool accuracy then falls far (22/25 routing off, 8/25 at 0.4): skipped tokens
-# break the operand copying the calculator calls need. Swept on 40 held-out tool questions (int8, greedy): 0.05 ->
+# The student's shipped threshold. The F1 calibration picked 0.4 (its argmax over 0.2-0.8, before `calibrate` took
+# the tiny recipe's rule in `training.calibrate`), where the students skip about half of the STT layers' tokens, but
+# held-out tool accuracy then falls far (22/25 routing off, 8/25 at 0.4): skipped tokens break the operand copying
+# the calculator calls need. Swept on 40 held-out tool questions (int8, greedy): 0.05 ->
 # 33/40 with ~5% of STT tokens skipped, 0.15 -> 24/40 with ~14% (model card). Quality first: the lowest measured
 # threshold that keeps routing-off accuracy. Users can raise it (`routing_threshold`) to watch more skipping.
 SHIPPED_ROUTER_THRESHOLD = 0.05
@@ -216,19 +224,6 @@ def trainable_state(model: Any) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    from chatapp.store import atomic_write
-
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
-
-
-def lr_factor(step: int, total: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def run(work: Path, base: Path, general: list[tuple[str, str]], *, seed: int, log: Callable[[str], None]) -> None:
     """Phases A and B, resumable from `work/train.pt`; the final trainable state goes to `work/trained.pt`."""
     from tokenizers import Tokenizer
@@ -279,7 +274,7 @@ def run(work: Path, base: Path, general: list[tuple[str, str]], *, seed: int, lo
         if phase_b:
             for key, value in TEACHER.items():
                 setattr(model.config, key, value)
-        factor = lr_factor(
+        factor = warmup_cosine(
             step - recipe.steps_a if phase_b else step, recipe.steps_b if phase_b else recipe.steps_a, recipe.warmup
         )
         for group in optimizer.param_groups:
@@ -305,15 +300,15 @@ def run(work: Path, base: Path, general: list[tuple[str, str]], *, seed: int, lo
                 f"step {step}/{total} {'B' if phase_b else 'A'} {losses} teacher {fraction:.2f} f1 {f1:.2f} {rate:.0f} tok/s"
             )
         if step == recipe.steps_a:  # the dense model, kept apart: phase B can be rerun from it
-            _atomic_save(
+            save_state(
                 {"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": step},
                 work / "phase_a.pt",
             )
         if step % CHECKPOINT_EVERY == 0 and step < total:
-            _atomic_save(
+            save_state(
                 {"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": step}, checkpoint
             )
-    _atomic_save({"trainable": trainable_state(model), "rows": rows, "recipe": recipe.__dict__}, final)
+    save_state({"trainable": trainable_state(model), "rows": rows, "recipe": recipe.__dict__}, final)
     log("training done")
 
 
@@ -397,30 +392,17 @@ def export_routing(model_dir: Path, *, log: Callable[[str], None]) -> Path:
 def calibrate(
     work: Path, model_dir: Path, general: list[tuple[str, str]], *, seed: int, log: Callable[[str], None]
 ) -> float:
-    """The student's decision threshold: the one whose decisions best match the teacher's (mean F1 over STT layers)
-    on training conversations, written to `work/calibration.json` for `export`."""
+    """The student's decision threshold by the one calibration rule (`training.calibrate`) on 48 training
+    conversations, each its own batch (whole conversations, as generation sees them), written to
+    `work/calibration.json` for `export`."""
     from chatapp.models.loader import load_model
+    from chatapp.training.calibrate import calibrate_router_threshold
 
     loaded = load_model(model_dir, dtype="float32")  # the precision the routers were trained in
-    model, chat_format = loaded.model, loaded.chat_format
     mix = conversations(split_general(work, general), seed, Recipe())[:48]
-    thresholds = [round(0.2 + 0.02 * i, 2) for i in range(31)]
-    tp = torch.zeros(len(thresholds), len(model.stt_layer_indices))
-    fp, fn = tp.clone(), tp.clone()
-    cuts = torch.tensor(thresholds)[:, None, None]
-    for messages in mix:
-        ids, _ = chat_format.render_conversation(messages)
-        out = model.forward_eval(torch.tensor([ids]), "teacher")
-        probs = out.router_probs[:, 0]  # (L, T)
-        targets = out.teacher_targets[:, 0]  # type: ignore[index]
-        chosen = probs[None] >= cuts  # (K, L, T)
-        tp += (chosen & targets[None]).sum(-1)
-        fp += (chosen & ~targets[None]).sum(-1)
-        fn += (~chosen & targets[None]).sum(-1)
-    f1 = (2 * tp / (2 * tp + fp + fn).clamp(min=1)).mean(-1)
-    best = thresholds[int(f1.argmax())]
-    log(
-        f"calibration: threshold {best} (mean F1 {f1.max().item():.3f}; at 0.5: {f1[thresholds.index(0.5)].item():.3f})"
-    )
-    (work / "calibration.json").write_text(json.dumps({"router_threshold": best, "f1": f1.max().item()}) + "\n")
-    return best
+    batches = [(torch.tensor([loaded.chat_format.render_conversation(m)[0]]), None) for m in mix]
+    found = calibrate_router_threshold(loaded.model, batches)
+    log(f"calibration: threshold {found.threshold} (mean F1 {found.f1:.3f}, {found.processed:.1%} processed)")
+    record = {"router_threshold": found.threshold, "f1": found.f1, "processed": found.processed}
+    (work / "calibration.json").write_text(json.dumps(record) + "\n")
+    return found.threshold

@@ -21,10 +21,8 @@ from chatapp.recipes.tiny.corpus import THINK_CLOSE, THINK_OPEN, Conversation, c
 from chatapp.recipes.tiny.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
 
 SPECIAL_TOKENS: tuple[str, ...] = (*CHAT_SPECIAL_TOKENS, THINK_OPEN, THINK_CLOSE)
-# Threshold calibration (`calibrate_router_threshold`): the student may process at most this fraction of tokens
-# (the top of the 30-70% routing target), and the cheapest threshold within this F1 of the best is taken.
-MAX_PROCESSED = 0.7
-F1_TOLERANCE = 0.005
+# The first line of MODEL_CARD.md: how a model directory says the tiny recipe made it (`recipes.heldout.recipe_of`).
+CARD_TITLE = "# chatapp tiny model"
 
 
 @dataclass(frozen=True)
@@ -47,7 +45,7 @@ class Recipe:
     num_heads: int = 3
     num_kv_heads: int = 3
     context: int = 256
-    # Training: conversations laid end to end and cut into windows (chatapp.stt.train), AdamW with linear warmup
+    # Training: conversations laid end to end and cut into windows (chatapp.training.loop), AdamW with linear warmup
     # then cosine decay to `min_lr_ratio` of the peak. `lr` is the base model's peak learning rate.
     steps: int = 3600
     batch_size: int = 16
@@ -62,7 +60,7 @@ class Recipe:
     gated_steps: int = 800
     gated_lr_ratio: float = 0.3
     # The student's decision threshold is set after training to the one that reproduces the teacher best on whole
-    # training conversations (`calibrate_router_threshold`). The causal router's probabilities run low, so at 0.5
+    # training conversations (`training.calibrate`). The causal router's probabilities run low, so at 0.5
     # the student selects well under the teacher's fraction, and a skipped token is one later tokens cannot copy
     # from. Matching the teacher's fraction on training windows instead picks a higher threshold with lower
     # held-out F1 and calculator accuracy (the model card has the numbers). False keeps 0.5.
@@ -167,7 +165,7 @@ def evaluate_model_dir(model_dir: Path, heldout: list[Conversation], log=print) 
     from chatapp.models import load_engine
     from chatapp.recipes.tiny.evaluate import evaluate_tasks, routing_batches
     from chatapp.settings import GenerationSettings
-    from chatapp.stt.evaluation import evaluate
+    from chatapp.training.evaluation import evaluate
 
     engine = load_engine(model_dir, device="cpu")
     started = time.perf_counter()
@@ -187,7 +185,7 @@ def evaluate_model_dir(model_dir: Path, heldout: list[Conversation], log=print) 
 
 
 def _progress(log, every: int, started: float):
-    """An `on_step` callback for `chatapp.stt.train.train` that logs losses and routing every `every` steps."""
+    """An `on_step` callback for `chatapp.training.loop.train` that logs losses and routing every `every` steps."""
 
     def on_step(report) -> None:
         if report.step % every and report.step != report.steps:
@@ -209,7 +207,7 @@ def train_model(recipe: Recipe, corpus: list[Conversation], chat_format, log=pri
     import torch
 
     from chatapp.stt import STTForCausalLM
-    from chatapp.stt.train import TokenStream, TrainConfig, train
+    from chatapp.training.loop import TokenStream, TrainConfig, train
 
     torch.manual_seed(recipe.seed)
     model = STTForCausalLM(build_config(recipe, chat_format.tokenizer.get_vocab_size()))
@@ -263,6 +261,7 @@ def calibrate_model_dir(directory: Path, conversations: list[Conversation], log=
 
     from chatapp.models import load_model
     from chatapp.recipes.tiny.evaluate import routing_batches
+    from chatapp.training.calibrate import calibrate_router_threshold
 
     loaded = load_model(directory, device="cpu")
     calibration = calibrate_router_threshold(loaded.model, routing_batches(conversations, loaded.chat_format))
@@ -275,54 +274,6 @@ def calibrate_model_dir(directory: Path, conversations: list[Conversation], log=
         f"{calibration.processed:.1%} processed on {len(conversations)} training conversations"
     )
     return calibration.threshold
-
-
-@dataclass(frozen=True)
-class Calibration:
-    threshold: float
-    f1: float  # student-teacher F1 at `threshold`, mean over STT layers
-    processed: float  # fraction of tokens the student processes at `threshold`, mean over STT layers
-
-
-def calibrate_router_threshold(model, batches) -> Calibration:
-    """The causal router's decision threshold, chosen on `(ids, mask)` batches of whole conversations.
-
-    Why whole conversations: generation always starts at a conversation's first token, and the student's
-    probabilities there differ from those in random training windows (the F1 optimum on windows is about twice the
-    one on whole conversations, which is also where held-out F1 peaks).
-    Rule: on a 0.01 grid, the highest threshold whose student-teacher F1 (mean over STT layers, as `chatapp eval`
-    reports it, teacher-routed stream) is within `F1_TOLERANCE` of the best, among thresholds at which the student
-    processes at most `MAX_PROCESSED` of the tokens. The F1 curve is flat near its optimum, so the tolerance buys
-    compute (a higher threshold, fewer tokens processed) for a negligible F1 loss.
-    """
-    import torch
-
-    grid = torch.arange(5, 96, dtype=torch.float32) / 100  # (G,)
-    totals = None  # per threshold and layer: true positives, student selections; per layer: teacher selections
-    positions = 0
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for ids, _ in batches:
-            out = model.forward_eval(ids.to(model.device), "teacher")
-            targets = out.teacher_targets.flatten(1).cpu()  # (L_stt, N) bool
-            picked = out.router_probs.flatten(1).float().cpu()[None] >= grid[:, None, None]  # (G, L_stt, N)
-            counts = ((picked & targets[None]).sum(-1), picked.sum(-1), targets.sum(-1))
-            totals = counts if totals is None else tuple(a + b for a, b in zip(totals, counts, strict=True))
-            positions += targets.shape[1]
-    model.train(was_training)
-    if totals is None:
-        raise ValueError("no calibration batches")
-    true_positives, chosen, teacher = totals
-    f1 = (2 * true_positives / (chosen + teacher[None]).clamp(min=1)).mean(-1)  # (G,)
-    processed = chosen.float().mean(-1) / positions  # (G,)
-    allowed = processed <= MAX_PROCESSED
-    if not bool(allowed.any()):
-        allowed[-1] = True  # even the highest threshold processes too much: take the sparsest
-    best = f1[allowed].max()
-    candidates = torch.nonzero(allowed & (f1 >= best - F1_TOLERANCE)).flatten()
-    index = int(candidates[-1])
-    return Calibration(round(grid[index].item(), 2), f1[index].item(), processed[index].item())
 
 
 def save_model_dir(model, tokenizer, directory: Path, store_dtype: str) -> None:
@@ -418,6 +369,8 @@ def targets(metrics: Metrics) -> list[Target]:
 
 def model_card(recipe: Recipe, metrics: Metrics, train_seconds: float, total_seconds: float, vocab: int) -> str:
     """MODEL_CARD.md: what the model is, how it was made, how well it does, how to rebuild it."""
+    from chatapp.training.calibrate import F1_TOLERANCE, MAX_PROCESSED
+
     recipe_rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in asdict(recipe).items())
     target_rows = "\n".join(
         f"| {t.name} | {t.goal} | {t.value} | {'yes' if t.met else '**no**'} |" for t in targets(metrics)
@@ -445,7 +398,7 @@ def model_card(recipe: Recipe, metrics: Metrics, train_seconds: float, total_sec
         else f"{recipe.steps} steps of the spec's single dense training pass"
     )
     failures = "\n".join(f"- `{q}` → `{a}`" for q, a in metrics.failures) or "- none"
-    return f"""# chatapp tiny model
+    return f"""{CARD_TITLE}
 
 A tiny Subjective Timescale Transformer (STT) chat model, trained from scratch on a synthetic corpus so that
 `chatapp run` works offline out of the box. It is a demonstration model: it calls the calculator for arithmetic
@@ -477,7 +430,7 @@ the 9 chat special tokens and `<think>`, `</think>`.
 
 ## Training
 
-{phases}, with `chatapp.stt.train` on {recipe.batch_size} windows of {recipe.seq_len} tokens per step (each window
+{phases}, with `chatapp.training.loop` on {recipe.batch_size} windows of {recipe.seq_len} tokens per step (each window
 starts at a conversation's start), on the CPU
 (training took {train_seconds / 60:.1f} min, the whole build {total_seconds / 60:.1f} min).{calibration}
 
@@ -513,8 +466,8 @@ make train-tiny             # = python -m chatapp.recipes.tiny.build
 ```
 
 The build is seeded end to end (corpus, tokenizer, initialisation, batch order) and runs on the CPU; it writes
-this directory only after the new model was evaluated. `chatapp eval` prints the same metrics for any model
-directory.
+this directory only after the new model was evaluated. `chatapp eval` prints the same metrics for this model and
+its rebuilds (it knows them by this card's title).
 """
 
 

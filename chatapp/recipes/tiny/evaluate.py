@@ -20,33 +20,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from chatapp.recipes.tiny.corpus import THINK_CLOSE, Conversation, generate_corpus
+from chatapp.training.evaluation import Tally, conversation_batches
 
 if TYPE_CHECKING:
     import torch
-    from rich.table import Table
 
     from chatapp.engine.engine import Engine
     from chatapp.engine.reply import Reply
     from chatapp.settings import GenerationSettings
-
-
-@dataclass
-class Tally:
-    """Correct out of total for one metric."""
-
-    correct: int = 0
-    total: int = 0
-
-    def add(self, ok: bool) -> None:
-        self.correct += int(ok)
-        self.total += 1
-
-    @property
-    def rate(self) -> float:
-        return self.correct / self.total if self.total else float("nan")
-
-    def __str__(self) -> str:
-        return f"{self.rate:.1%} ({self.correct}/{self.total})" if self.total else "n/a"
 
 
 @dataclass
@@ -175,31 +156,5 @@ def heldout_task_report(engine: Engine, count: int, seed: int = 0, routing: str 
 def routing_batches(
     conversations: Iterable[Conversation], chat_format: Any, max_batch: int = 32
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(ids, loss_mask) batches of equal-length conversations for `chatapp.stt.evaluation.evaluate`.
-
-    Grouping by exact length means no padding, so selected fractions count only real tokens (padding would be
-    routed too and skew them). Order is deterministic: by length, then corpus order.
-    """
-    import torch
-
-    by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
-    for conv in conversations:
-        ids, mask = chat_format.render_conversation(conv.messages)
-        by_length.setdefault(len(ids), []).append((ids, mask))
-    for length in sorted(by_length):
-        rows = by_length[length]
-        for start in range(0, len(rows), max_batch):
-            chunk = rows[start : start + max_batch]
-            yield torch.tensor([r[0] for r in chunk]), torch.tensor([r[1] for r in chunk])
-
-
-def task_table(report: TaskReport, title: str) -> Table:
-    """The task metrics as a rich table (for `chatapp eval`)."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("task metric")
-    table.add_column("accuracy", justify="right")
-    for label, tally in report.rows():
-        table.add_row(label, str(tally))
-    return table
+    """The conversations as `training.evaluation.conversation_batches` (whole, equal lengths together)."""
+    return conversation_batches((conv.messages for conv in conversations), chat_format, max_batch)

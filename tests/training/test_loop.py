@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 
 from chatapp.errors import TrainingError
 from chatapp.stt import STTForCausalLM
-from chatapp.stt.evaluation import evaluate
-from chatapp.stt.train import DistInfo, TokenStream, TrainConfig, WindowSampler, latest_checkpoint, train
-
-from .conftest import tiny_config
+from chatapp.training.evaluation import evaluate
+from chatapp.training.loop import DistInfo, TokenStream, TrainConfig, WindowSampler, latest_checkpoint, train
+from tests.stt.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -154,7 +153,7 @@ DDP_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from tests.stt.conftest import tiny_config
     from chatapp.stt import STTForCausalLM
-    from chatapp.stt.train import TokenStream, TrainConfig, init_distributed, train
+    from chatapp.training.loop import TokenStream, TrainConfig, init_distributed, train
 
     info = init_distributed()
     torch.manual_seed(0)

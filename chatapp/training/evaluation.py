@@ -1,15 +1,17 @@
 """Held-out metrics of an STT model: perplexity with routing off / by the teacher / by the student, per-layer
-selected fractions, and how well the student (causal router) reproduces the teacher's decisions.
+selected fractions, and how well the student (causal router) reproduces the teacher's decisions; and the tally the
+recipes' task metrics (does the model call the calculator, recall a fact) count in.
 
-Shared by `chatapp eval`, the training loop's periodic evaluation and the default-model build. F1 is reported
+Shared by `chatapp eval`, the training loop's periodic evaluation and both recipes' evaluations. F1 is reported
 beside accuracy because at low capacity "never select" already scores a high accuracy (REFERENCES.md, MoD).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,49 @@ from chatapp.compute_saved import compute_saved
 from chatapp.stt.layers import select
 
 MODES = ("off", "teacher", "student")
+KEPT_MISSES = 8
+
+
+@dataclass
+class Tally:
+    """Correct out of total for one task metric, and the first few misses (what was asked, what came back)."""
+
+    correct: int = 0
+    total: int = 0
+    misses: list[str] = field(default_factory=list)
+
+    def add(self, ok: bool, what: str = "") -> None:
+        self.correct += int(ok)
+        self.total += 1
+        if not ok and what and len(self.misses) < KEPT_MISSES:
+            self.misses.append(what)
+
+    @property
+    def rate(self) -> float:
+        return self.correct / self.total if self.total else float("nan")
+
+    def __str__(self) -> str:
+        return f"{self.rate:.1%} ({self.correct}/{self.total})" if self.total else "n/a"
+
+
+def conversation_batches(
+    conversations: Iterable[list[dict[str, Any]]], chat_format: Any, max_batch: int = 32
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(ids, loss_mask) batches of whole conversations (message lists) of equal length, for `evaluate`.
+
+    Grouping by exact length means no padding, so selected fractions count only real tokens (padding would be
+    routed too and skew them), and each row starts where generation starts. Order is deterministic: by length, then
+    the given order.
+    """
+    by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
+    for messages in conversations:
+        ids, mask = chat_format.render_conversation(messages)
+        by_length.setdefault(len(ids), []).append((list(ids), list(mask)))
+    for length in sorted(by_length):
+        rows = by_length[length]
+        for start in range(0, len(rows), max_batch):
+            chunk = rows[start : start + max_batch]
+            yield torch.tensor([r[0] for r in chunk]), torch.tensor([r[1] for r in chunk])
 
 
 @dataclass

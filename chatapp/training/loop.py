@@ -1,24 +1,24 @@
 """The STT training loop: token windows in, a trained model directory out.
 
-Input is a `TokenStream` (concatenated token ids and loss mask; how text becomes ids is the caller's business,
-this package stays a leaf). The stream is cut into windows that start where sequences start (`TokenStream`);
-every epoch visits them in a seeded permutation, and the batch of step s on rank r is a pure function of
-(seed, s, r): resuming from a checkpoint replays exactly the batches an uninterrupted run would have seen, and ranks never share a window
-(DistributedSampler-style sharding).
+Input is a `TokenStream` (concatenated token ids and loss mask; how text becomes ids is the caller's business:
+`recipes.training_data` for corpus files, the tiny recipe for its synthetic corpus). The stream is cut into windows
+that start where sequences start (`TokenStream`); every epoch visits them in a seeded permutation, and the batch of
+step s on rank r is a pure function of (seed, s, r): resuming from a checkpoint replays exactly the batches an
+uninterrupted run would have seen, and ranks never share a window (DistributedSampler-style sharding).
+
+The default model's recipe (`recipes.smollm2.train`) runs its own loop over padded, length-grouped conversations
+with LoRA, per-group clipping and two phases; it shares the schedule, the checkpoint writer and the calibration.
 
 Multi-GPU runs use torchrun: `init_distributed()` reads RANK / WORLD_SIZE / LOCAL_RANK, the model is wrapped in
 DistributedDataParallel (its `forward` is the teacher's training forward), and rank 0 alone evaluates, reports
-and writes checkpoints. Checkpoints are `out_dir/checkpoints/step_NNNNNN/` directories written under a temporary
-name and renamed into place, with a `latest` pointer replaced atomically afterwards.
+and writes checkpoints: `out_dir/checkpoints/step_NNNNNN/` directories (`training.checkpoint.save_step`: staged and
+renamed into place, then a `latest` pointer replaced atomically).
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -29,9 +29,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from chatapp.errors import TrainingError
-from chatapp.stt.evaluation import EvalReport, evaluate
 from chatapp.stt.io import load_state_dict, save_model
 from chatapp.stt.model import STTForCausalLM
+from chatapp.training.checkpoint import latest_step, save_step
+from chatapp.training.evaluation import EvalReport, evaluate
+from chatapp.training.schedule import warmup_cosine
 
 STATE_NAME = "trainer_state.pt"
 
@@ -131,12 +133,8 @@ class TrainConfig:
     checkpoint_interval: int = 0  # 0: at every evaluation
 
     def lr_factor(self, step: int) -> float:
-        """Linear warmup, then cosine decay to `min_lr_ratio`."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        span = max(self.steps - self.warmup_steps, 1)
-        progress = min((step - self.warmup_steps) / span, 1.0)
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        """Linear warmup, then cosine decay to `min_lr_ratio` (`schedule.warmup_cosine`)."""
+        return warmup_cosine(step, self.steps, self.warmup_steps, self.min_lr_ratio)
 
 
 @dataclass
@@ -208,41 +206,21 @@ class WindowSampler:
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    pointer = out_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = out_dir / "checkpoints" / pointer.read_text(encoding="utf-8").strip()
-    return path if path.is_dir() else None
+    return latest_step(out_dir / "checkpoints")
 
 
 def save_checkpoint(
     model: STTForCausalLM, optimizer: torch.optim.Optimizer, step: int, config: TrainConfig, out_dir: Path
 ) -> Path:
-    """Write step_NNNNNN/ atomically, point `latest` at it, then drop older checkpoints."""
-    root = out_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
-    try:
-        save_model(model, tmp)
-        torch.save(
-            {"step": step, "optimizer": optimizer.state_dict(), "train_config": asdict(config)}, tmp / STATE_NAME
-        )
-        final = root / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fd, pointer_tmp = tempfile.mkstemp(dir=root, prefix=".latest.")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(name + "\n")
-    os.replace(pointer_tmp, root / "latest")
-    for old in root.glob("step_*"):
-        if old.name != name:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+    """Write the model and the trainer state as checkpoint `step` in `out_dir/checkpoints` (`checkpoint.save_step`:
+    atomic, `latest` pointed at it, older ones dropped)."""
+
+    def write(directory: Path) -> None:
+        save_model(model, directory)
+        state = {"step": step, "optimizer": optimizer.state_dict(), "train_config": asdict(config)}
+        torch.save(state, directory / STATE_NAME)
+
+    return save_step(out_dir / "checkpoints", step, write)
 
 
 def _load_checkpoint(model: STTForCausalLM, optimizer: torch.optim.Optimizer, path: Path) -> int:
