@@ -6,7 +6,6 @@ import json
 import math
 from pathlib import Path
 
-import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,18 +15,8 @@ from chatapp.cli import app
 from chatapp.stt import STTConfig, STTForCausalLM
 from chatapp.stt.layers import CausalRouter, router_probs, select
 from chatapp.training.route import fold_cutoff, teacher_selected, with_routed_layers
-from tests.models.gguf_files import write_tiny_gguf
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("route")
-    tiny = write_tiny_gguf(folder / "tiny.gguf", "qwen2", seed=3)
-    result = runner.invoke(app, ["convert", str(tiny.path), str(folder / "model")])
-    assert result.exit_code == 0, result.output
-    return folder / "model"
 
 
 def test_route_a_converted_gguf_then_it_skips(converted: Path, tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from chatapp.stt import STTConfig, STTForCausalLM
 from chatapp.stt.io import load_merged_adapters
 from chatapp.training.route import combine_adapters
 from chatapp.training.tune import TuneBatch, TuneOptions, dense_targets, distillation_loss, routed_logits, tune
-from tests.models.gguf_files import write_tiny_gguf
 
 runner = CliRunner()
 LAYERS = [1, 2]
@@ -134,15 +133,6 @@ def test_combined_adapters_apply_both(r1: int, r2: int, seed: int) -> None:
     a, b = combined["m"]
     torch.testing.assert_close(b @ a, b1 @ a1 + b2 @ a2)
     assert set(combined) == {"m", "only_first", "only_second"}
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tune")
-    tiny = write_tiny_gguf(folder / "tiny.gguf", "qwen2", seed=3)
-    result = runner.invoke(app, ["convert", str(tiny.path), str(folder / "model")])
-    assert result.exit_code == 0, result.output
-    return folder / "model"
 
 
 def test_route_with_tune_steps_writes_a_tuned_model_int4_can_serve(converted: Path, tmp_path: Path) -> None:
