@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from chatapp.cli import app
+from chatapp.stt import STTConfig, STTForCausalLM
 from tests.models.gguf_files import write_tiny_gguf
 
 
@@ -18,3 +20,20 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = CliRunner().invoke(app, ["convert", str(tiny.path), str(folder / "model")])
     assert result.exit_code == 0, result.output
     return folder / "model"
+
+
+def tiny_stt(vocab_size: int, stt_layers: list[int], **overrides) -> STTForCausalLM:
+    """A 4-layer random STT model (seed 0) small enough to train in a test."""
+    torch.manual_seed(0)
+    config = STTConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        stt_layers=stt_layers,
+        tie_word_embeddings=True,
+        **overrides,
+    )
+    return STTForCausalLM(config).eval()

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from chatapp.cli import app
-from chatapp.stt import STTConfig, STTForCausalLM
+from chatapp.stt import STTConfig
 from chatapp.stt.layers import CausalRouter, router_probs, select
 from chatapp.training.route import fold_cutoff, teacher_selected, with_routed_layers
+from tests.training.conftest import tiny_stt
 
 runner = CliRunner()
 
@@ -104,18 +105,7 @@ def test_teacher_skips_the_lowest_scores_never_the_first(n: int, rate: float, se
 
 def test_relayered_model_keeps_the_backbone() -> None:
     """Moving the STT layers changes no dense output: routing off gives the same logits."""
-    torch.manual_seed(0)
-    config = STTConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=50,
-        stt_layers=[1],
-        tie_word_embeddings=True,
-    )
-    model = STTForCausalLM(config).eval()
+    model = tiny_stt(50, [1])
     moved = with_routed_layers(model, [2, 3], "kv")
     assert moved.stt_layer_indices == [2, 3] and moved.config.skip_mode == "kv"
     ids = torch.randint(0, 50, (2, 9))

@@ -12,32 +12,22 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from chatapp.cli import app
-from chatapp.stt import STTConfig, STTForCausalLM
+from chatapp.stt import STTForCausalLM
 from chatapp.stt.io import load_merged_adapters
-from chatapp.training.route import combine_adapters
+from chatapp.training.route import Batch, combine_adapters, dense_pass
 from chatapp.training.tune import TuneBatch, TuneOptions, dense_targets, distillation_loss, routed_logits, tune
+from tests.training.conftest import tiny_stt
 
 runner = CliRunner()
 LAYERS = [1, 2]
 
 
 def _model() -> STTForCausalLM:
-    torch.manual_seed(0)
-    config = STTConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=60,
-        stt_layers=LAYERS,
-        skip_mode="kv",
-        tie_word_embeddings=True,
-    )
-    return STTForCausalLM(config).eval()
+    return tiny_stt(60, LAYERS, skip_mode="kv")
 
 
 def _batches(model: STTForCausalLM) -> list[TuneBatch]:
+    """Two random batches (one row padded) with the dense model's predictions as targets."""
     generator = torch.Generator().manual_seed(1)
     out = []
     for _ in range(2):
@@ -45,15 +35,8 @@ def _batches(model: STTForCausalLM) -> list[TuneBatch]:
         valid = torch.ones(2, 12, dtype=torch.bool)
         valid[1, 9:] = False
         scored = valid[:, 1:].clone()
-        with torch.no_grad():
-            hidden = model.model.embed_tokens(ids)
-            positions = torch.arange(12)[None].expand_as(ids)
-            cos, sin = model.model.rotary_emb(hidden, positions)
-            from chatapp.stt.layers import self_attention_sink
-
-            for layer in model.model.layers:
-                hidden = layer.block(hidden, cos, sin, self_attention_sink())
-        out.append(dense_targets(model, ids, valid, scored, hidden, k=8))
+        cached = dense_pass(model, Batch(ids, valid, scored, torch.zeros_like(scored)))
+        out.append(dense_targets(model, ids, valid, scored, cached.inputs[-1], k=8))
     return out
 
 
