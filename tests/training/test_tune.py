@@ -26,8 +26,8 @@ def _model() -> STTForCausalLM:
     return tiny_stt(60, LAYERS, skip_mode="kv")
 
 
-def _batches(model: STTForCausalLM) -> list[TuneBatch]:
-    """Two random batches (one row padded) with the dense model's predictions as targets."""
+def _batches(model: STTForCausalLM, k: int = 8) -> list[TuneBatch]:
+    """Two random batches (one row padded) with the dense model's top `k` predictions as targets."""
     generator = torch.Generator().manual_seed(1)
     out = []
     for _ in range(2):
@@ -36,7 +36,7 @@ def _batches(model: STTForCausalLM) -> list[TuneBatch]:
         valid[1, 9:] = False
         scored = valid[:, 1:].clone()
         cached = dense_pass(model, Batch(ids, valid, scored, torch.zeros_like(scored)))
-        out.append(dense_targets(model, ids, valid, scored, cached.inputs[-1], k=8))
+        out.append(dense_targets(model, ids, valid, scored, cached.inputs[-1], k=k))
     return out
 
 
@@ -74,6 +74,29 @@ def test_tune_lowers_the_routed_loss_and_merges_exactly() -> None:
     torch.testing.assert_close(
         untuned.get_submodule(name).weight + b @ a, model.get_submodule(name).weight, rtol=0, atol=1e-6
     )
+
+
+def test_dense_steps_route_nothing_and_hold_the_dense_path() -> None:
+    """A dense step (`dense_share`) consults no router, and its target is the model's own prediction: the dense
+    path moves far less than under routed steps, which teach the adapters to make up for skipped work."""
+
+    def no_router(layer: int, x: torch.Tensor, rate: float) -> torch.Tensor:
+        raise AssertionError("a dense step consulted a router")
+
+    def dense(model: STTForCausalLM, batches: list[TuneBatch]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([routed_logits(model, b, [], no_router, 0.0, "kv") for b in batches])
+
+    drift = {}
+    for share, decide in ((1.0, no_router), (0.0, _skip_every_other)):
+        model = _model()
+        batches = _batches(model, k=60)  # the whole vocabulary: the dense target is the dense prediction exactly
+        before = dense(model, batches)
+        options = TuneOptions(steps=20, rank=4, alpha=8, lr=3e-3, warmup=2, dense_share=share)
+        tune(model, batches, LAYERS, decide, [0.5], "kv", options, lambda _: None)
+        after = dense(model, batches)
+        drift[share] = float((before.exp() * (before - after)).sum(-1).mean())  # KL(before || after)
+    assert drift[1.0] < drift[0.0] * 0.2, drift
 
 
 def test_tune_resumes_as_if_never_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,7 +66,7 @@ CHECKPOINT_EVERY = 20
 # threshold rule on SmolLM2 the gate saturated (β → 100 with a transition network that cannot predict this model's
 # residuals, so the expected-event criterion passes ~90% of tokens at g == 1.0 exactly); a moderate final β keeps g
 # graded so its ranking means something. The second pass follows the teacher's decisions: following the student's
-# own (what inference runs; run 5, commit 0b4564d) taught the adapters to skip and cost dense quality (model card).
+# own (what inference runs) taught the adapters to skip and cost dense quality (measured; model card).
 TEACHER = {
     "use_g_threshold_selection": False,
     "capacity": 0.5,
