@@ -135,7 +135,12 @@ def merge_lora(model: STTForCausalLM) -> Adapters:
 
 
 def _draw(
-    batches: Sequence[TuneBatch], layers: Sequence[int], rates: Sequence[float], dense_share: float, seed: int, step: int
+    batches: Sequence[TuneBatch],
+    layers: Sequence[int],
+    rates: Sequence[float],
+    dense_share: float,
+    seed: int,
+    step: int,
 ) -> tuple[TuneBatch, Sequence[int], float]:
     """A step's batch, routed layers (a prefix of `layers`; none on a dense step) and rate: from the seed and the
     step alone, so that a resumed run draws what the uninterrupted one did."""
