@@ -34,6 +34,7 @@ from chatapp.stt.model import STTForCausalLM
 from chatapp.training.checkpoint import latest_step, save_step
 from chatapp.training.evaluation import EvalReport, evaluate
 from chatapp.training.schedule import warmup_cosine
+from chatapp.training.steps import Clipping, Steps
 
 STATE_NAME = "trainer_state.pt"
 
@@ -277,45 +278,53 @@ def train(
         runner = DistributedDataParallel(model, device_ids=devices)
     evaluation_set = _eval_batches(eval_data, config) if eval_data is not None else []
     checkpoint_every = config.checkpoint_interval or config.eval_interval
-    model.train()
-    losses: dict[str, float] = {}
-    report = None
-    for step in range(start, config.steps):
+    report: EvalReport | None = None
+    window_tokens = config.batch_size * config.seq_len * dist_info.world_size
+    began = time.perf_counter()
+
+    def compute(step: int):
+        nonlocal began
         began = time.perf_counter()
-        factor = config.lr_factor(step)
-        for group in optimizer.param_groups:
-            group["lr"] = group["base_lr"] * factor
         ids, mask = data.windows(sampler.indices(step), config.seq_len)
-        out = runner(ids.to(model.device), mask.to(model.device), step=step)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        done = step + 1
+        return runner(ids.to(model.device), mask.to(model.device), step=step)
+
+    def after(done: int, out) -> None:
+        nonlocal report
         if not dist_info.is_main:
-            continue
-        losses = {name: value.item() for name, value in out.losses.items()}
+            return
         elapsed = time.perf_counter() - began
         report = None
-        last = done == config.steps
-        if evaluation_set and (last or (config.eval_interval and done % config.eval_interval == 0)):
+        if evaluation_set and (done == config.steps or (config.eval_interval and done % config.eval_interval == 0)):
             report = evaluate(model, evaluation_set)
         if on_step is not None:
             on_step(
                 StepReport(
                     step=done,
                     steps=config.steps,
-                    losses=losses,
-                    lr_factor=factor,
-                    tokens_per_s=ids.numel() * dist_info.world_size / max(elapsed, 1e-9),
+                    losses={name: value.item() for name, value in out.losses.items()},
+                    lr_factor=config.lr_factor(done - 1),
+                    tokens_per_s=window_tokens / max(elapsed, 1e-9),
                     teacher_fraction=out.stats["teacher_fraction"].tolist(),
                     student_f1=out.stats["f1"].tolist(),
                     eval=report,
                 )
             )
-        if out_dir is not None and checkpoint_every and done % checkpoint_every == 0 and not last:
+
+    def save(done: int) -> None:
+        # The last step's state is the final model, which `out_dir` itself receives below.
+        if out_dir is not None and dist_info.is_main and done < config.steps:
             save_checkpoint(model, optimizer, done, config, out_dir)
+
+    model.train()
+    Steps(
+        optimizer,
+        compute,
+        lr=lambda step, group: group["base_lr"] * config.lr_factor(step),
+        clip=Clipping([list(model.parameters())], config.grad_clip),
+        after=after,
+        checkpoint=save,
+        checkpoint_every=checkpoint_every,
+    ).run(start, config.steps)
     model.eval()
     model.config.routing_trained = True
     if out_dir is not None and dist_info.is_main:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +36,7 @@ from chatapp.stt import STTForCausalLM
 from chatapp.stt.layers import self_attention_sink
 from chatapp.training.checkpoint import save_state
 from chatapp.training.schedule import warmup_cosine
+from chatapp.training.steps import Clipping, Steps
 
 Log = Callable[[str], None]
 Decide = Callable[[int, torch.Tensor, float], torch.Tensor]  # (layer, its input (B, T, D), rate) -> selected (B, T)
@@ -91,6 +93,10 @@ def routed_logits(
         else:
             hidden = layer.block(hidden, cos, sin, causal)
     return model.lm_head(model.model.norm(hidden[:, :-1][batch.scored])).float().log_softmax(-1)
+
+
+class Distilled(NamedTuple):
+    loss: torch.Tensor  # the step's distillation loss (`distillation_loss`)
 
 
 def distillation_loss(logp: torch.Tensor, batch: TuneBatch) -> torch.Tensor:
@@ -179,10 +185,10 @@ def tune(
             step = int(saved["step"])
             log(f"tune: resumed from {checkpoint} at step {step}")
 
-    def save() -> None:
+    def save(done: int) -> None:
         if checkpoint is not None:
             state = {
-                "step": step,
+                "step": done,
                 "options": asdict(options),
                 "names": names,
                 "lora": [p.detach().clone() for p in params],
@@ -190,25 +196,28 @@ def tune(
             }
             save_state(state, checkpoint)
 
-    model.train()
     began, recent = time.perf_counter(), []
-    while step < options.steps:
-        batch, routed, rate = _draw(batches, layers, rates, options.dense_share, seed, step)
-        for group in optimizer.param_groups:
-            group["lr"] = options.lr * warmup_cosine(step, options.steps, options.warmup)
-        loss = distillation_loss(routed_logits(model, batch, routed, decide, rate, skip_mode), batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        step += 1
-        recent.append(float(loss.detach()))
-        if step % 10 == 0 or step == options.steps:
+
+    def compute(at: int) -> Distilled:
+        batch, routed, rate = _draw(batches, layers, rates, options.dense_share, seed, at)
+        return Distilled(distillation_loss(routed_logits(model, batch, routed, decide, rate, skip_mode), batch))
+
+    def after(done: int, out: Distilled) -> None:
+        recent.append(float(out.loss.detach()))
+        if done % 10 == 0 or done == options.steps:
             per_step = (time.perf_counter() - began) / len(recent)
-            log(
-                f"tune step {step}/{options.steps}: loss {sum(recent[-10:]) / len(recent[-10:]):.4f} ({per_step:.1f} s/step)"
-            )
-        if step % options.checkpoint_every == 0 or step == options.steps:
-            save()
+            last = recent[-10:]
+            log(f"tune step {done}/{options.steps}: loss {sum(last) / len(last):.4f} ({per_step:.1f} s/step)")
+
+    model.train()
+    Steps(
+        optimizer,
+        compute,
+        lr=lambda at, group: options.lr * warmup_cosine(at, options.steps, options.warmup),
+        clip=Clipping([params], 1.0),
+        after=after,
+        checkpoint=save,
+        checkpoint_every=options.checkpoint_every,
+    ).run(step, options.steps)
     model.eval()
     return merge_lora(model)

@@ -12,11 +12,11 @@ Adam's update of a parameter whose gradient is always zero is exactly zero, so t
 the base model's. Only trainable tensors are checkpointed (atomically, every `CHECKPOINT_EVERY` steps), so a killed
 run resumes from its last checkpoint with the same data order.
 
-The loop is this recipe's, not `training.loop`'s: it batches whole conversations by length with padding (the loop
-cuts a token stream into windows), trains LoRA and masked embedding rows with their own learning rates and one
-clipping norm per group (the loop clips one global norm over `parameter_groups`), switches the model's config between
-phases, and checkpoints the trainable tensors only (the loop saves whole model directories). It shares the learning
-rate schedule (`training.schedule`), the checkpoint writer (`training.checkpoint`) and the threshold calibration.
+The step loop is the one every trainer runs (`training.steps`); what is this recipe's own is what a step computes
+(whole conversations batched by length with padding, where the generic loop cuts a token stream into windows, and
+the model's config switched between phases), the learning rate of each group (LoRA, masked embedding rows, routers),
+one clipping norm per group, and checkpoints of the trainable tensors only. It shares the learning rate schedule
+(`training.schedule`), the checkpoint writer (`training.checkpoint`) and the threshold calibration.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from chatapp.recipes.smollm2 import data
 from chatapp.tools.base import JUPYTER_TOOL_MARKERS
 from chatapp.training.checkpoint import save_state
 from chatapp.training.schedule import warmup_cosine
+from chatapp.training.steps import Clipping, Steps
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK = 16
@@ -224,13 +225,20 @@ def trainable_state(model: Any) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def run(work: Path, base: Path, general: list[tuple[str, str]], *, seed: int, log: Callable[[str], None]) -> None:
+def run(
+    work: Path,
+    base: Path,
+    general: list[tuple[str, str]],
+    *,
+    seed: int,
+    log: Callable[[str], None],
+    recipe: Recipe = Recipe(),
+) -> None:
     """Phases A and B, resumable from `work/train.pt`; the final trainable state goes to `work/trained.pt`."""
     from tokenizers import Tokenizer
 
     from chatapp.chat import chat_format_for
 
-    recipe = Recipe()
     general = split_general(work, general)
     final = work / "trained.pt"
     if final.is_file():
@@ -266,48 +274,55 @@ def run(work: Path, base: Path, general: list[tuple[str, str]], *, seed: int, lo
     while len(plan) < total:
         plan += batches(encoded, recipe, seed, epoch)
         epoch += 1
-    model.train()
     began, seen = time.perf_counter(), 0
-    while step < total:
-        phase_b = step >= recipe.steps_a
+
+    def compute(at: int) -> Any:
+        nonlocal seen
+        phase_b = at >= recipe.steps_a
         model.config.gated_second_pass = phase_b
         if phase_b:
             for key, value in TEACHER.items():
                 setattr(model.config, key, value)
-        factor = warmup_cosine(
-            step - recipe.steps_a if phase_b else step, recipe.steps_b if phase_b else recipe.steps_a, recipe.warmup
-        )
-        for group in optimizer.param_groups:
-            base_lr = recipe.lr_lora_b if (phase_b and group["name"] == "lora") else group["base_lr"]
-            group["lr"] = base_lr * factor
-        ids, mask = collate(encoded, plan[step], recipe.pad_id)
-        out = model.forward_train(ids, mask, step=step, all_logits=False)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        # Per group: the transition networks' regression loss has the scale of SmolLM2's residual stream (hundreds),
-        # and one global norm would shrink the adapters' gradients to nothing.
-        for group in groups:
-            torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
-        optimizer.step()
-        step += 1
+        ids, mask = collate(encoded, plan[at], recipe.pad_id)
         seen += ids.numel()
-        if step % 5 == 0 or step == total:
+        return model.forward_train(ids, mask, step=at, all_logits=False)
+
+    def lr(at: int, group: dict[str, Any]) -> float:
+        phase_b = at >= recipe.steps_a
+        factor = warmup_cosine(
+            at - recipe.steps_a if phase_b else at, recipe.steps_b if phase_b else recipe.steps_a, recipe.warmup
+        )
+        return (recipe.lr_lora_b if (phase_b and group["name"] == "lora") else group["base_lr"]) * factor
+
+    def after(done: int, out: Any) -> None:
+        if done % 5 == 0 or done == total:
             rate = seen / (time.perf_counter() - began)
             losses = " ".join(f"{k} {v.item():.3f}" for k, v in out.losses.items())
             fraction = out.stats["teacher_fraction"].mean().item()
             f1 = out.stats["f1"].mean().item()
-            log(
-                f"step {step}/{total} {'B' if phase_b else 'A'} {losses} teacher {fraction:.2f} f1 {f1:.2f} {rate:.0f} tok/s"
-            )
-        if step == recipe.steps_a:  # the dense model, kept apart: phase B can be rerun from it
+            phase = "B" if done > recipe.steps_a else "A"
+            log(f"step {done}/{total} {phase} {losses} teacher {fraction:.2f} f1 {f1:.2f} {rate:.0f} tok/s")
+        if done == recipe.steps_a:  # the dense model, kept apart: phase B can be rerun from it
             save_state(
-                {"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": step},
+                {"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": done},
                 work / "phase_a.pt",
             )
-        if step % CHECKPOINT_EVERY == 0 and step < total:
-            save_state(
-                {"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": step}, checkpoint
-            )
+
+    def save(done: int) -> None:
+        save_state({"trainable": trainable_state(model), "optimizer": optimizer.state_dict(), "step": done}, checkpoint)
+
+    model.train()
+    Steps(
+        optimizer,
+        compute,
+        lr,
+        # Per group: the transition networks' regression loss has the scale of SmolLM2's residual stream (hundreds),
+        # and one global norm would shrink the adapters' gradients to nothing.
+        clip=Clipping([group["params"] for group in groups], 1.0),
+        after=after,
+        checkpoint=save,
+        checkpoint_every=CHECKPOINT_EVERY,
+    ).run(step, total)
     save_state({"trainable": trainable_state(model), "rows": rows, "recipe": recipe.__dict__}, final)
     log("training done")
 
