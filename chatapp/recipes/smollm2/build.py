@@ -44,13 +44,13 @@ def stage_convert(work: Path) -> Path:
     base = work / "base"
     if (base / "model.safetensors").is_file():
         return base
+    from chatapp import store
     from chatapp.models.gguf import convert_gguf
 
     log(f"converting {gguf_path()}")
-    tmp = work / "base.tmp"
-    convert_gguf(gguf_path(), tmp)
-    mark_tool_tokens(tmp)
-    tmp.rename(base)
+    with store.staged_dir(base, what="converted base model") as staging:
+        convert_gguf(gguf_path(), staging)
+        mark_tool_tokens(staging)
     return base
 
 
