@@ -63,16 +63,21 @@ def fits_in_cache(num_parameters: int) -> bool:
     return num_parameters * 4 <= CPU_QUANTIZE_MIN_BYTES
 
 
-def default_format(device: torch.device, num_parameters: int) -> str:
-    """On a CPU int4 for a model too large for its caches, float32 for a small one; float32 elsewhere (CUDA has not
-    been measured yet). int4 is the fastest format on the default model within the quality guard, closer to
-    float32 than int8, with int8's memory and a prefill still faster than transformers float32's (README); a
-    torch without the CPU int4 kernel gets int8."""
+def default_format(device: torch.device, num_parameters: int, capability: str | None = None) -> str:
+    """On a CPU a quantized format for a model too large for its caches, float32 for a small one; float32 elsewhere
+    (CUDA has not been measured yet). Which quantized format depends on the CPU's vector instructions (`capability`,
+    default torch's own reading): torch's int4 kernel is fast with AVX-512, where int4 decoded 1.1x int8 eager and
+    1.2x compiled on the default model; with AVX2 alone it is the slower of the two (int8 1.14x int4 eager at batch
+    1), and elsewhere it is unmeasured, so those get int8, which is within the quality guard too (README). A torch
+    without the CPU int4 kernel gets int8."""
     if device.type != "cpu":
         return "float32"
     if fits_in_cache(num_parameters):
         return "float32"
-    return "int4" if hasattr(torch, "_weight_int4pack_mm_for_cpu") else "int8"
+    if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        return "int8"
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    return "int4" if capability.startswith("AVX512") else "int8"
 
 
 def activation_dtype(fmt: str) -> torch.dtype:

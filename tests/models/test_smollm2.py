@@ -95,13 +95,18 @@ def test_general_question_is_answered_without_a_tool(model_dir: Path) -> None:
     assert "count(" not in out
 
 
-def test_default_format_is_int4_with_the_adapters_apart(model_dir: Path) -> None:
-    """On a CPU the default format is int4: it re-quantizes the Q4_1 base onto its own grid and runs the merged LoRA
-    beside it (`LowRankLinear`). int8, which quantizes the merged weights, still answers through the tool."""
-    from chatapp.models import load_model
-    from chatapp.stt.weights import LowRankLinear, weight_format
+def test_int4_keeps_the_adapters_apart_and_the_default_format_is_the_cpus(model_dir: Path) -> None:
+    """int4 (the default on an AVX-512 CPU) re-quantizes the Q4_1 base onto its own grid and runs the merged LoRA
+    beside it (`LowRankLinear`). int8 (the default elsewhere), which quantizes the merged weights, still answers
+    through the tool."""
+    import torch
 
-    model = load_model(model_dir, device="cpu").model
+    from chatapp.models import load_model
+    from chatapp.stt.weights import LowRankLinear, default_format, weight_format
+
+    default = load_model(model_dir, device="cpu").model
+    assert weight_format(default) == default_format(torch.device("cpu"), 135_000_000)  # SmolLM2-135M
+    model = load_model(model_dir, device="cpu", dtype="int4").model
     assert weight_format(model) == "int4"
     # q/k/v, o, gate/up and down per layer, and each STT layer's k/v-only copy of its q/k/v (`add_kv_projections`).
     expected = 4 * model.config.num_hidden_layers + len(model.stt_layer_indices)
