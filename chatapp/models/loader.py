@@ -349,13 +349,46 @@ def _seconds(start: float) -> str:
     return f"{elapsed:.1f} s" if elapsed < 10 else f"{elapsed:.0f} s"
 
 
+def compiled_in_child(model: STTForCausalLM, source: Path) -> tuple[DecodeSteps | None, str | None]:
+    """`saved_or_new_compiled_steps` with the compile, when one is needed, in a child process
+    (`chatapp.models.compile_step`, which says why): the model at `source` in `model`'s format, whose artifacts
+    then load here. Raises RuntimeError with the child's message when it could not compile."""
+    import subprocess
+
+    from chatapp.stt import precompile
+    from chatapp.stt.weights import weight_format
+
+    steps, note = saved_or_new_compiled_steps(model, compile_if_missing=False)
+    if steps is not None or not precompile.available() or model.device.type != "cpu":
+        return steps, note
+    start = time.perf_counter()
+    command = [sys.executable, "-m", "chatapp.models.compile_step", str(source), weight_format(model)]
+    # One compile worker: the replies keep the other core.
+    env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": "1", COMPILE_ENV: "0"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"the compiling process exited with status {done.returncode}")
+    steps, _ = saved_or_new_compiled_steps(model, compile_if_missing=False)
+    if steps is None:
+        return None, "the decode step stays eager: the step compiled apart does not fit this model"
+    where = compiled_steps_dir(model)
+    return steps, f"the decode step is compiled in a process of its own ({_seconds(start)}), saved in {where}"
+
+
 def compile_in_background(
-    model: STTForCausalLM, log: Callable[[str], None] | None = None, *, compile_if_missing: bool = True
+    model: STTForCausalLM,
+    log: Callable[[str], None] | None = None,
+    *,
+    compile_if_missing: bool = True,
+    source: Path | None = None,
 ) -> threading.Thread:
     """Switch `model` to its compiled decode step from a daemon thread: the saved one loaded, or (with
-    `compile_if_missing`) one compiled and saved. Until it is ready the model keeps decoding eagerly in the calling
-    thread, so replies never wait for it. A failure (no C++ compiler, say) leaves the model eager and is reported
-    through `log` (default: stdout), one line, as is what was done and how long it took."""
+    `compile_if_missing`) one compiled and saved: in a child process when the model's directory `source` is given
+    (`compiled_in_child`; a compile in this process holds the GIL the replies need), else in the thread. Until it is
+    ready the model keeps decoding eagerly in the calling thread, so replies never wait for it. A failure (no C++
+    compiler, say) leaves the model eager and is reported through `log` (default: stdout), one line, as is what
+    was done and how long it took."""
     from chatapp.stt.decode import configure_compiler
 
     log = log or (lambda line: print(line, flush=True))
@@ -366,7 +399,10 @@ def compile_in_background(
             log(model.compile_note or "the decode step is compiled")
             return
         try:
-            steps, note = saved_or_new_compiled_steps(model, compile_if_missing=compile_if_missing)
+            if source is not None and compile_if_missing:
+                steps, note = compiled_in_child(model, source)
+            else:
+                steps, note = saved_or_new_compiled_steps(model, compile_if_missing=compile_if_missing)
         except Exception as err:  # torch.compile's failures have no common type (compiler missing, backend errors)
             log(f"the decode step stays eager: compiling it failed: {_first_line(err)}")
             return

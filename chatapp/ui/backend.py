@@ -227,13 +227,14 @@ class EngineBackend(BackendState):
     def compile_in_background(self, log: Callable[[str], None] | None = None) -> threading.Thread | None:
         """Switch to the compiled decode step in the background when the model wants it
         (`chatapp.models.loader.wants_compiled_step`): one was loaded with the model (the thread only logs
-        so), or it is compiled and saved now, replies running eagerly until it is done. Returns the thread, or None
+        so), or the saved one is loaded, or it is compiled in a child process and saved now, replies running eagerly
+        until it is done. Returns the thread, or None
         when the model wants none."""
         from chatapp.models.loader import compile_in_background, wants_compiled_step
 
         if not wants_compiled_step(self._engine.model):
             return None
-        return compile_in_background(self._engine.model, log)
+        return compile_in_background(self._engine.model, log, source=self._model_dir)
 
     # --- session ----------------------------------------------------------------------------------------------
     def builtin_programs(self) -> Sequence[str]:
