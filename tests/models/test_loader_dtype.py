@@ -83,9 +83,9 @@ def test_compile_env_and_failures_are_clear(tiny_model_dir: Path, monkeypatch) -
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile needs g++")
 def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Path, monkeypatch) -> None:
-    """The TUI's engine compiles the decode step in a thread of its own (`EngineBackend.compile_in_background`),
-    for a quantized model on a CPU unless $CHATAPP_COMPILE says otherwise; the model decodes eagerly meanwhile and
-    gives the same tokens once it is switched over."""
+    """The TUI's engine compiles the decode step in the background (`EngineBackend.compile_in_background`: a thread
+    that waits for a child process), for a quantized model on a CPU unless $CHATAPP_COMPILE says otherwise; the
+    model decodes eagerly meanwhile and gives the same tokens once it is switched over."""
     from chatapp.models.loader import wants_compiled_step
     from chatapp.ui.backend import EngineBackend
 
@@ -100,6 +100,8 @@ def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Pa
     thread.join(timeout=600)
     assert engine.model.compiled_steps is not None, lines
     assert lines and lines[0].startswith("the decode step is compiled") and "saved in" in lines[0], lines
+    # In a child process: a compile in the engine's own process holds the GIL the replies need.
+    assert "in a process of its own" in lines[0], lines
     assert greedy_replies(engine, "What is 12 times 7?") == eager
 
     # A later command decodes eagerly unless asked (loading the step costs more than one reply gains); asked, it
