@@ -165,7 +165,8 @@ def self_distilled(loaded: Any, options: RouteOptions, log: Log) -> list[Convers
                 messages[i].append({"role": "assistant", "content": reply.content})
                 if turn == len(dialogues[i]) - 1:
                     out[i] = conversation(prompt, reply.events, start_id, end_id, chat_format.decode)
-        log(f"self-distilled turn {turn + 1}: {len(rows)} replies")
+            # A turn of a few hundred replies takes minutes on a CPU: say how far it is.
+            log(f"self-distilling turn {turn + 1}: {first + len(chunk)}/{len(rows)} replies")
     return [c for c in out if c is not None]
 
 
