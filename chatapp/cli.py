@@ -315,7 +315,7 @@ def run(
     from chatapp.ttfa.loader import load_program_source_by_name
     from chatapp.ui import make_app
     from chatapp.ui.app import close_backend
-    from chatapp.ui.terminal import keys_held_for_the_app
+    from chatapp.ui.terminal import end_on_hangup, keys_held_for_the_app
 
     # What the user types from now on is the app's, even before the app has the terminal (keys_held_for_the_app).
     with keys_held_for_the_app():
@@ -340,6 +340,7 @@ def run(
         )
         if getattr(chat.store, "notice", None):
             err_console.print(f"notice: {chat.store.notice}", markup=False, soft_wrap=True)
+        end_on_hangup()
         try:
             chat.run()
         finally:

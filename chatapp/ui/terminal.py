@@ -53,3 +53,31 @@ def _terminal_fd(stream: TextIO | None) -> int | None:
     except (OSError, ValueError, AttributeError, termios.error):
         return None
     return fd
+
+
+def end_on_hangup(stream: TextIO | None = None, *, interval: float = 1.0) -> None:
+    """End this process's group when its terminal goes away, as the terminal's own hang-up would have.
+
+    Closing the terminal sends SIGHUP to the session's controlling process, and the kernel sends it on to the
+    foreground group only when that process does not hold it off. `make run` does (make blocks SIGHUP while its
+    recipe runs), so a closed tmux pane or terminal window left `chatapp run` behind: its input thread spinning on
+    the dead terminal (~70% of a core) and its drawing blocked for good, the engine process beside it. A daemon
+    thread looks at the terminal every `interval` seconds and, once it is gone (`isatty` turns false on a hung-up
+    terminal), delivers the SIGHUP itself to its process group: the app and its engine end as if run directly.
+    Not a terminal (a pipe, a test runner): nothing to watch."""
+    import signal
+    import threading
+    import time
+
+    fd = _terminal_fd(stream if stream is not None else sys.stdin)
+    if fd is None or not hasattr(signal, "SIGHUP"):
+        return
+
+    def watch() -> None:
+        while os.isatty(fd):
+            time.sleep(interval)
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgrp(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGHUP)  # a process group that could not be signalled: this process at least
+
+    threading.Thread(target=watch, name="chatapp-hangup", daemon=True).start()
