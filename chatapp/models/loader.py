@@ -130,6 +130,10 @@ def load_model(
     model.eval()
     if compile if compile is not None else env_flag(COMPILE_ENV):
         _compile_decode(model, model_dir)
+    elif resolved.type == "cpu" and fmt == "int8":
+        from chatapp.stt import cpu_step
+
+        cpu_step.attach(model)
     _return_freed_memory()
     return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
 
@@ -294,8 +298,8 @@ def wants_compiled_step(model: STTForCausalLM) -> bool:
     decodes eagerly unless `--compile` asks (loading a saved step costs more than one reply gains)."""
     from chatapp.stt.weights import weight_format
 
-    if os.environ.get(COMPILE_ENV, "").strip():
-        return False
+    if os.environ.get(COMPILE_ENV, "").strip() or model.kernel_step is not None:
+        return False  # asked either way, or decoding in one kernel call already (int8 on a CPU: `stt.cpu_step`)
     return model.device.type == "cpu" and weight_format(model) in ("int8", "int4")
 
 
@@ -456,10 +460,10 @@ def configure_threads(num_parameters: int) -> int:
 
     threads = _threads_from_env()
     if threads is None:
-        if not fits_in_cache(num_parameters):
-            return torch.get_num_threads()
-        threads = 1
+        threads = torch.get_num_threads() if not fits_in_cache(num_parameters) else 1
     torch.set_num_threads(threads)
+    # The int8 kernels' thread pool (`stt.cpu_step`) takes the same count; numba reads it when it is imported.
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
     return threads
 
 

@@ -15,7 +15,7 @@ so it is read on the host once per STT layer; on the CPU the read is free and a 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +91,8 @@ class STTForCausalLM(nn.Module):
         # eager) and what was done about that step, for a log or `--verbose`.
         self.weight_format: str | None = None
         self.compiled_steps: DecodeSteps | None = None
+        # A whole decode step in one call, which `decode.decode_step` tries first (`stt.cpu_step.kernel_step`).
+        self.kernel_step: Callable | None = None
         self.compile_note: str | None = None
 
     @classmethod

@@ -1,0 +1,91 @@
+"""The int8 decode step in one numba call (`chatapp.stt.cpu_step`, `chatapp.stt.gemv`) against the torch decode
+step on the same int8 weights: same logits, router probabilities, decisions and cache state, step by step, on
+ragged batches, under both routings and both skip modes.
+
+The oracle runs in float32 (the int8 model's scales, norms and embeddings cast to float32, its int8 levels as
+they are), so the two compute the same numbers and differ only in the order of their sums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatapp.stt import cpu_step, gemv
+from chatapp.stt.decode import EAGER_STEPS, decode_step
+from chatapp.stt.weights import prepare_weights
+
+from .conftest import VOCAB, routed_model
+from .test_fast_paths import live_entries
+
+
+def int8_model(skip_mode: str = "strict", **overrides):
+    model = prepare_weights(routed_model(seed=3, initializer_range=0.05, skip_mode=skip_mode, **overrides), "int8")
+    return model.float().eval()
+
+
+def prefilled(model, lengths: list[int], max_len: int = 64):
+    ids = torch.randint(0, VOCAB, (len(lengths), max(lengths)), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(len(lengths), max_len)
+    model.extend(ids, torch.tensor(lengths), cache)
+    return cache
+
+
+def assert_same_cache(fast, slow) -> None:
+    assert torch.equal(fast.lengths, slow.lengths)
+    assert torch.equal(fast.seen, slow.seen)
+    torch.testing.assert_close(fast.prev_hidden, slow.prev_hidden, atol=1e-5, rtol=1e-5)
+    for (k1, v1, p1), (k2, v2, p2) in zip(live_entries(fast), live_entries(slow), strict=True):
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+        assert torch.equal(p1, p2)
+
+
+@torch.no_grad()
+def decode_both(model, lengths: list[int], steps: int, student: bool, cutoff) -> None:
+    fast, slow = prefilled(model, lengths), prefilled(model, lengths)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (len(lengths),), generator=generator)
+        got = cpu_step.kernel_step(model, ids, fast, student, cutoff)
+        assert got is not None
+        want = decode_step(model, ids, slow, student, cutoff, EAGER_STEPS)
+        torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[2], want[2])
+    assert_same_cache(fast, slow)
+
+
+@pytest.mark.parametrize("skip_mode", ["strict", "kv"])
+@pytest.mark.parametrize("student", [True, False])
+def test_kernel_step_equals_the_torch_step_on_a_ragged_batch(skip_mode: str, student: bool) -> None:
+    model = int8_model(skip_mode)
+    assert cpu_step.serves(model)
+    decode_both(model, [3, 9, 1, 6], steps=10, student=student, cutoff=model.config.router_threshold)
+
+
+@pytest.mark.parametrize("skip_mode", ["strict", "kv"])
+def test_kernel_step_splits_rows_that_a_layer_takes_from_rows_it_skips(skip_mode: str) -> None:
+    # Per-row cutoffs: row 0 runs every STT layer, row 1 none, row 2 as its router says.
+    model = int8_model(skip_mode)
+    decode_both(model, [4, 7, 2], steps=6, student=True, cutoff=torch.tensor([0.0, 1.1, 0.5]))
+
+
+def test_kernel_step_reads_and_writes_a_single_row() -> None:
+    model = int8_model(num_hidden_layers=3, stt_layers=[1])
+    decode_both(model, [5], steps=8, student=True, cutoff=0.5)
+
+
+def test_decode_goes_through_the_kernel_step_and_leaves_larger_batches_to_torch() -> None:
+    model = int8_model()
+    assert cpu_step.attach(model) and model.kernel_step is cpu_step.kernel_step
+    rows = gemv.MAX_ROWS + 1
+    cache = prefilled(model, [2] * rows)
+    assert cpu_step.kernel_step(model, torch.zeros(rows, dtype=torch.long), cache, True, 0.5) is None
+    logits = model.decode(torch.zeros(rows, dtype=torch.long), cache).logits  # the torch step
+    assert logits.shape == (rows, VOCAB) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int4"])
+def test_only_int8_models_are_served(fmt: str) -> None:
+    assert not cpu_step.serves(prepare_weights(routed_model(seed=3), fmt))
+    assert not cpu_step.attach(prepare_weights(routed_model(seed=3), fmt))
