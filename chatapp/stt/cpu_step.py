@@ -178,8 +178,28 @@ def attach(model) -> bool:
 
 
 def warm(model) -> None:
-    """Load the step's compiled code (the first time on a machine numba compiles and caches it, ~20 s) with a step
+    """Load the step's compiled code (numba's cache; without it numba compiles it, ~30 s on 2 cores) with a step
     on a one-row scratch cache, so that the first token does not wait for it."""
     with torch.inference_mode():
         cache = model.new_cache(1, 4)
         kernel_step(model, torch.zeros(1, dtype=torch.long), cache, True, 0.5)
+
+
+def compile_kernels() -> None:
+    """Compile the kernels into numba's cache (beside this package's code, or numba's user-wide cache when that
+    is read-only) with a step of a tiny random int8 model: the same argument types as any model's, so a later
+    process only loads them. `make run` and `make test` run this first (`python -m chatapp.stt.cpu_step`); it
+    takes about a second when the cache is current."""
+    from chatapp.stt.config import STTConfig
+    from chatapp.stt.random_init import random_routed_model
+    from chatapp.stt.weights import prepare_weights
+
+    config = STTConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, stt_layers=[1], routing_trained=True,
+    )  # fmt: skip
+    warm(prepare_weights(random_routed_model(config), "int8"))
+
+
+if __name__ == "__main__":
+    compile_kernels()
