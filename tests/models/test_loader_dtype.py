@@ -93,7 +93,8 @@ def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Pa
     # int8 decodes in one numba call from the start (`stt.cpu_step`): nothing to compile in the background.
     monkeypatch.setenv(DTYPE_ENV, "int8")
     int8 = EngineBackend.load(tiny_model_dir, device="cpu")
-    assert int8._engine.model.kernel_step is not None and int8.compile_in_background(lines := []) is None, lines
+    lines: list[str] = []
+    assert int8._engine.model.kernel_step is not None and int8.compile_in_background(lines.append) is None, lines
     monkeypatch.setenv(DTYPE_ENV, "int4")
     backend = EngineBackend.load(tiny_model_dir, device="cpu")
     engine = backend._engine
