@@ -126,34 +126,42 @@ def block(
             values[rows[b], slots[b], g, :] = qkv[b, v_at + g * head_dim : v_at + (g + 1) * head_dim]
     if kv_only:
         return
-    # Attention: one query per (row, head) over the row's entries 0..slot, softmax in float32.
+    # Attention over the row's entries 0..slot, softmax in float32: one task per (row, K/V head), whose query heads
+    # read each key and value once between them (per query head, the reads of a long cache cost more than the dot
+    # products).
     group = heads // kv_heads
     scale = np.float32(1.0 / math.sqrt(head_dim))
     attended = np.empty((batch, q_width), dtype=np.float32)
-    for pair in prange(batch * heads):
-        b, head = pair // heads, pair % heads
-        g = head // group
-        q = np.empty(head_dim, dtype=np.float32)
-        _rotate(qkv[b, head * head_dim : (head + 1) * head_dim], q, cos[b], sin[b], half)
-        count = slots[b] + 1
-        scores = np.empty(count, dtype=np.float32)
-        peak = np.float32(-np.inf)
+    for task in prange(batch * kv_heads):
+        b, g = task // kv_heads, task % kv_heads
+        row, count = rows[b], slots[b] + 1
+        q = np.empty((group, head_dim), dtype=np.float32)
+        for h in range(group):
+            at = (g * group + h) * head_dim
+            _rotate(qkv[b, at : at + head_dim], q[h], cos[b], sin[b], half)
+        scores = np.empty((group, count), dtype=np.float32)
         for s in range(count):
-            dot = np.float32(0.0)
-            for i in range(head_dim):
-                dot += q[i] * keys[rows[b], s, g, i]
-            scores[s] = dot * scale
-            peak = max(peak, scores[s])
-        total = np.float32(0.0)
+            key = keys[row, s, g]
+            for h in range(group):
+                dot = np.float32(0.0)
+                for i in range(head_dim):
+                    dot += q[h, i] * key[i]
+                scores[h, s] = dot * scale
+        for h in range(group):
+            peak = scores[h].max()
+            total = np.float32(0.0)
+            for s in range(count):
+                scores[h, s] = np.exp(scores[h, s] - peak)
+                total += scores[h, s]
+            scores[h] /= total
+        out = np.zeros((group, head_dim), dtype=np.float32)
         for s in range(count):
-            scores[s] = np.exp(scores[s] - peak)
-            total += scores[s]
-        out = attended[b, head * head_dim : (head + 1) * head_dim]
-        out[:] = 0.0
-        for s in range(count):
-            weight = scores[s] / total
-            for i in range(head_dim):
-                out[i] += weight * values[rows[b], s, g, i]
+            value = values[row, s, g]
+            for h in range(group):
+                weight = scores[h, s]
+                for i in range(head_dim):
+                    out[h, i] += weight * value[i]
+        attended[b, g * group * head_dim : (g + 1) * group * head_dim] = out.reshape(-1)
     projected = np.empty((batch, o_w.shape[0]), dtype=np.float32)
     int8_matmul(attended, o_w, o_s, qkv_b[:0], projected, 0)
     x += projected
