@@ -57,8 +57,9 @@ class KVCache:
         self.batch_size = batch_size
         shape = (batch_size, max_len + 1, num_kv_heads, head_dim)
         kv_dtype = kv_dtype or dtype
-        self.keys = [torch.zeros(shape, device=device, dtype=kv_dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=kv_dtype) for _ in range(num_layers)]
+        # One block per kind, each layer a view of it: the int8 CPU step reads every layer from one array.
+        self.keys = list(torch.zeros((num_layers, *shape), device=device, dtype=kv_dtype).unbind(0))
+        self.values = list(torch.zeros((num_layers, *shape), device=device, dtype=kv_dtype).unbind(0))
         # Absolute position of every entry (trash slot included); int32 keeps the mask inputs small.
         self.positions = torch.zeros(num_layers, batch_size, max_len + 1, device=device, dtype=torch.int32)
         self.lengths = torch.zeros(num_layers, batch_size, device=device, dtype=torch.long)

@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from numba import typed
 
 from chatapp.stt import gemv
 from chatapp.stt.weights import Int8Linear
@@ -33,10 +32,10 @@ def _f32(t: torch.Tensor | None) -> np.ndarray:
 
 
 class ModelArrays(NamedTuple):
-    """What `gemv.decode` reads of a model."""
+    """What `gemv.decode` reads of a model: every per-layer array stacked on a first axis of layers."""
 
-    blocks: typed.List  # per layer, `block_arrays`
-    routers: typed.List  # per STT layer, `router_arrays`
+    blocks: tuple  # `gemv.block`'s weight arguments, each (L, ...)
+    routers: tuple  # `gemv.router`'s weight arguments, each (L_stt, ...)
     stt_slot: np.ndarray  # (L,) int64: the layer's STT index, -1 for a dense layer
     heads: int
     kv_heads: int
@@ -46,60 +45,109 @@ class ModelArrays(NamedTuple):
     head_s: np.ndarray  # (V,)
 
 
-def block_arrays(layer) -> tuple | None:
-    """A decoder layer's weights as `gemv.block` takes them; None when a projection is not int8."""
+def _projections(layer) -> tuple | None:
     attn, mlp = layer.self_attn, layer.mlp
     projections = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
-    if not all(isinstance(p, Int8Linear) for p in projections):
-        return None
-    qkv, o, up, down = projections
-    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    return (
-        _f32(norm1.weight), np.float32(norm1.variance_epsilon),
-        qkv.weight_int8.numpy(), _f32(qkv.scales), _f32(qkv.bias),
-        o.weight_int8.numpy(), _f32(o.scales),
-        _f32(norm2.weight), np.float32(norm2.variance_epsilon),
-        up.weight_int8.numpy(), _f32(up.scales),
-        down.weight_int8.numpy(), _f32(down.scales),
-    )  # fmt: skip
+    return projections if all(isinstance(p, Int8Linear) for p in projections) else None
 
 
-def router_arrays(layer) -> tuple | None:
-    """An STT layer's causal router as `gemv.router` takes it (float32); None when it has none."""
-    router = layer.causal_router
-    if router is None:
-        return None
-    return (
-        _f32(router.norm_current.weight), np.float32(router.norm_current.variance_epsilon),
-        _f32(router.norm_previous.weight), np.float32(router.norm_previous.variance_epsilon),
-        _f32(router.up.weight), _f32(router.up.bias), _f32(router.out.weight.reshape(-1)),
-        np.float32(router.out.bias.item()),
-    )  # fmt: skip
+def _stack_int8(modules: list[Int8Linear], mapped: list[tuple[int, int]]) -> np.ndarray:
+    """The modules' int8 levels in one (L, N, K) array, each module's buffer then a view of it. The pages of the
+    stored format's file mapping that the copy read are handed back (`_release`), so the resident set holds the
+    levels once."""
+    stacked = torch.stack([m.weight_int8 for m in modules])
+    for module, view in zip(modules, stacked.unbind(0), strict=True):
+        _release(module.weight_int8, mapped)
+        module.weight_int8 = view
+    return stacked.numpy()
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process mapped from files (/proc/self/maps; none where it cannot be read)."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and fields[5].startswith("/"):
+                    start, end = (int(value, 16) for value in fields[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        pass
+    return ranges
+
+
+def _release(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
+    """Drop the resident pages of a tensor read from a file mapping that nothing reads any more (madvise
+    DONTNEED: the file keeps them, and a read would map them again). Anonymous memory is left alone: there the
+    call would discard the data."""
+    import ctypes
+    import mmap
+
+    start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    if not any(low <= start and start + size <= high for low, high in mapped):
+        return
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # MADV_DONTNEED
+
+
+def _stack(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.ascontiguousarray(np.stack(arrays))
 
 
 def model_arrays(model) -> ModelArrays | None:
     """`model`'s arrays for `gemv.decode`, gathered once and cached on it; None when the kernel cannot run it: not on
     a CPU, a cache that is not float32, a projection or the LM head not int8, an STT layer without a causal router,
-    a fused q/k/v or gate/up missing."""
+    layers of different shapes."""
     cached = getattr(model, "_gemv_arrays", None)
     if cached is not None and cached[0] == id(model.lm_head):
         return cached[1]
     layers = model.model.layers
     if model.device.type != "cpu" or model.kv_dtype != torch.float32 or not isinstance(model.lm_head, Int8Linear):
         return None
-    blocks = [block_arrays(layer) for layer in layers]
+    projections = [_projections(layer) for layer in layers]
     stt = list(model.stt_layer_indices)
-    routers = [router_arrays(layers[i]) for i in stt]
-    if any(b is None for b in blocks) or any(r is None for r in routers):
+    routers = [layers[i].causal_router for i in stt]
+    if any(p is None for p in projections) or any(r is None for r in routers):
         return None
+    if len({(*(m.weight_int8.shape for m in p), p[0].bias is None) for p in projections}) != 1:
+        return None
+    qkv, o, up, down = (list(group) for group in zip(*projections, strict=True))
+    mapped = _file_mappings()
+    norm1 = [layer.input_layernorm for layer in layers]
+    norm2 = [layer.post_attention_layernorm for layer in layers]
+    blocks = (
+        _stack([_f32(n.weight) for n in norm1]), np.array([n.variance_epsilon for n in norm1], np.float32),
+        _stack_int8(qkv, mapped), _stack([_f32(m.scales) for m in qkv]), _stack([_f32(m.bias) for m in qkv]),
+        _stack_int8(o, mapped), _stack([_f32(m.scales) for m in o]),
+        _stack([_f32(n.weight) for n in norm2]), np.array([n.variance_epsilon for n in norm2], np.float32),
+        _stack_int8(up, mapped), _stack([_f32(m.scales) for m in up]),
+        _stack_int8(down, mapped), _stack([_f32(m.scales) for m in down]),
+    )  # fmt: skip
+    hidden = int(model.config.hidden_size)
+    if not routers:  # numba types the arrays by their rank: a router that no layer reads
+        ones = np.ones((1, hidden), np.float32)
+        eps = np.ones(1, np.float32)
+        router_arrays = (ones, eps, ones, eps, np.zeros((1, 1, 2 * hidden), np.float32), np.zeros((1, 1), np.float32),
+                         np.zeros((1, 1), np.float32), eps)  # fmt: skip
+    else:
+        router_arrays = (
+            _stack([_f32(r.norm_current.weight) for r in routers]),
+            np.array([r.norm_current.variance_epsilon for r in routers], np.float32),
+            _stack([_f32(r.norm_previous.weight) for r in routers]),
+            np.array([r.norm_previous.variance_epsilon for r in routers], np.float32),
+            _stack([_f32(r.up.weight) for r in routers]),
+            _stack([_f32(r.up.bias) for r in routers]),
+            _stack([_f32(r.out.weight.reshape(-1)) for r in routers]),
+            np.array([r.out.bias.item() for r in routers], np.float32),
+        )
     stt_slot = np.full(len(layers), -1, dtype=np.int64)
     stt_slot[stt] = np.arange(len(stt))
-    if not routers:  # numba needs the list's type: a router that no layer reads
-        routers = [router_arrays_placeholder(int(model.config.hidden_size))]
     attn, norm = layers[0].self_attn, model.model.norm
     arrays = ModelArrays(
-        blocks=typed.List(blocks),
-        routers=typed.List(routers),
+        blocks=blocks,
+        routers=router_arrays,
         stt_slot=stt_slot,
         heads=attn.num_heads,
         kv_heads=attn.num_kv_heads,
@@ -112,21 +160,26 @@ def model_arrays(model) -> ModelArrays | None:
     return arrays
 
 
-def router_arrays_placeholder(hidden: int) -> tuple:
-    ones = np.ones(hidden, dtype=np.float32)
-    one = np.float32(1e-6)
-    return (ones, one, ones, one, np.zeros((1, 2 * hidden), np.float32), _EMPTY[:0] + 0, np.zeros(1, np.float32), one)
-
-
-def cache_arrays(cache) -> tuple[typed.List, typed.List]:
-    """The cache's per-layer keys and values as numpy views, gathered once per cache."""
+def cache_arrays(cache) -> tuple[np.ndarray, np.ndarray]:
+    """The cache's keys and values as (L, B, S + 1, H_kv, Dh) arrays: its own blocks when its layers are views of
+    one (`KVCache` allocates them so), else stacked once and the layers made views of the stack."""
     cached = getattr(cache, "_gemv_arrays", None)
-    if cached is None:
-        cached = cache._gemv_arrays = (
-            typed.List([k.numpy() for k in cache.keys]),
-            typed.List([v.numpy() for v in cache.values]),
-        )
-    return cached
+    if cached is not None and cached[0] == (id(cache.keys), id(cache.values)):
+        return cached[1]
+    arrays = (_layer_block(cache.keys), _layer_block(cache.values))
+    cache._gemv_arrays = ((id(cache.keys), id(cache.values)), arrays)
+    return arrays
+
+
+def _layer_block(layers: list[torch.Tensor]) -> np.ndarray:
+    first = layers[0]
+    step = first.numel()
+    if all(t.is_contiguous() and t.data_ptr() == first.data_ptr() + i * step * t.element_size()
+           for i, t in enumerate(layers)):  # fmt: skip
+        return torch.as_strided(first, (len(layers), *first.shape), (step, *first.stride())).numpy()
+    stacked = torch.stack(layers)
+    layers[:] = list(stacked.unbind(0))
+    return stacked.numpy()
 
 
 @torch.no_grad()
@@ -151,7 +204,7 @@ def kernel_step(model, ids: torch.Tensor, cache, student: bool, cutoff: float | 
     selected = torch.ones((stt_count, batch), dtype=torch.bool)
     logits = torch.empty((batch, arrays.head_w.shape[0]), dtype=torch.float32)
     gemv.decode(
-        x.numpy(), arrays.blocks, arrays.routers, arrays.stt_slot, keys, values,
+        x.numpy(), *arrays.blocks, *arrays.routers, arrays.stt_slot, keys, values,
         cache.lengths.numpy(), cache.positions.numpy(), cache.seen.numpy(),
         _f32(cache.prev_hidden), inputs.numpy(), _f32(cos), _f32(sin), cutoffs.numpy(), bool(student),
         model.config.skip_mode == "kv", arrays.heads, arrays.kv_heads, arrays.final_norm, arrays.final_eps,

@@ -202,8 +202,27 @@ def router(
 @njit(**_NUMBA)
 def decode(
     x,
-    blocks,
-    routers,
+    norm1,
+    eps1,
+    qkv_w,
+    qkv_s,
+    qkv_b,
+    o_w,
+    o_s,
+    norm2,
+    eps2,
+    up_w,
+    up_s,
+    down_w,
+    down_s,
+    r_norm_c,
+    r_eps_c,
+    r_norm_p,
+    r_eps_p,
+    r_up_w,
+    r_up_b,
+    r_out_w,
+    r_out_b,
     stt_slot,
     keys,
     values,
@@ -229,7 +248,9 @@ def decode(
 ):  # pragma: no cover - compiled
     """One decode step of every row of `x` (B, D), the token embeddings (float32): the model's layers in order, each
     row stored at slot `lengths[layer, b]` of its cache row b, then the final norm and the int8 LM head into
-    `logits` (B, V). `decode.decode_step`'s rules, which tests/stt/test_gemv.py checks against it:
+    `logits` (B, V). Every per-layer array is stacked on a first axis of layers (L, ...): the blocks' weights, the
+    cache's `keys` and `values` (L, B, S + 1, H_kv, Dh); the routers' (`r_*`) on one of STT layers. The rules are
+    `decode.decode_step`'s, which tests/stt/test_gemv.py checks against it:
 
     - at an STT layer (`stt_slot[layer]` >= 0) its router reads the layer input beside `previous` (the row's input
       there one token before) into `probs`, and the input is kept in `inputs` for the next token;
@@ -239,14 +260,16 @@ def decode(
       position `seen[b]` at its slot, and `seen` grows by one.
     """
     batch = x.shape[0]
-    trash = keys[0].shape[1] - 1
-    for layer in range(len(blocks)):
-        block_arrays = blocks[layer]
+    trash = keys.shape[2] - 1
+    for layer in range(qkv_w.shape[0]):
         slot = stt_slot[layer]
         run = np.ones(batch, dtype=np.bool_)
         if slot >= 0:
             inputs[slot, :, :] = x
-            router(x, previous[slot], *routers[slot], probs[slot])
+            router(
+                x, previous[slot], r_norm_c[slot], r_eps_c[slot], r_norm_p[slot], r_eps_p[slot], r_up_w[slot],
+                r_up_b[slot], r_out_w[slot], r_out_b[slot], probs[slot],
+            )  # fmt: skip
             for b in range(batch):
                 if student:
                     run[b] = probs[slot, b] >= cutoff[b]
@@ -255,52 +278,29 @@ def decode(
         skipped = np.flatnonzero(~run)
         for b in taken:
             positions[layer, b, lengths[layer, b]] = seen[b]
+        weights = (
+            norm1[layer], eps1[layer], qkv_w[layer], qkv_s[layer], qkv_b[layer], o_w[layer], o_s[layer],
+            norm2[layer], eps2[layer], up_w[layer], up_s[layer], down_w[layer], down_s[layer],
+        )  # fmt: skip
         if taken.shape[0] == batch:
+            rows = np.arange(batch)
             block(
-                x,
-                *block_arrays,
-                cos,
-                sin,
-                keys[layer],
-                values[layer],
-                np.arange(batch),
-                lengths[layer].copy(),
-                heads,
-                kv_heads,
-                False,
+                x, *weights, cos, sin, keys[layer], values[layer], rows, lengths[layer].copy(), heads, kv_heads, False
             )
         elif taken.shape[0] > 0:
             part = x[taken].copy()
             block(
-                part,
-                *block_arrays,
-                cos[taken],
-                sin[taken],
-                keys[layer],
-                values[layer],
-                taken,
-                lengths[layer][taken],
-                heads,
-                kv_heads,
-                False,
-            )
+                part, *weights, cos[taken], sin[taken], keys[layer], values[layer], taken, lengths[layer][taken],
+                heads, kv_heads, False,
+            )  # fmt: skip
             x[taken] = part
         if skipped.shape[0] > 0:
             if store_skipped:
                 part = x[skipped].copy()
                 block(
-                    part,
-                    *block_arrays,
-                    cos[skipped],
-                    sin[skipped],
-                    keys[layer],
-                    values[layer],
-                    skipped,
-                    lengths[layer][skipped],
-                    heads,
-                    kv_heads,
-                    True,
-                )
+                    part, *weights, cos[skipped], sin[skipped], keys[layer], values[layer], skipped,
+                    lengths[layer][skipped], heads, kv_heads, True,
+                )  # fmt: skip
                 for b in skipped:
                     positions[layer, b, lengths[layer, b]] = seen[b]
                     lengths[layer, b] += 1
