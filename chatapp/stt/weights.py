@@ -65,21 +65,15 @@ def fits_in_cache(num_parameters: int) -> bool:
     return num_parameters * 4 <= CPU_QUANTIZE_MIN_BYTES
 
 
-def default_format(device: torch.device, num_parameters: int, capability: str | None = None) -> str:
-    """On a CPU a quantized format for a model too large for its caches, float32 for a small one; float32 elsewhere
-    (CUDA has not been measured yet). Which quantized format depends on the CPU's vector instructions (`capability`,
-    default torch's own reading): torch's int4 kernel is fast with AVX-512, where int4 decoded 1.1x int8 eager and
-    1.2x compiled on the default model; with AVX2 alone it is the slower of the two (int8 1.14x int4 eager at batch
-    1), and elsewhere it is unmeasured, so those get int8, which is within the quality guard too (README). A torch
-    without the CPU int4 kernel gets int8."""
-    if device.type != "cpu":
+def default_format(device: torch.device, num_parameters: int) -> str:
+    """On a CPU int8 for a model too large for its caches, float32 for a small one; float32 elsewhere (CUDA has not
+    been measured yet). int8 because its decode step runs as one numba call (`stt.cpu_step`) on any CPU, with nothing
+    to compile: on a 2-core AVX2 EPYC 69 tokens/s at batch 1 on the default model, where int4 reached 41 only with
+    its compiled step (and 26 eagerly, as a command's first reply ran); int8 is within the quality guard (README).
+    int4 stays a choice (`--dtype int4`): on AVX-512 its compiled step led the torch formats."""
+    if device.type != "cpu" or fits_in_cache(num_parameters):
         return "float32"
-    if fits_in_cache(num_parameters):
-        return "float32"
-    if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
-        return "int8"
-    capability = capability or torch.backends.cpu.get_cpu_capability()
-    return "int4" if capability.startswith("AVX512") else "int8"
+    return "int8"
 
 
 @functools.cache

@@ -96,8 +96,8 @@ def test_general_question_is_answered_without_a_tool(model_dir: Path) -> None:
 
 
 def test_int4_keeps_the_adapters_apart_and_the_default_format_is_the_cpus(model_dir: Path) -> None:
-    """int4 (the default on an AVX-512 CPU) re-quantizes the Q4_1 base onto its own grid and runs the merged LoRA
-    beside it (`LowRankLinear`). int8 (the default elsewhere), which quantizes the merged weights, still answers
+    """int4 (`--dtype int4`) re-quantizes the Q4_1 base onto its own grid and runs the merged LoRA
+    beside it (`LowRankLinear`). int8 (the default on a CPU), which quantizes the merged weights, still answers
     through the tool."""
     import torch
 

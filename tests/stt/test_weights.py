@@ -334,12 +334,8 @@ def test_default_format_by_size() -> None:
 
     cpu = torch.device("cpu")
     assert default_format(cpu, 3_350_000) == "float32"
-    assert default_format(cpu, 3_350_000, "AVX512") == "float32"
-    # A large model on a CPU: int4 where torch's int4 kernel is fast (AVX-512), int8 where it is not.
-    assert default_format(cpu, 135_000_000, "AVX512") == "int4"
-    assert default_format(cpu, 135_000_000, "AVX2") == "int8"
-    assert default_format(cpu, 135_000_000, "DEFAULT") == "int8"
-    assert default_format(cpu, 135_000_000) in ("int4", "int8")
+    # A large model on a CPU: int8, whose decode step is one numba call (`stt.cpu_step`).
+    assert default_format(cpu, 135_000_000) == "int8"
     assert default_format(torch.device("cuda"), 135_000_000) == "float32"
 
 
