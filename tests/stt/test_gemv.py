@@ -15,7 +15,7 @@ from chatapp.stt.decode import EAGER_STEPS, decode_step
 from chatapp.stt.weights import prepare_weights
 
 from .conftest import VOCAB, routed_model
-from .test_fast_paths import live_entries
+from .test_fast_paths import assert_same_state
 
 
 def int8_model(skip_mode: str = "strict", **overrides):
@@ -30,16 +30,6 @@ def prefilled(model, lengths: list[int], max_len: int = 64):
     return cache
 
 
-def assert_same_cache(fast, slow) -> None:
-    assert torch.equal(fast.lengths, slow.lengths)
-    assert torch.equal(fast.seen, slow.seen)
-    torch.testing.assert_close(fast.prev_hidden, slow.prev_hidden, atol=1e-5, rtol=1e-5)
-    for (k1, v1, p1), (k2, v2, p2) in zip(live_entries(fast), live_entries(slow), strict=True):
-        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
-        assert torch.equal(p1, p2)
-
-
 @torch.no_grad()
 def decode_both(model, lengths: list[int], steps: int, student: bool, cutoff) -> None:
     fast, slow = prefilled(model, lengths), prefilled(model, lengths)
@@ -52,7 +42,7 @@ def decode_both(model, lengths: list[int], steps: int, student: bool, cutoff) ->
         torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
         assert torch.equal(got[2], want[2])
-    assert_same_cache(fast, slow)
+    assert_same_state(fast, slow, hidden_tolerance=1e-5)
 
 
 @pytest.mark.parametrize("skip_mode", ["strict", "kv"])
