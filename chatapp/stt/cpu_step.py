@@ -204,7 +204,7 @@ def kernel_step(model, ids: torch.Tensor, cache, student: bool, cutoff: float | 
     selected = torch.ones((stt_count, batch), dtype=torch.bool)
     logits = torch.empty((batch, arrays.head_w.shape[0]), dtype=torch.float32)
     gemv.decode(
-        x.numpy(), *arrays.blocks, *arrays.routers, arrays.stt_slot, keys, values,
+        x.numpy(), arrays.blocks, arrays.routers, arrays.stt_slot, keys, values,
         cache.lengths.numpy(), cache.positions.numpy(), cache.seen.numpy(),
         _f32(cache.prev_hidden), inputs.numpy(), _f32(cos), _f32(sin), cutoffs.numpy(), bool(student),
         model.config.skip_mode == "kv", arrays.heads, arrays.kv_heads, arrays.final_norm, arrays.final_eps,

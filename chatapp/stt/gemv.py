@@ -1,4 +1,4 @@
-"""The decode step's int8 blocks in numba: a whole decoder block per call, for a few rows at a time on a CPU.
+"""The int8 decode step in numba: the whole step in one call, for a few rows at a time on a CPU.
 
 At batch 1 a decode step of the default model in int8 is 120 matrix-vector products over 106 MB of weights,
 plus ~40 small torch ops per block around them. Both were slow on a CPU without AVX-512:
@@ -12,9 +12,10 @@ plus ~40 small torch ops per block around them. Both were slow on a CPU without 
 
 So `block` runs a whole block (norm, q/k/v, rotary, the cache write, attention over the row's cache entries, o,
 residual, norm, gate/up, SwiGLU, down, residual) in one call, its residual stream in float32, and `int8_matmul`
-runs the LM head. Parallel loops run output channels (a projection) or (row, head) pairs (attention) on numba's
-OpenMP layer, which shares the libgomp torch loads; for each output channel every input row is computed while
-the channel's weight row is in L1, so a few rows cost little more than one.
+runs the LM head; `decode` runs a whole step through them (`stt.cpu_step`). Parallel loops run output channels
+(a projection) or (row, K/V head) pairs (attention) on numba's OpenMP layer (the system's libgomp, a thread pool
+beside torch's own); for each output channel every input row is computed while the channel's weight row is in
+L1, so a few rows cost little more than one.
 
 The arithmetic is the eager step's with int8 weights dequantized exactly (`q * scale`, one scale per output
 channel, applied after the sum) and float32 throughout where the eager step rounds activations to bfloat16:
@@ -77,34 +78,13 @@ def _rotate(src, dst, cos, sin, half):  # pragma: no cover - compiled
 
 
 @njit(**_NUMBA)
-def block(
-    x,
-    norm1,
-    eps1,
-    qkv_w,
-    qkv_s,
-    qkv_b,
-    o_w,
-    o_s,
-    norm2,
-    eps2,
-    up_w,
-    up_s,
-    down_w,
-    down_s,
-    cos,
-    sin,
-    keys,
-    values,
-    rows,
-    slots,
-    heads,
-    kv_heads,
-    kv_only,
-):  # pragma: no cover - compiled
+def block(x, weights, cos, sin, keys, values, rows, slots, heads, kv_heads, kv_only):  # pragma: no cover - compiled
     """One decoder block on the rows `x` (B, D) float32, updated in place: the cache row of row b is rows[b], its
     token is stored at slot slots[b] and attends over the slots up to it. `kv_only`: store K/V and stop (an STT
-    layer's skipped token in "kv" mode). cos, sin (B, Dh) at each row's position."""
+    layer's skipped token in "kv" mode). cos, sin (B, Dh) at each row's position. `weights`: (input norm, its eps,
+    q/k/v int8, scales, bias, o int8, scales, post-attention norm, its eps, gate/up int8, scales, down int8,
+    scales)."""
+    norm1, eps1, qkv_w, qkv_s, qkv_b, o_w, o_s, norm2, eps2, up_w, up_s, down_w, down_s = weights
     batch = x.shape[0]
     head_dim = cos.shape[1]
     half = head_dim // 2
@@ -201,55 +181,15 @@ def router(
 
 @njit(**_NUMBA)
 def decode(
-    x,
-    norm1,
-    eps1,
-    qkv_w,
-    qkv_s,
-    qkv_b,
-    o_w,
-    o_s,
-    norm2,
-    eps2,
-    up_w,
-    up_s,
-    down_w,
-    down_s,
-    r_norm_c,
-    r_eps_c,
-    r_norm_p,
-    r_eps_p,
-    r_up_w,
-    r_up_b,
-    r_out_w,
-    r_out_b,
-    stt_slot,
-    keys,
-    values,
-    lengths,
-    positions,
-    seen,
-    previous,
-    inputs,
-    cos,
-    sin,
-    cutoff,
-    student,
-    store_skipped,
-    heads,
-    kv_heads,
-    final_norm,
-    final_eps,
-    head_w,
-    head_s,
-    logits,
-    probs,
-    selected,
-):  # pragma: no cover - compiled
+    x, blocks, routers, stt_slot, keys, values, lengths, positions, seen, previous, inputs,
+    cos, sin, cutoff, student, store_skipped, heads, kv_heads, final_norm, final_eps, head_w, head_s,
+    logits, probs, selected,
+):  # pragma: no cover - compiled  # fmt: skip
     """One decode step of every row of `x` (B, D), the token embeddings (float32): the model's layers in order, each
     row stored at slot `lengths[layer, b]` of its cache row b, then the final norm and the int8 LM head into
-    `logits` (B, V). Every per-layer array is stacked on a first axis of layers (L, ...): the blocks' weights, the
-    cache's `keys` and `values` (L, B, S + 1, H_kv, Dh); the routers' (`r_*`) on one of STT layers. The rules are
+    `logits` (B, V). Every per-layer array is stacked on a first axis of layers (L, ...): `blocks`, `block`'s
+    weights in its order, the cache's `keys` and `values` (L, B, S + 1, H_kv, Dh); `routers`, `router`'s weights in
+    its order, on one of STT layers. The rules are
     `decode.decode_step`'s, which tests/stt/test_gemv.py checks against it:
 
     - at an STT layer (`stt_slot[layer]` >= 0) its router reads the layer input beside `previous` (the row's input
@@ -261,6 +201,8 @@ def decode(
     """
     batch = x.shape[0]
     trash = keys.shape[2] - 1
+    norm1, eps1, qkv_w, qkv_s, qkv_b, o_w, o_s, norm2, eps2, up_w, up_s, down_w, down_s = blocks
+    r_norm_c, r_eps_c, r_norm_p, r_eps_p, r_up_w, r_up_b, r_out_w, r_out_b = routers
     for layer in range(qkv_w.shape[0]):
         slot = stt_slot[layer]
         run = np.ones(batch, dtype=np.bool_)
@@ -284,13 +226,11 @@ def decode(
         )  # fmt: skip
         if taken.shape[0] == batch:
             rows = np.arange(batch)
-            block(
-                x, *weights, cos, sin, keys[layer], values[layer], rows, lengths[layer].copy(), heads, kv_heads, False
-            )
+            block(x, weights, cos, sin, keys[layer], values[layer], rows, lengths[layer].copy(), heads, kv_heads, False)
         elif taken.shape[0] > 0:
             part = x[taken].copy()
             block(
-                part, *weights, cos[taken], sin[taken], keys[layer], values[layer], taken, lengths[layer][taken],
+                part, weights, cos[taken], sin[taken], keys[layer], values[layer], taken, lengths[layer][taken],
                 heads, kv_heads, False,
             )  # fmt: skip
             x[taken] = part
@@ -298,7 +238,7 @@ def decode(
             if store_skipped:
                 part = x[skipped].copy()
                 block(
-                    part, *weights, cos[skipped], sin[skipped], keys[layer], values[layer], skipped,
+                    part, weights, cos[skipped], sin[skipped], keys[layer], values[layer], skipped,
                     lengths[layer][skipped], heads, kv_heads, True,
                 )  # fmt: skip
                 for b in skipped:
