@@ -10,9 +10,9 @@ checkpoint and are undone here:
 - A Llama block is a Qwen2 block without q/k/v biases, so Llama files get zero biases and load into the Qwen2
   layout unchanged in what they compute.
 
-The tokenizer is rebuilt from the file's metadata by transformers' GGUF tokenizer converter (the same code its
-`from_pretrained(gguf_file=...)` uses) and written as `tokenizer.json`; the chat template and the special tokens go
-to `tokenizer_config.json`, the end-of-turn id to `generation_config.json`.
+The tokenizer is rebuilt from the file's metadata (`chatapp.models.gguf_tokenizer`) and written as
+`tokenizer.json`; the chat template and the special tokens go to `tokenizer_config.json`, the end-of-turn id to
+`generation_config.json`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from chatapp.errors import ModelDirError
+from chatapp.models.gguf_tokenizer import GGUFTokenizer, TokenizerError, build_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # Tensor types that appear in the GGUF files people actually have; all dequantize in numpy via `gguf`.
@@ -183,7 +184,11 @@ def _validate_config(path: Path, arch: str, config: dict[str, Any]) -> None:
         problem = config_problem(err)
         fields = [name for name in _GGUF_KEYS if problem.startswith(name) or f" {name} " in f" {problem} "]
         keys = ", ".join(f"{arch}.{_GGUF_KEYS[name]}" for name in fields)
-        where = f"its metadata {keys} gives an impossible model config" if keys else "its metadata gives an impossible model config"
+        where = (
+            f"its metadata {keys} gives an impossible model config"
+            if keys
+            else "its metadata gives an impossible model config"
+        )
         raise GGUFError(
             f"{path}: {where}: {problem}",
             hint="the file is corrupt or was written wrongly; use another copy or a file from another converter",
@@ -304,26 +309,24 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> GGUFModel:
             bias = f"model.layers.{layer}.self_attn.{proj}.bias"
             if weight is not None and bias not in tensors:
                 tensors[bias] = torch.zeros(weight.shape[0])
-    tokenizer_json, tokenizer_config = _tokenizer(path, config)
+    tokenizer = _tokenizer(reader, path, config)
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-    return GGUFModel(arch, config, tensors, tokenizer_json, tokenizer_config, generation)
+    return GGUFModel(arch, config, tensors, tokenizer.json, tokenizer.config, generation)
 
 
-def _tokenizer(path: Path, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
-
+def _tokenizer(reader: Any, path: Path, config: dict[str, Any]) -> GGUFTokenizer:
     try:
-        architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
-        backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
-    except Exception as err:  # tokenizers raises a bare Exception for merges naming tokens not in the vocabulary
+        built = build_tokenizer(lambda key: _field(reader, key), path)
+    except (TokenizerError, TypeError, ValueError, OSError) as err:
         raise GGUFError(
-            f"{path}: the tokenizer in the file's metadata cannot be rebuilt ({type(err).__name__}: {err})",
+            f"{path}: the tokenizer in the file's metadata cannot be rebuilt ({err})",
             hint="use a GGUF file with a gpt2 (byte-level BPE) or llama (sentencepiece) tokenizer",
         ) from None
-    if backend.get_vocab_size(with_added_tokens=True) > config["vocab_size"]:
-        raise GGUFError(f"{path}: the tokenizer has more tokens than the model's vocabulary")
-    keep = ("chat_template", "bos_token", "eos_token", "pad_token", "unk_token", "add_bos_token", "add_eos_token")
-    return backend.to_str(), {k: v for k, v in tokenizer_config.items() if k in keep and v is not None}
+    if built.size > config["vocab_size"]:
+        raise GGUFError(
+            f"{path}: the tokenizer has {built.size} tokens, more than the model's vocabulary of {config['vocab_size']}"
+        )
+    return built
 
 
 def convert_gguf(source: str | Path, target: str | Path, progress: Progress | None = None) -> Any:

@@ -420,3 +420,84 @@ def test_corrupted_valid_file(small_file: TinyGGUF, tmp_path_factory: pytest.Tem
         _read_only_gguf_errors(path, bytes(data))
 
     check()
+
+
+# -- the tokenizer, against transformers' `from_pretrained(gguf_file=...)` -------------------------------------------
+
+TOKENIZER_VARIANTS = {
+    "smollm": {},
+    "llama-bpe, BOS added": {
+        "tokenizer.ggml.pre": ("llama-bpe", V.STRING),
+        "tokenizer.ggml.add_bos_token": (True, V.BOOL),
+    },
+    "tekken, BOS and EOS added": {
+        "tokenizer.ggml.pre": ("tekken", V.STRING),
+        "tokenizer.ggml.add_bos_token": (True, V.BOOL),
+        "tokenizer.ggml.add_eos_token": (True, V.BOOL),
+    },
+    "qwen2, BOS off": {"tokenizer.ggml.pre": ("qwen2", V.STRING), "tokenizer.ggml.add_bos_token": (False, V.BOOL)},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[object, object]]:
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    pairs = {}
+    for index, (name, override) in enumerate(TOKENIZER_VARIANTS.items()):
+        folder = tmp_path_factory.mktemp(f"tok{index}")
+        tiny = write_tiny_gguf(folder / "t.gguf", "llama", weight_type=Q.Q8_0, override=override)
+        ours = Tokenizer.from_str(read_gguf(tiny.path).tokenizer_json)
+        pairs[name] = (ours, AutoTokenizer.from_pretrained(str(folder), gguf_file="t.gguf"))
+    return pairs
+
+
+def _transformers_version() -> tuple[int, ...]:
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("transformers").split(".")[:2] if part.isdigit())
+
+
+@pytest.mark.skipif(
+    _transformers_version() < (5, 24),
+    reason="older transformers (5.17 checked) build byte-level GGUF tokenizers without the file's pre-tokenizer "
+    "split and BOS flag, which llama.cpp and chatapp honour",
+)
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from([*"aeht lo\n\t 0123'sS.,!?é中🙂", "<|im_start|>", "<|im_end|>", "  "]), max_size=40)
+)
+def test_tokenizer_matches_transformers_on_any_text(tokenizer_pairs: dict, pieces: list[str]) -> None:
+    text = "".join(pieces)
+    for name, (ours, theirs) in tokenizer_pairs.items():
+        assert ours.encode(text).ids == theirs.encode(text), name
+        assert ours.encode(text, add_special_tokens=False).ids == theirs.encode(text, add_special_tokens=False), name
+        ids = ours.encode(text, add_special_tokens=False).ids
+        assert ours.decode(ids, skip_special_tokens=False) == text, name
+
+
+def test_tokenizer_adds_bos_and_eos_where_the_file_asks(tokenizer_pairs: dict) -> None:
+    """As llama.cpp does (and transformers from some 5.x release on)."""
+    plain = tokenizer_pairs["smollm"][0].encode("hello").ids
+    assert tokenizer_pairs["llama-bpe, BOS added"][0].encode("hello").ids == [1, *plain]  # <|im_start|> is BOS here
+    assert tokenizer_pairs["tekken, BOS and EOS added"][0].encode("hello").ids[:1] == [1]
+    assert tokenizer_pairs["tekken, BOS and EOS added"][0].encode("hello").ids[-1:] == [2]
+    assert tokenizer_pairs["qwen2, BOS off"][0].encode("hello").ids[:1] != [1]
+
+
+def test_byte_level_tokenizer_needs_no_transformers(small_file: TinyGGUF) -> None:
+    """Preparing the default model (a byte-level vocabulary) builds its tokenizer with `tokenizers` alone, so it
+    works with any transformers release, whose GGUF helpers are private and change between versions."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from chatapp.models.gguf import read_gguf; "
+        f"read = read_gguf({str(small_file.path)!r}); "
+        "assert 'transformers' not in sys.modules, 'transformers was imported'; "
+        "print(len(read.tokenizer_json) > 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
