@@ -57,7 +57,7 @@ from _routing import route_synthetically
 from chatapp.compute_saved import compute_saved
 from chatapp.engine.engine import Engine
 from chatapp.settings import GenerationSettings
-from chatapp.stt import STTForCausalLM, cpu_step, precompile
+from chatapp.stt import STTForCausalLM, cpu_step, gemv, precompile
 from chatapp.stt.decode import compiled_decode_steps
 from chatapp.stt.io import load_merged_adapters
 from chatapp.stt.weights import Int4Linear, Int8Linear, LowRankLinear, prepare_weights
@@ -314,6 +314,16 @@ def quality_section(
         prefix = (own == reference).int().cumprod(1).sum(1).float().mean().item() / steps
         ppl = perplexity(model, held_out)
         lines.append(f"| {fmt} | {agree:.1%} | {prefix:.0%} | {ppl:.3f} | {ppl / ppl_ref:.3f} |")
+        if fmt == "int8" and cpu_step.serves(model):  # the default: decode as one numba call, <= 8 rows a call
+            model.kernel_step = cpu_step.kernel_step
+            rows = range(0, len(prompts), gemv.MAX_ROWS)
+            argmax = torch.cat([greedy_rows(model, prompts[r : r + gemv.MAX_ROWS], steps,
+                                            forced=reference[r : r + gemv.MAX_ROWS])[1] for r in rows])
+            own = torch.cat([greedy_rows(model, prompts[r : r + gemv.MAX_ROWS], steps)[0] for r in rows])
+            model.kernel_step = None
+            agree = (argmax == reference).float().mean().item()
+            prefix = (own == reference).int().cumprod(1).sum(1).float().mean().item() / steps
+            lines.append(f"| {fmt}, one numba call | {agree:.1%} | {prefix:.0%} | (prefill as {fmt}) | |")
         if fmt in compiled:  # the decode step compiled; prefill (and so perplexity) is the same code
             model.compiled_steps = compiled[fmt]
             _, argmax = greedy_rows(model, prompts, steps, forced=reference)
