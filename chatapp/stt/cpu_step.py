@@ -1,28 +1,54 @@
-"""The int8 decode step on a CPU as one call of numba code (`chatapp.stt.gemv.decode`).
+"""The int8 decode step on a CPU as one call of native code (`decode_step.c`, built here with the C compiler).
 
 `decode.decode_step` runs a step as ~25 torch calls of compiled or eager blocks with torch ops between them
 (routers, step state, bookkeeping): at batch 1 on a 2-core CPU that bookkeeping and torch's int8 kernel were
 most of a step. For a model whose projections and LM head are int8 (`stt.weights.Int8Linear`) on a CPU, the
 loader attaches `kernel_step` instead (`attach`): the whole step, routing and cache bookkeeping included, is one
-numba call over the model's own weight arrays, and every command decodes through it from its first token with
-nothing to compile (README, "int8 decode in one numba call", has the rates).
+call of `chatapp_decode` over the model's own weight arrays, and every command decodes through it from its first
+token (README, "int8 decodes in one native call", has the rates).
+
+The C file is compiled once per machine (`-O3 -march=native -fopenmp`, ~3 s; `make run` and `make test` do it
+first) into `_build/` beside it, or the data directory where the package is read-only, under a name that hashes
+the source, the flags and the CPU's features, so an edited file or another CPU gets its own build. Loading it is
+a `dlopen`: no JIT, nothing held in memory beyond the code. Without a C compiler the kernel is not attached and
+the torch step decodes (`library_problem` says why, `chatapp info` shows it).
 
 The model's arrays are gathered once (`model_arrays`, cached on the model) and a cache's once
 (`cache_arrays`, cached on the cache): numpy views of the same memory, int8 levels shared with the modules, the
 small float vectors (scales, biases, norm weights, routers) as float32 copies. Calls the kernel does not take
-(more rows than `gemv.MAX_ROWS`) go through the torch step.
+(more rows than `MAX_ROWS`) go through the torch step.
 """
 
 from __future__ import annotations
 
-import threading
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from chatapp.stt import gemv
 from chatapp.stt.weights import Int8Linear
+
+# Most rows one call takes (`MAX_ROWS` in the C file); a larger batch goes through the torch step (there the
+# weight-only kernel's cost is shared by the rows, and a dense product wins from 48 rows up: see
+# `stt.weights.DEQUANT_ROWS`).
+MAX_ROWS = 8
+SOURCE = Path(__file__).with_name("decode_step.c")
+# Reordered float sums (what vectorizes the attention's dot products), but not -ffast-math: a shared library
+# linked with it sets the CPU's flush-to-zero mode for the whole process when it is loaded, which changed the
+# calculator's results (subnormal numbers became 0).
+FLAGS = (
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+    "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+)  # fmt: skip
+# Threads of the kernel's OpenMP pool: `$CHATAPP_KERNEL_THREADS`, else torch's count when a step starts.
+THREADS_ENV = "CHATAPP_KERNEL_THREADS"
 
 _EMPTY = np.zeros(0, dtype=np.float32)
 
@@ -32,17 +58,11 @@ def _f32(t: torch.Tensor | None) -> np.ndarray:
 
 
 class ModelArrays(NamedTuple):
-    """What `gemv.decode` reads of a model: every per-layer array stacked on a first axis of layers."""
+    """What `chatapp_decode` reads of a model: its arrays, every per-layer one stacked on a first axis of layers
+    (kept alive here), and the `DecodeArgs` fields that describe and point at them."""
 
-    blocks: tuple  # `gemv.block`'s weight arguments, each (L, ...)
-    routers: tuple  # `gemv.router`'s weight arguments, each (L_stt, ...)
-    stt_slot: np.ndarray  # (L,) int64: the layer's STT index, -1 for a dense layer
-    heads: int
-    kv_heads: int
-    final_norm: np.ndarray
-    final_eps: np.float32
-    head_w: np.ndarray  # (V, D) int8
-    head_s: np.ndarray  # (V,)
+    arrays: dict[str, np.ndarray]  # by `DecodeArgs` field name
+    fields: dict[str, int | float]  # the model's `DecodeArgs` fields: sizes, then the arrays' addresses
 
 
 def _projections(layer) -> tuple | None:
@@ -81,7 +101,6 @@ def _release(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
     """Drop the resident pages of a tensor read from a file mapping that nothing reads any more (madvise
     DONTNEED: the file keeps them, and a read would map them again). Anonymous memory is left alone: there the
     call would discard the data."""
-    import ctypes
     import mmap
 
     start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
@@ -97,10 +116,10 @@ def _stack(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def model_arrays(model) -> ModelArrays | None:
-    """`model`'s arrays for `gemv.decode`, gathered once and cached on it; None when the kernel cannot run it: not on
+    """`model`'s arrays for `chatapp_decode`, gathered once and cached on it; None when the kernel cannot run it: not on
     a CPU, a cache that is not float32, a projection or the LM head not int8, an STT layer without a causal router,
     layers of different shapes."""
-    cached = getattr(model, "_gemv_arrays", None)
+    cached = getattr(model, "_kernel_arrays", None)
     if cached is not None and cached[0] == id(model.lm_head):
         return cached[1]
     layers = model.model.layers
@@ -117,57 +136,53 @@ def model_arrays(model) -> ModelArrays | None:
     mapped = _file_mappings()
     norm1 = [layer.input_layernorm for layer in layers]
     norm2 = [layer.post_attention_layernorm for layer in layers]
-    blocks = (
-        _stack([_f32(n.weight) for n in norm1]), np.array([n.variance_epsilon for n in norm1], np.float32),
-        _stack_int8(qkv, mapped), _stack([_f32(m.scales) for m in qkv]), _stack([_f32(m.bias) for m in qkv]),
-        _stack_int8(o, mapped), _stack([_f32(m.scales) for m in o]),
-        _stack([_f32(n.weight) for n in norm2]), np.array([n.variance_epsilon for n in norm2], np.float32),
-        _stack_int8(up, mapped), _stack([_f32(m.scales) for m in up]),
-        _stack_int8(down, mapped), _stack([_f32(m.scales) for m in down]),
-    )  # fmt: skip
-    hidden = int(model.config.hidden_size)
-    if not routers:  # numba types the arrays by their rank: a router that no layer reads
-        ones = np.ones((1, hidden), np.float32)
-        eps = np.ones(1, np.float32)
-        router_arrays = (ones, eps, ones, eps, np.zeros((1, 1, 2 * hidden), np.float32), np.zeros((1, 1), np.float32),
-                         np.zeros((1, 1), np.float32), eps)  # fmt: skip
-    else:
-        router_arrays = (
-            _stack([_f32(r.norm_current.weight) for r in routers]),
-            np.array([r.norm_current.variance_epsilon for r in routers], np.float32),
-            _stack([_f32(r.norm_previous.weight) for r in routers]),
-            np.array([r.norm_previous.variance_epsilon for r in routers], np.float32),
-            _stack([_f32(r.up.weight) for r in routers]),
-            _stack([_f32(r.up.bias) for r in routers]),
-            _stack([_f32(r.out.weight.reshape(-1)) for r in routers]),
-            np.array([r.out.bias.item() for r in routers], np.float32),
-        )
-    stt_slot = np.full(len(layers), -1, dtype=np.int64)
-    stt_slot[stt] = np.arange(len(stt))
-    attn, norm = layers[0].self_attn, model.model.norm
-    arrays = ModelArrays(
-        blocks=blocks,
-        routers=router_arrays,
-        stt_slot=stt_slot,
-        heads=attn.num_heads,
-        kv_heads=attn.num_kv_heads,
-        final_norm=_f32(norm.weight),
-        final_eps=np.float32(norm.variance_epsilon),
-        head_w=model.lm_head.weight_int8.numpy(),
-        head_s=_f32(model.lm_head.scales),
-    )
-    model._gemv_arrays = (id(model.lm_head), arrays)
-    return arrays
+    arrays = {
+        "norm1": _stack([_f32(n.weight) for n in norm1]),
+        "eps1": np.array([n.variance_epsilon for n in norm1], np.float32),
+        "qkv_w": _stack_int8(qkv, mapped), "qkv_s": _stack([_f32(m.scales) for m in qkv]),
+        "qkv_b": _stack([_f32(m.bias) for m in qkv]),
+        "o_w": _stack_int8(o, mapped), "o_s": _stack([_f32(m.scales) for m in o]),
+        "norm2": _stack([_f32(n.weight) for n in norm2]),
+        "eps2": np.array([n.variance_epsilon for n in norm2], np.float32),
+        "up_w": _stack_int8(up, mapped), "up_s": _stack([_f32(m.scales) for m in up]),
+        "down_w": _stack_int8(down, mapped), "down_s": _stack([_f32(m.scales) for m in down]),
+        "stt_slot": np.full(len(layers), -1, dtype=np.int64),
+        "final_norm": _f32(model.model.norm.weight),
+        "head_w": model.lm_head.weight_int8.numpy(), "head_s": _f32(model.lm_head.scales),
+    }  # fmt: skip
+    arrays["stt_slot"][stt] = np.arange(len(stt))
+    if routers:
+        arrays |= {
+            "r_norm_c": _stack([_f32(r.norm_current.weight) for r in routers]),
+            "r_eps_c": np.array([r.norm_current.variance_epsilon for r in routers], np.float32),
+            "r_norm_p": _stack([_f32(r.norm_previous.weight) for r in routers]),
+            "r_eps_p": np.array([r.norm_previous.variance_epsilon for r in routers], np.float32),
+            "r_up_w": _stack([_f32(r.up.weight) for r in routers]),
+            "r_up_b": _stack([_f32(r.up.bias) for r in routers]),
+            "r_out_w": _stack([_f32(r.out.weight.reshape(-1)) for r in routers]),
+            "r_out_b": np.array([r.out.bias.item() for r in routers], np.float32),
+        }
+    attn = layers[0].self_attn
+    fields = {
+        "hidden": int(model.config.hidden_size), "layers": len(layers), "heads": attn.num_heads,
+        "kv_heads": attn.num_kv_heads, "head_dim": attn.head_dim, "qkv_rows": arrays["qkv_w"].shape[1],
+        "up_rows": arrays["up_w"].shape[1], "vocab": arrays["head_w"].shape[0], "stt_count": len(stt),
+        "router_width": arrays["r_up_w"].shape[1] if routers else 0, "has_bias": int(arrays["qkv_b"].shape[1] > 0),
+        "final_eps": float(model.model.norm.variance_epsilon),
+        **{name: _ptr(array) for name, array in arrays.items()},
+    }  # fmt: skip
+    model._kernel_arrays = (id(model.lm_head), ModelArrays(arrays, fields))
+    return model._kernel_arrays[1]
 
 
 def cache_arrays(cache) -> tuple[np.ndarray, np.ndarray]:
     """The cache's keys and values as (L, B, S + 1, H_kv, Dh) arrays: its own blocks when its layers are views of
     one (`KVCache` allocates them so), else stacked once and the layers made views of the stack."""
-    cached = getattr(cache, "_gemv_arrays", None)
+    cached = getattr(cache, "_kernel_arrays", None)
     if cached is not None and cached[0] == (id(cache.keys), id(cache.values)):
         return cached[1]
     arrays = (_layer_block(cache.keys), _layer_block(cache.values))
-    cache._gemv_arrays = ((id(cache.keys), id(cache.values)), arrays)
+    cache._kernel_arrays = ((id(cache.keys), id(cache.values)), arrays)
     return arrays
 
 
@@ -182,77 +197,164 @@ def _layer_block(layers: list[torch.Tensor]) -> np.ndarray:
     return stacked.numpy()
 
 
+# ------------------------------------------------------------------------------------------ the native library
+class DecodeArgs(ctypes.Structure):
+    """`DecodeArgs` of decode_step.c, field for field."""
+
+    _fields_ = [
+        *[(name, ctypes.c_int64) for name in (
+            "batch", "hidden", "layers", "heads", "kv_heads", "head_dim", "qkv_rows", "up_rows", "vocab", "slots",
+            "stt_count", "router_width", "has_bias", "student", "store_skipped", "threads")],
+        *[(name, ctypes.c_void_p) for name in (
+            "x", "norm1", "eps1", "qkv_w", "qkv_s", "qkv_b", "o_w", "o_s", "norm2", "eps2", "up_w", "up_s",
+            "down_w", "down_s", "r_norm_c", "r_eps_c", "r_norm_p", "r_eps_p", "r_up_w", "r_up_b", "r_out_w",
+            "r_out_b", "stt_slot", "keys", "values", "lengths", "positions", "seen", "previous", "inputs", "cos",
+            "sin", "cutoff", "final_norm")],
+        ("final_eps", ctypes.c_float),
+        *[(name, ctypes.c_void_p) for name in ("head_w", "head_s", "logits", "probs", "selected")],
+    ]  # fmt: skip
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def compiler() -> str | None:
+    """The C compiler: `$CC`, else `cc` or `gcc` on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def library_path() -> Path:
+    """Where the build for this source, these flags and this CPU lives (built or not)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_features().encode()).hexdigest()
+    folder = SOURCE.parent / "_build"
+    if not os.access(SOURCE.parent, os.W_OK) and not os.access(folder, os.W_OK):
+        from chatapp.settings import data_dir
+
+        folder = data_dir() / "kernels"
+    return folder / f"decode_step-{key[:16]}.so"
+
+
+def build(path: Path) -> None:
+    """Compile decode_step.c to `path` (atomically: a killed build leaves no half file under that name)."""
+    cc = compiler()
+    if cc is None:
+        raise OSError("no C compiler found (set $CC, or install gcc)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise OSError(f"{cc} failed: {(done.stderr.strip().splitlines() or ['no message'])[-1]}")
+    partial.replace(path)
+    for stale in path.parent.glob("decode_step-*.so"):  # builds of earlier sources (or other CPUs) in this folder
+        if stale != path:
+            stale.unlink(missing_ok=True)
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    try:
+        path = library_path()
+        if not path.is_file():
+            build(path)
+        library = ctypes.CDLL(str(path))
+    except OSError as err:
+        return None, f"the int8 decode kernel could not be built ({err}); decoding with torch's int8 step"
+    library.chatapp_decode.argtypes = [ctypes.POINTER(DecodeArgs)]
+    library.chatapp_decode.restype = ctypes.c_int
+    return library, None
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, loaded (building it first when this machine has no build of this source): None where it
+    cannot be built."""
+    return _load()[0]
+
+
+def library_problem() -> str | None:
+    """Why `library()` is None, in a sentence; None when it loaded."""
+    return _load()[1]
+
+
+def _ptr(array: np.ndarray) -> int:
+    return array.ctypes.data
+
+
+# ------------------------------------------------------------------------------------------------ the step
 @torch.no_grad()
 def kernel_step(model, ids: torch.Tensor, cache, student: bool, cutoff: float | torch.Tensor):
-    """`decode.decode_step` (same arguments, same results) as one `gemv.decode` call; None for a call it does not
-    take (more than `gemv.MAX_ROWS` rows), which the caller runs through the torch step."""
+    """`decode.decode_step` (same arguments, same results) as one `chatapp_decode` call; None for a call it does
+    not take (more than `MAX_ROWS` rows), which the caller runs through the torch step."""
     from chatapp.stt.decode import rope_tables
 
     batch = ids.shape[0]
     arrays = model_arrays(model)
-    if arrays is None or batch > gemv.MAX_ROWS or batch == 0:
+    native = library()
+    if arrays is None or native is None or batch > MAX_ROWS or batch == 0 or not _kernel_layout(cache):
         return None
     cache.reserve(1, 1)  # raises on overflow, as the torch step does
     cos_table, sin_table = rope_tables(model, int(cache.seen.max()) + 1, model.dtype)
-    cos, sin = cos_table[cache.seen].reshape(batch, -1), sin_table[cache.seen].reshape(batch, -1)
+    cos, sin = _f32(cos_table[cache.seen].reshape(batch, -1)), _f32(sin_table[cache.seen].reshape(batch, -1))
     keys, values = cache_arrays(cache)
-    x = model.model.embed_tokens(ids).float()
+    x = model.model.embed_tokens(ids).float().contiguous()
     cutoffs = torch.as_tensor(cutoff, dtype=torch.float32).expand(batch).contiguous()
     stt_count = cache.prev_hidden.shape[0]
+    previous = _f32(cache.prev_hidden)
     inputs = torch.empty((stt_count, batch, x.shape[1]), dtype=torch.float32)
     probs = torch.ones((stt_count, batch), dtype=torch.float32)
     selected = torch.ones((stt_count, batch), dtype=torch.bool)
-    logits = torch.empty((batch, arrays.head_w.shape[0]), dtype=torch.float32)
-    gemv.decode(
-        x.numpy(), arrays.blocks, arrays.routers, arrays.stt_slot, keys, values,
-        cache.lengths.numpy(), cache.positions.numpy(), cache.seen.numpy(),
-        _f32(cache.prev_hidden), inputs.numpy(), _f32(cos), _f32(sin), cutoffs.numpy(), bool(student),
-        model.config.skip_mode == "kv", arrays.heads, arrays.kv_heads, arrays.final_norm, arrays.final_eps,
-        arrays.head_w, arrays.head_s, logits.numpy(), probs.numpy(), selected.numpy(),
+    logits = torch.empty((batch, arrays.fields["vocab"]), dtype=torch.float32)
+    lengths, positions, seen = cache.lengths.numpy(), cache.positions.numpy(), cache.seen.numpy()
+    args = DecodeArgs(
+        batch=batch, slots=keys.shape[2], student=bool(student), store_skipped=model.config.skip_mode == "kv",
+        threads=_threads(), x=x.data_ptr(), keys=_ptr(keys), values=_ptr(values), lengths=_ptr(lengths),
+        positions=_ptr(positions), seen=_ptr(seen), previous=_ptr(previous), inputs=inputs.data_ptr(), cos=_ptr(cos),
+        sin=_ptr(sin), cutoff=cutoffs.data_ptr(), logits=logits.data_ptr(), probs=probs.data_ptr(),
+        selected=selected.data_ptr(), **arrays.fields,
     )  # fmt: skip
+    if native.chatapp_decode(ctypes.byref(args)) != 0:
+        raise MemoryError("the int8 decode kernel could not allocate its scratch memory")
     cache.prev_hidden.copy_(inputs)
     return logits.to(model.dtype), probs[..., None], selected[..., None]
 
 
+def _kernel_layout(cache) -> bool:
+    """Whether the cache's bookkeeping has the element types the C code reads (it reads raw memory)."""
+    return (cache.lengths.dtype, cache.positions.dtype, cache.seen.dtype) == (torch.int64, torch.int32, torch.int64)
+
+
+def _threads() -> int:
+    value = os.environ.get(THREADS_ENV, "")
+    return int(value) if value.isdigit() and int(value) > 0 else torch.get_num_threads()
+
+
 def serves(model) -> bool:
-    """Whether `kernel_step` can decode `model` (see `model_arrays`)."""
-    return model_arrays(model) is not None
+    """Whether `kernel_step` can decode `model` (see `model_arrays`): the library built, the model's layout taken."""
+    return library() is not None and model_arrays(model) is not None
 
 
 def attach(model) -> bool:
-    """Decode `model` through `kernel_step` when the kernel `serves` it, with the kernels loaded meanwhile in the
-    background (`warm`); whether it was attached."""
+    """Decode `model` through `kernel_step` when the kernel `serves` it; whether it was attached."""
     if not serves(model):
         return False
     model.kernel_step = kernel_step
-    model.compile_note = "the decode step runs as one numba call (int8 kernels)"
-    threading.Thread(target=warm, args=(model,), name="chatapp-warm-kernels", daemon=True).start()
+    model.compile_note = "the decode step runs as one native call (int8 kernel)"
     return True
 
 
-def warm(model) -> None:
-    """Load the step's compiled code (numba's cache; without it numba compiles it, ~30 s on 2 cores) with a step
-    on a one-row scratch cache, so that the first token does not wait for it."""
-    with torch.inference_mode():
-        cache = model.new_cache(1, 4)
-        kernel_step(model, torch.zeros(1, dtype=torch.long), cache, True, 0.5)
+def build_kernel() -> None:
+    """Build the kernel for this machine when it has no current build (`make run` and `make test` run this first:
+    `python -m chatapp.stt.cpu_step`); say why where it cannot be built."""
+    import sys
 
-
-def compile_kernels() -> None:
-    """Compile the kernels into numba's cache (beside this package's code, or numba's user-wide cache when that
-    is read-only) with a step of a tiny random int8 model: the same argument types as any model's, so a later
-    process only loads them. `make run` and `make test` run this first (`python -m chatapp.stt.cpu_step`); it
-    takes about a second when the cache is current."""
-    from chatapp.stt.config import STTConfig
-    from chatapp.stt.random_init import random_routed_model
-    from chatapp.stt.weights import prepare_weights
-
-    config = STTConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, stt_layers=[1], routing_trained=True,
-    )  # fmt: skip
-    warm(prepare_weights(random_routed_model(config), "int8"))
+    if library() is None:
+        print(library_problem(), file=sys.stderr)
 
 
 if __name__ == "__main__":
-    compile_kernels()
+    build_kernel()

@@ -489,7 +489,7 @@ def decode_step(
     runs every row. `steps`: the block functions to run (default: the model's compiled ones when it has them, else
     eager).
     """
-    if steps is None and model.kernel_step is not None:  # the int8 step as one numba call (`stt.cpu_step`)
+    if steps is None and model.kernel_step is not None:  # the int8 step as one native call (`stt.cpu_step`)
         result = model.kernel_step(model, ids, cache, student, cutoff)
         if result is not None:
             return result

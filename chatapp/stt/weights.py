@@ -67,7 +67,7 @@ def fits_in_cache(num_parameters: int) -> bool:
 
 def default_format(device: torch.device, num_parameters: int) -> str:
     """On a CPU int8 for a model too large for its caches, float32 for a small one; float32 elsewhere (CUDA has not
-    been measured yet). int8 because its decode step runs as one numba call (`stt.cpu_step`) on any CPU, with nothing
+    been measured yet). int8 because its decode step runs as one native call (`stt.cpu_step`) on any CPU, with nothing
     to compile: on a 2-core AVX2 EPYC 69 tokens/s at batch 1 on the default model, where int4 reached 41 only with
     its compiled step (and 26 eagerly, as a command's first reply ran); int8 is within the quality guard (README).
     int4 stays a choice (`--dtype int4`): on AVX-512 its compiled step led the torch formats."""

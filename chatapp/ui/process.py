@@ -340,9 +340,11 @@ def serve(
         _redirect_output(log_path)
     # The int8 step's parallel loops (`stt.cpu_step`) wait for every thread at each of ~150 joins a step: beside the
     # UI drawing the stream, two threads on a 2-core box lose a scheduler slice at each (in the TUI, 1-6 tokens/s).
-    # One core is left to the UI. Measured on the 2-core EPYC with another job busy: 28 ms a step on one thread,
-    # 76 on two.
-    os.environ.setdefault("NUMBA_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))
+    # One core is left to the UI. Measured on the 2-core EPYC with another job busy (the numba kernel of the time):
+    # 28 ms a step on one thread, 76 on two.
+    from chatapp.stt.cpu_step import THREADS_ENV
+
+    os.environ.setdefault(THREADS_ENV, str(max(1, (os.cpu_count() or 1) - 1)))
     from chatapp.ui.backend import EngineBackend
 
     try:

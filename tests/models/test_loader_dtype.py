@@ -90,7 +90,7 @@ def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Pa
     from chatapp.ui.backend import EngineBackend
 
     monkeypatch.delenv(COMPILE_ENV, raising=False)
-    # int8 decodes in one numba call from the start (`stt.cpu_step`): nothing to compile in the background.
+    # int8 decodes in one native call from the start (`stt.cpu_step`): nothing to compile in the background.
     monkeypatch.setenv(DTYPE_ENV, "int8")
     int8 = EngineBackend.load(tiny_model_dir, device="cpu")
     lines: list[str] = []

@@ -1,4 +1,4 @@
-"""The int8 decode step in one numba call (`chatapp.stt.cpu_step`, `chatapp.stt.gemv`) against the torch decode
+"""The int8 decode step in one native call (`chatapp.stt.cpu_step`, `chatapp/stt/decode_step.c`) against the torch decode
 step on the same int8 weights: same logits, router probabilities, decisions and cache state, step by step, on
 ragged batches, under both routings and both skip modes.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatapp.stt import cpu_step, gemv
+from chatapp.stt import cpu_step
 from chatapp.stt.decode import EAGER_STEPS, decode_step
 from chatapp.stt.weights import prepare_weights
 
@@ -68,7 +68,7 @@ def test_kernel_step_reads_and_writes_a_single_row() -> None:
 def test_decode_goes_through_the_kernel_step_and_leaves_larger_batches_to_torch() -> None:
     model = int8_model()
     assert cpu_step.attach(model) and model.kernel_step is cpu_step.kernel_step
-    rows = gemv.MAX_ROWS + 1
+    rows = cpu_step.MAX_ROWS + 1
     cache = prefilled(model, [2] * rows)
     assert cpu_step.kernel_step(model, torch.zeros(rows, dtype=torch.long), cache, True, 0.5) is None
     logits = model.decode(torch.zeros(rows, dtype=torch.long), cache).logits  # the torch step
@@ -79,3 +79,50 @@ def test_decode_goes_through_the_kernel_step_and_leaves_larger_batches_to_torch(
 def test_only_int8_models_are_served(fmt: str) -> None:
     assert not cpu_step.serves(prepare_weights(routed_model(seed=3), fmt))
     assert not cpu_step.attach(prepare_weights(routed_model(seed=3), fmt))
+
+
+# -- building the kernel -------------------------------------------------------------------------------------------
+
+
+def test_the_build_is_named_by_source_flags_and_cpu_and_loads() -> None:
+    path = cpu_step.library_path()
+    assert path.name.startswith("decode_step-") and path.suffix == ".so"
+    assert cpu_step.library() is not None and cpu_step.library_problem() is None
+    assert path.is_file()  # built by the first load (or by `make`)
+
+
+def test_a_failing_or_missing_compiler_is_an_error_naming_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with pytest.raises(OSError, match="false failed"):
+        cpu_step.build(tmp_path / "k.so")
+    assert not list(tmp_path.iterdir())  # no half-written library left behind
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(cpu_step.shutil, "which", lambda name: None)
+    with pytest.raises(OSError, match="no C compiler"):
+        cpu_step.build(tmp_path / "k.so")
+
+
+def test_without_the_library_the_torch_step_decodes_and_the_loader_says_why(monkeypatch, capsys) -> None:
+    from chatapp.models.loader import load_model
+
+    monkeypatch.setattr(cpu_step, "_load", lambda: (None, "the int8 decode kernel could not be built (no C compiler)"))
+    model = int8_model()
+    assert not cpu_step.serves(model) and not cpu_step.attach(model)
+    cache = prefilled(model, [3, 5])
+    assert cpu_step.kernel_step(model, torch.zeros(2, dtype=torch.long), cache, True, 0.5) is None
+    assert torch.isfinite(model.decode(torch.zeros(2, dtype=torch.long), cache).logits).all()
+
+    loaded = load_model("tiny", "cpu", "int8")
+    assert loaded.model.kernel_step is None
+    assert "notice: the int8 decode kernel could not be built (no C compiler)" in capsys.readouterr().err
+
+
+def test_loading_the_kernel_leaves_the_process_float_mode_alone() -> None:
+    """A library built with -ffast-math turns on flush-to-zero for the whole process when it loads: subnormal
+    numbers then become 0 in every later computation (the calculator's among them)."""
+    import sys
+
+    assert cpu_step.library() is not None
+    tiny = sys.float_info.min
+    assert tiny / 2 > 0
+    assert torch.tensor(1e-40, dtype=torch.float32).item() > 0

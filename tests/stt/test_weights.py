@@ -334,7 +334,7 @@ def test_default_format_by_size() -> None:
 
     cpu = torch.device("cpu")
     assert default_format(cpu, 3_350_000) == "float32"
-    # A large model on a CPU: int8, whose decode step is one numba call (`stt.cpu_step`).
+    # A large model on a CPU: int8, whose decode step is one native call (`stt.cpu_step`).
     assert default_format(cpu, 135_000_000) == "int8"
     assert default_format(torch.device("cuda"), 135_000_000) == "float32"
 
