@@ -323,8 +323,6 @@ def run(
     from chatapp.models.loader import check_environment, check_model_dir, resolve_device
     from chatapp.models.registry import is_registered, resolve_model
     from chatapp.ttfa.loader import load_program_source_by_name
-    from chatapp.ui import make_app
-    from chatapp.ui.app import close_backend
     from chatapp.ui.terminal import end_on_hangup, keys_held_for_the_app
 
     # What the user types from now on is the app's, even before the app has the terminal (keys_held_for_the_app).
@@ -341,13 +339,30 @@ def run(
         if is_registered(model):  # here, not in the engine process: the first use prepares the default model (a bar)
             model = str(resolve_model(model))
         check_model_dir(resolve_model(model))
-        chat = make_app(
-            model_dir=model,
-            program=program,
-            db_path=Path(db).expanduser() if db else None,
-            device=device,
-            in_process=in_process,
-        )
+        backend = None
+        if not in_process:
+            from chatapp.settings import engine_log_path
+            from chatapp.ui.process import ProcessBackend
+
+            # Started before the app's modules are imported (Textual, ~0.5 s): the first answer waits for the
+            # engine process's model, and the two processes load side by side.
+            backend = ProcessBackend(resolve_model(model), device=device, program=program, log_path=engine_log_path())
+            program = None  # the engine process switches to it as it starts
+        try:
+            from chatapp.ui.app import close_backend, make_app
+
+            chat = make_app(
+                model_dir=model,
+                program=program,
+                db_path=Path(db).expanduser() if db else None,
+                device=device,
+                in_process=in_process,
+                backend=backend,
+            )
+        except BaseException:
+            if backend is not None:
+                backend.close()
+            raise
         if getattr(chat.store, "notice", None):
             err_console.print(f"notice: {chat.store.notice}", markup=False, soft_wrap=True)
         end_on_hangup()

@@ -298,12 +298,14 @@ def _run_refuses(args: list[str], *messages: str, code: int = 1) -> str:
 
 
 def test_run_with_a_bad_program_file_names_it_before_loading_the_model(tmp_path: Path, no_tui, monkeypatch) -> None:
-    import chatapp.ui
+    import chatapp.ui.app
+    import chatapp.ui.process
 
-    def no_model(**kwargs):
+    def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded first")
 
-    monkeypatch.setattr(chatapp.ui, "make_app", no_model)
+    monkeypatch.setattr(chatapp.ui.app, "make_app", no_model)
+    monkeypatch.setattr(chatapp.ui.process, "ProcessBackend", no_model)
     bad = tmp_path / "BAD.toml"
     bad.write_bytes(b'name = "x\xff"\n[[zones]]\nlabel = "a"\n')
     _run_refuses(["--program", str(bad)], str(bad), "not valid UTF-8", "fix: save the program as UTF-8")
