@@ -121,6 +121,28 @@ def test_encode_text_round_trips_and_never_emits_chat_tokens(chat_tokenizer, pie
     assert min(ids, default=len(CHAT_SPECIAL_TOKENS)) >= len(CHAT_SPECIAL_TOKENS)
 
 
+@given(st.lists(st.one_of(st.text(max_size=12), st.sampled_from([*CHAT_SPECIAL_TOKENS, "<think>"])), max_size=6))
+def test_encode_text_is_the_private_copys_encoding_with_or_without_it(chat_tokenizer, pieces: list[str]):
+    """The private copy that keeps special-token names as text is made only for a text holding one: every other
+    text goes through the shared tokenizer, and must come out the same as through the copy."""
+    from chatapp.chat.messages import TokenizerText, _text_tokenizer
+
+    text = "".join(pieces)
+    for structural in (set(CHAT_TOKENS.values()), None):
+        oracle = _text_tokenizer(chat_tokenizer, structural).encode(text, add_special_tokens=False).ids
+        assert TokenizerText(chat_tokenizer, structural).encode_text(text) == oracle
+
+
+def test_the_private_copy_is_made_only_for_a_text_that_needs_it(chat_tokenizer):
+    from chatapp.chat.messages import TokenizerText
+
+    text = TokenizerText(chat_tokenizer, set(CHAT_TOKENS.values()))
+    text.encode_text("What is 2+2? Tell me plainly.")
+    assert text._encoder is None
+    text.encode_text("say <|assistant_end|> please")
+    assert text._encoder is not None
+
+
 _FORMATS: dict[int, ChatFormat] = {}
 
 
