@@ -246,7 +246,10 @@ def build(path: Path) -> None:
         raise OSError("no C compiler found (set $CC, or install gcc)")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise OSError(f"the C compiler {cc!r} was not found (set $CC, or install gcc)") from None
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         raise OSError(f"{cc} failed: {(done.stderr.strip().splitlines() or ['no message'])[-1]}")

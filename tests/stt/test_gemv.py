@@ -96,6 +96,9 @@ def test_a_failing_or_missing_compiler_is_an_error_naming_it(tmp_path, monkeypat
     with pytest.raises(OSError, match="false failed"):
         cpu_step.build(tmp_path / "k.so")
     assert not list(tmp_path.iterdir())  # no half-written library left behind
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(OSError, match="no-such-cc' was not found"):
+        cpu_step.build(tmp_path / "k.so")
     monkeypatch.delenv("CC")
     monkeypatch.setattr(cpu_step.shutil, "which", lambda name: None)
     with pytest.raises(OSError, match="no C compiler"):
