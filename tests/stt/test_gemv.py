@@ -65,6 +65,22 @@ def test_kernel_step_reads_and_writes_a_single_row() -> None:
     decode_both(model, [5], steps=8, student=True, cutoff=0.5)
 
 
+@pytest.mark.parametrize("skip_mode", ["strict", "kv"])
+@torch.no_grad()
+def test_kernel_step_over_rows_of_very_different_cache_lengths(skip_mode: str) -> None:
+    # Rows of 1, 64, 65 and 150 cached entries in one batch: each row attends over its own entries only.
+    model = int8_model(skip_mode)
+    fast, slow = prefilled(model, [1, 64, 65, 150], max_len=192), prefilled(model, [1, 64, 65, 150], max_len=192)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        ids = torch.randint(0, VOCAB, (4,), generator=generator)
+        got = cpu_step.kernel_step(model, ids, fast, True, model.config.router_threshold)
+        want = decode_step(model, ids, slow, True, model.config.router_threshold, EAGER_STEPS)
+        torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+        assert torch.equal(got[2], want[2])
+    assert_same_state(fast, slow, hidden_tolerance=1e-5)
+
+
 def test_decode_goes_through_the_kernel_step_and_leaves_larger_batches_to_torch() -> None:
     model = int8_model()
     assert cpu_step.attach(model) and model.kernel_step is cpu_step.kernel_step
