@@ -341,12 +341,11 @@ def run(
         check_model_dir(resolve_model(model))
         backend = None
         if not in_process:
-            from chatapp.settings import engine_log_path
-            from chatapp.ui.process import ProcessBackend
+            from chatapp.ui.process import start_engine
 
             # Started before the app's modules are imported (Textual, ~0.5 s): the first answer waits for the
             # engine process's model, and the two processes load side by side.
-            backend = ProcessBackend(resolve_model(model), device=device, program=program, log_path=engine_log_path())
+            backend = start_engine(model, device=device, program=program)
             program = None  # the engine process switches to it as it starts
         try:
             from chatapp.ui.app import close_backend, make_app

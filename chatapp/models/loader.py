@@ -133,8 +133,8 @@ def load_model(
     if resolved.type == "cpu" and fmt == "int8":
         from chatapp.stt import cpu_step
 
-        if not cpu_step.attach(model) and cpu_step.library_problem():  # decode in one native call, <= 8 rows
-            _notice(cpu_step.library_problem())
+        if not cpu_step.attach(model) and (problem := cpu_step.library_problem()):  # one native call a step
+            _notice(problem)
     if compile if compile is not None else env_flag(COMPILE_ENV):
         _compile_decode(model, model_dir)
     _return_freed_memory()

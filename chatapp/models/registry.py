@@ -43,9 +43,7 @@ def default_model_name() -> str:
     chosen = os.environ.get(DEFAULT_MODEL_ENV)
     if chosen:
         if chosen not in MODELS:
-            raise ModelDirError(
-                f"{DEFAULT_MODEL_ENV}={chosen!r} is not a model name", hint=f"use one of {', '.join(MODELS)}"
-            )
+            raise ModelDirError(f"{DEFAULT_MODEL_ENV}={chosen!r} is not a model name", hint=f"use one of {', '.join(MODELS)}")
         return chosen
     return "default" if wheel_installed() else "tiny"
 

@@ -28,7 +28,7 @@ from textual.worker import Worker, WorkerCancelled, WorkerFailed, get_current_wo
 from chatapp.engine.events import Step, TokenEvent
 from chatapp.engine.reply import Reply
 from chatapp.errors import ChatappError
-from chatapp.settings import config_dir, data_dir, engine_log_path, history_db_path
+from chatapp.settings import config_dir, data_dir, history_db_path
 from chatapp.tools.parts import content_text
 from chatapp.ui.backend import ChatBackend, StepStream
 from chatapp.ui.commands import ChatCommands
@@ -701,18 +701,16 @@ def make_app(
     store = open_history(Path(db_path) if db_path else history_db_path(), clock=clock, move_aside=db_path is None)
     try:
         if backend is None:
-            from chatapp.models import resolve_model
-
-            directory = resolve_model(model_dir)
             if in_process:
+                from chatapp.models import resolve_model
                 from chatapp.ui.backend import EngineBackend
 
-                backend = EngineBackend.load(directory, device=device)
+                backend = EngineBackend.load(resolve_model(model_dir), device=device)
             else:
-                from chatapp.ui.process import ProcessBackend
+                from chatapp.ui.process import start_engine
 
                 # Returns at once: the app's first frame does not wait for torch and the weights (~3 s).
-                backend = ProcessBackend(directory, device=device, program=program, log_path=engine_log_path())
+                backend = start_engine(model_dir, device=device, program=program)
                 program = None  # the engine process switches to it as it starts
     except BaseException:
         store.close()

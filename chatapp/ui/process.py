@@ -330,6 +330,15 @@ class ProcessBackend(BackendState):
 COMPILE_AFTER_IDLE = 3.0
 
 
+def start_engine(model_dir: str | Path, device: str | None = None, program: str | None = None) -> ProcessBackend:
+    """The app's backend for `model_dir` (a name or a directory): an engine process that loads it (and switches to
+    `program`), its output to the engine log. Returns at once: the app draws while the model loads."""
+    from chatapp.models import resolve_model
+    from chatapp.settings import engine_log_path
+
+    return ProcessBackend(resolve_model(model_dir), device=device, program=program, log_path=engine_log_path())
+
+
 def serve(
     conn: Connection, model_dir: str, device: str | None, log_path: str | None = None, program: str | None = None
 ) -> None:
@@ -340,8 +349,8 @@ def serve(
         _redirect_output(log_path)
     # The int8 step's parallel loops (`stt.cpu_step`) wait for every thread at each of ~150 joins a step: beside the
     # UI drawing the stream, two threads on a 2-core box lose a scheduler slice at each (in the TUI, 1-6 tokens/s).
-    # One core is left to the UI. Measured on the 2-core EPYC with another job busy (the numba kernel of the time):
-    # 28 ms a step on one thread, 76 on two.
+    # One core is left to the UI. Measured on the 2-core EPYC with another job busy (the same loops in numba): 28 ms
+    # a step on one thread, 76 on two.
     from chatapp.stt.cpu_step import THREADS_ENV
 
     os.environ.setdefault(THREADS_ENV, str(max(1, (os.cpu_count() or 1) - 1)))
