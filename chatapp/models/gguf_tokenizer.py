@@ -12,11 +12,12 @@ token scores; they go through transformers' public `AutoTokenizer.from_pretraine
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from chatapp.byte_level import char_for_byte
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`).
 CONTROL = 3  # special tokens such as <|im_start|>: matched whole, skipped when decoding with skip_special_tokens
@@ -57,20 +58,6 @@ class GGUFTokenizer:
 
 class TokenizerError(ValueError):
     """The metadata describes a tokenizer that cannot be built (the caller names the file)."""
-
-
-@functools.cache
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's spelling of bytes as printable characters: printable Latin-1 bytes stand for themselves, the other
-    68 map to U+0100 onwards in byte order. Byte-level vocabularies are written in it."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    spelling = {byte: chr(byte) for byte in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in spelling:
-            spelling[byte] = chr(256 + extra)
-            extra += 1
-    return spelling
 
 
 def build_tokenizer(field: Callable[[str], Any], path: Path) -> GGUFTokenizer:
@@ -118,7 +105,7 @@ def _config(field: Callable[[str], Any], tokens: list[str], *, sentencepiece: bo
 def _byte_level(field: Callable[[str], Any], tokens: list[str], config: dict[str, Any]) -> Any:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    spelling = byte_alphabet()
+    spelling = char_for_byte()
     alphabet = set(spelling.values())
     # A token outside the byte alphabet is a llama.cpp mislabel of a raw string: spell its UTF-8 bytes.
     spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]

@@ -19,6 +19,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from chatapp.byte_level import byte_for_char
+
 SPECIAL_TOKEN_MARKER = 0xFF
 """First byte of every special token's byte string; invalid in UTF-8, so regexes over text never match it."""
 
@@ -26,17 +28,9 @@ _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _METASPACE = "▁"
 
 
-@cache
 def gpt2_unicode_to_byte() -> dict[str, int]:
     """Invert GPT-2's `bytes_to_unicode`: printable bytes map to themselves, the rest to code points from 256 up."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    byte_for_char = {chr(b): b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            byte_for_char[chr(256 + extra)] = b
-            extra += 1
-    return byte_for_char
+    return byte_for_char()
 
 
 @dataclass(frozen=True)
