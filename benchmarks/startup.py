@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CHATAPP = [sys.executable, "-m", "chatapp.cli"]
+CHATAPP = [sys.executable, "-m", "chatapp"]  # what the `chatapp` script runs
 STORY = "Tell me a long story about a dragon who learns to bake bread."
 
 

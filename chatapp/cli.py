@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import click
 import typer
@@ -869,18 +869,25 @@ def eval_model(
         console.print(tally_table)
 
 
-def main() -> None:
-    """Console-script entry point."""
+def main() -> NoReturn:
+    """Console-script entry point. The process ends through `shutdown.exit_process` (exit-time work, then
+    `os._exit`), ~0.6 s sooner than Python's own finalization once a model was loaded."""
+    from chatapp.shutdown import exit_process
+
+    code: object = 0
     try:
         app()
+    except SystemExit as done:
+        code = done.code
     except KeyboardInterrupt:
         err_console.print("interrupted")
-        sys.exit(130)
+        code = 130
     except BrokenPipeError:
-        # The reader went away (`chatapp generate ... | head -c 5`): stop quietly, and keep Python's exit-time flush
-        # of stdout from raising again.
+        # The reader went away (`chatapp generate ... | head -c 5`): stop quietly, and keep the exit-time flush of
+        # stdout from raising again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+        code = 1
+    exit_process(code)
 
 
 if __name__ == "__main__":

@@ -12,19 +12,17 @@ import pytest
 
 # Runs the CLI in a fresh interpreter and prints which of the heavy packages it imported. `chatapp run` stops where
 # the TUI would start (its engine process, which loads torch, is started and stopped).
+# `main` ends the process itself (`chatapp.shutdown`), after the atexit handlers: the report is one of them.
 PROBE = """
-import json, sys
+import atexit, json, sys
 from chatapp.cli import main
 if sys.argv[1:2] == ["run"]:
     from chatapp.ui.app import ChatApp
     ChatApp.run = lambda self: None
 sys.argv = ["chatapp", *sys.argv[1:]]
-try:
-    main()
-except SystemExit:
-    pass
 heavy = ("torch", "transformers", "textual", "chatapp.recipes", "chatapp.training")
-print(json.dumps({name: name in sys.modules for name in heavy}), file=sys.stderr)
+atexit.register(lambda: print(json.dumps({name: name in sys.modules for name in heavy}), file=sys.stderr))
+main()
 """
 
 
