@@ -11,7 +11,6 @@ import pytest
 
 from chatapp.shutdown import exit_code
 
-
 # Buffered output, as a command's is unless PYTHONUNBUFFERED is set (it is on some machines).
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
 
