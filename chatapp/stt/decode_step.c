@@ -24,6 +24,9 @@
 #endif
 
 #define MAX_ROWS 8
+#ifndef ROW_BLOCK
+#define ROW_BLOCK 2 /* rows a weight row is widened for at once (int8_matmul) */
+#endif
 
 /* Every array is C-contiguous float32 unless named otherwise; per-layer arrays are stacked on a first axis of
  * layers (L), the routers' on one of STT layers (L_stt). Mirrored field for field by `cpu_step.DecodeArgs`. */
@@ -61,50 +64,84 @@ typedef struct {
     uint8_t *selected;                        /* (L_stt, B) */
 } DecodeArgs;
 
-/* The dot product of an int8 weight row with a float32 row. With AVX2, 32 weights an iteration, widened to
- * float32 and summed into four independent vectors: with one, every add waits on the one before it and the
- * product is latency-bound (measured on the 2-core EPYC: 21 GB/s of weights on two threads, against 15 for what
- * gcc makes of the plain loop). Elsewhere, the plain loop for the compiler to vectorize. */
+/* The dot products of one int8 weight row with ROWS float32 rows. With AVX2, 32 weights an iteration, widened to
+ * float32 once and used for every row, each row summed into four independent vectors: with one, every add waits
+ * on the one before it and the product is latency-bound (measured on the 2-core EPYC: 21 GB/s of weights on two
+ * threads at one row, against 15 for what gcc makes of the plain loop), and widening the weights again for every
+ * row made a batch of 8 cost nearly 8 rows' time. Every row is summed in the same order whatever ROWS is, so a
+ * row's result does not depend on the rows beside it (tests/stt/test_gemv.py). Elsewhere, the plain loop for the
+ * compiler to vectorize. */
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __m256 widen(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 
-static inline float dot_i8(const int8_t *restrict w, const float *restrict x, int64_t k) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t j = 0;
-    for (; j + 32 <= k; j += 32) {
-        const __m128i low = _mm_loadu_si128((const __m128i *)(w + j));
-        const __m128i high = _mm_loadu_si128((const __m128i *)(w + j + 16));
-        a0 = _mm256_fmadd_ps(widen(low), _mm256_loadu_ps(x + j), a0);
-        a1 = _mm256_fmadd_ps(widen(_mm_srli_si128(low, 8)), _mm256_loadu_ps(x + j + 8), a1);
-        a2 = _mm256_fmadd_ps(widen(high), _mm256_loadu_ps(x + j + 16), a2);
-        a3 = _mm256_fmadd_ps(widen(_mm_srli_si128(high, 8)), _mm256_loadu_ps(x + j + 24), a3);
-    }
+static inline float finish(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     const __m256 sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
     __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
     half = _mm_hadd_ps(half, half);
-    float total = _mm_cvtss_f32(_mm_hadd_ps(half, half));
-    for (; j < k; j++) total += (float)w[j] * x[j];
-    return total;
+    return _mm_cvtss_f32(_mm_hadd_ps(half, half));
 }
+
+#define DOT_ROWS(ROWS)                                                                                               \
+    static inline void dot_i8_##ROWS(const int8_t *restrict w, const float *restrict x, int64_t k,                 \
+                                     float *restrict out) {                                                        \
+        __m256 acc[ROWS][4];                                                                                       \
+        for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm256_setzero_ps();       \
+        int64_t j = 0;                                                                                             \
+        for (; j + 32 <= k; j += 32) {                                                                             \
+            const __m128i low = _mm_loadu_si128((const __m128i *)(w + j));                                        \
+            const __m128i high = _mm_loadu_si128((const __m128i *)(w + j + 16));                                  \
+            const __m256 w0 = widen(low), w1 = widen(_mm_srli_si128(low, 8));                                      \
+            const __m256 w2 = widen(high), w3 = widen(_mm_srli_si128(high, 8));                                    \
+            for (int m = 0; m < ROWS; m++) {                                                                       \
+                const float *xm = x + m * k + j;                                                                   \
+                acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), acc[m][0]);                                   \
+                acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), acc[m][1]);                               \
+                acc[m][2] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), acc[m][2]);                              \
+                acc[m][3] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), acc[m][3]);                              \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int m = 0; m < ROWS; m++) {                                                                           \
+            float total = finish(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);                                      \
+            for (int64_t i = j; i < k; i++) total += (float)w[i] * x[m * k + i];                                   \
+            out[m] = total;                                                                                        \
+        }                                                                                                          \
+    }
+DOT_ROWS(1)
+DOT_ROWS(ROW_BLOCK)
 #else
-static inline float dot_i8(const int8_t *restrict w, const float *restrict x, int64_t k) {
-    float total = 0.0f;
-    for (int64_t j = 0; j < k; j++) total += (float)w[j] * x[j];
-    return total;
+static inline void dot_i8_rows(const int8_t *restrict w, const float *restrict x, int64_t k, int64_t rows,
+                               float *restrict out) {
+    for (int64_t m = 0; m < rows; m++) {
+        float total = 0.0f;
+        for (int64_t j = 0; j < k; j++) total += (float)w[j] * x[m * k + j];
+        out[m] = total;
+    }
 }
+#define dot_i8_1(w, x, k, out) dot_i8_rows(w, x, k, 1, out)
+#define dot_i8_ROW_BLOCK(w, x, k, out) dot_i8_rows(w, x, k, ROW_BLOCK, out)
 #endif
 
-/* out[m, r - first] = (x[m] . w[r]) * s[r] (+ bias[r]) for output channels r in [first, n); x (rows, k). */
+/* out[m, r - first] = (x[m] . w[r]) * s[r] (+ bias[r]) for output channels r in [first, n); x (rows, k), rows
+ * taken ROW_BLOCK at a time. */
 static void int8_matmul(const float *x, int64_t rows, int64_t k, const int8_t *w, const float *s,
                         const float *bias, int64_t first, int64_t n, float *out) {
     const int64_t width = n - first;
 #pragma omp parallel for schedule(static)
     for (int64_t r = first; r < n; r++) {
         const int8_t *row = w + r * k;
-        for (int64_t m = 0; m < rows; m++) {
-            float value = dot_i8(row, x + m * k, k) * s[r];
-            if (bias) value += bias[r];
-            out[m * width + (r - first)] = value;
+        float dots[ROW_BLOCK];
+        for (int64_t m = 0; m < rows;) {
+            const int64_t count = rows - m >= ROW_BLOCK ? ROW_BLOCK : 1;
+            if (count == ROW_BLOCK)
+                dot_i8_ROW_BLOCK(row, x + m * k, k, dots);
+            else
+                dot_i8_1(row, x + m * k, k, dots);
+            for (int64_t i = 0; i < count; i++) {
+                float value = dots[i] * s[r];
+                if (bias) value += bias[r];
+                out[(m + i) * width + (r - first)] = value;
+            }
+            m += count;
         }
     }
 }

@@ -81,6 +81,26 @@ def test_kernel_step_over_rows_of_very_different_cache_lengths(skip_mode: str) -
     assert_same_state(fast, slow, hidden_tolerance=1e-5)
 
 
+@torch.no_grad()
+def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it() -> None:
+    """The products take rows two at a time and an odd one alone (`int8_matmul`): identical rows in one batch,
+    some summed in a pair and one alone, give bit-identical logits, router probabilities and caches."""
+    model = int8_model()
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    cache = model.new_cache(3, 32)
+    model.extend(prompt.repeat(3, 1), torch.tensor([6, 6, 6]), cache)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        ids = torch.randint(0, VOCAB, (1,), generator=generator).repeat(3)
+        logits, probs, selected = cpu_step.kernel_step(model, ids, cache, True, model.config.router_threshold)
+        for row in (1, 2):
+            assert torch.equal(logits[row], logits[0])
+            assert torch.equal(probs[:, row], probs[:, 0]) and torch.equal(selected[:, row], selected[:, 0])
+    for layer in range(model.config.num_hidden_layers):
+        keys = cache.keys[layer]
+        assert torch.equal(keys[1], keys[0]) and torch.equal(keys[2], keys[0])
+
+
 def test_decode_goes_through_the_kernel_step_and_leaves_larger_batches_to_torch() -> None:
     model = int8_model()
     assert cpu_step.attach(model) and model.kernel_step is cpu_step.kernel_step
