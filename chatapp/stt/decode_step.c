@@ -6,7 +6,7 @@
  * kernel (`_weight_int8pack_mm`) is written for AVX-512 and streamed weights at 7.5-14 GB/s on a 2-core AVX2 EPYC,
  * and each of the ~40 small torch ops of a block costs a few microseconds of dispatch. Here a product reads each
  * weight row once for all rows of the batch (int8 widened to float32, four independent vector sums so the adds
- * do not wait on each other: `dot_i8`), and everything else is plain loops.
+ * do not wait on each other, widened once for two rows: `DOT_ROWS`), and everything else is plain loops.
  *
  * The arithmetic is the eager torch step's with the int8 weights dequantized exactly (`q * scale`, one scale per
  * output channel, applied after the sum) and float32 throughout where the eager step rounds activations to
