@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CHATAPP = [sys.executable, "-m", "chatapp"]  # what the `chatapp` script runs
+# What a user types: the environment's `chatapp` script (`python -m chatapp` where it is not installed).
+SCRIPT = Path(sys.executable).with_name("chatapp")
+CHATAPP = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-m", "chatapp"]
 STORY = "Tell me a long story about a dragon who learns to bake bread."
 
 
@@ -48,25 +50,26 @@ class Side:
     peaks: list[float] = field(default_factory=list)  # MB
 
 
-# Runs the measured command and reports its peak memory. A child forked from this benchmark's process would count
-# this process's own pages (torch is imported here) in its peak until it execs; forked from this small launcher
-# instead, what it inherits (~10 MB) is below any command's own peak.
+# Runs the measured command and reports its wall time and peak memory. A child forked from this benchmark's process
+# would count this process's own pages (torch is imported here) in its peak until it execs; forked from this small
+# launcher instead, what it inherits (~10 MB) is below any command's own peak. The wall time is the launcher's
+# measure of its child alone: the launcher's own start (~0.06 s) is not the command's.
 LAUNCHER = (
-    "import os, subprocess, sys; "
+    "import subprocess, sys, time; start = time.perf_counter(); "
     "status = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL).returncode; "
-    "import resource; print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+    "wall = time.perf_counter() - start; "
+    "import resource; print(wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
     "sys.exit(status)"
 )
 
 
 def run_process(argv: list[str]) -> tuple[float, float]:
     """(wall seconds, peak resident MB) of one process, its output discarded; a failure stops the benchmark."""
-    start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", LAUNCHER, *argv], capture_output=True, text=True)
-    wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-2000:]}")
-    return wall, int(done.stderr.strip().splitlines()[-1]) / 1024
+    wall, peak = done.stderr.strip().splitlines()[-1].split()
+    return float(wall), int(peak) / 1024
 
 
 def llama_one_shot(gguf: Path, prompt: str, tokens: int) -> list[str]:

@@ -404,8 +404,7 @@ def generate(
 ) -> None:
     """Stream a reply to PROMPT: sampled tokens plain, forced tokens (tool output) in italic cyan. Into a pipe or
     a file it writes exactly the reply's text (timing and errors go to stderr)."""
-    from chatapp.cli_render import stream_reply
-    from chatapp.models import load_engine
+    from chatapp.lifecycle import starting_up
     from chatapp.settings import GenerationSettings
     from chatapp.validation import check_prompt_chars, check_text, longest_token_chars
 
@@ -416,7 +415,11 @@ def generate(
     if regex is not None and json_schema is not None:
         raise SettingsError("--regex and --json-schema both constrain the reply", hint="pass one of them")
     schema = _json_schema(json_schema) if json_schema is not None else None
-    engine = load_engine(model, device, dtype=dtype, compile=compile)
+    with starting_up():
+        from chatapp.cli_render import stream_reply  # torch
+        from chatapp.models import load_engine
+
+        engine = load_engine(model, device, dtype=dtype, compile=compile)
     check_prompt_chars(len(prompt), int(engine.context_size), longest_token_chars(engine.tokenizer))
     compiled = None
     if program is not None:
@@ -872,7 +875,7 @@ def eval_model(
 def main() -> NoReturn:
     """Console-script entry point. The process ends through `shutdown.exit_process` (exit-time work, then
     `os._exit`), ~0.6 s sooner than Python's own finalization once a model was loaded."""
-    from chatapp.shutdown import exit_process
+    from chatapp.lifecycle import exit_process
 
     code: object = 0
     try:

@@ -153,6 +153,7 @@ def run_batch_command(
     console: Console,
 ) -> BatchSummary:
     """Everything `chatapp batch INPUT.jsonl` does after parsing its options; prints the summary on `console`."""
+    from chatapp.lifecycle import starting_up
     from chatapp.models import load_engine
 
     if input_source == STDIO and sys.stdin.isatty():
@@ -168,7 +169,8 @@ def run_batch_command(
                 markup=False,
                 soft_wrap=True,
             )
-        engine = load_engine(model, device, dtype=dtype, compile=compile)
+        with starting_up():
+            engine = load_engine(model, device, dtype=dtype, compile=compile)
         preparer = ModelPreparer(engine)
         summary = run_batch(
             engine,

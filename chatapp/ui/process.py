@@ -340,9 +340,9 @@ def start_engine(model_dir: str | Path, device: str | None = None, program: str 
 
 
 def _engine_main(*args: Any) -> None:
-    """The engine process's target: `serve`, then the end without Python's finalization (`chatapp.shutdown`),
+    """The engine process's target: `serve`, then the end without Python's finalization (`chatapp.lifecycle`),
     which the app's quit would otherwise wait ~0.6 s for."""
-    from chatapp.shutdown import exit_process
+    from chatapp.lifecycle import exit_process
 
     serve(*args)
     exit_process(0)
@@ -363,10 +363,12 @@ def serve(
     from chatapp.stt.cpu_step import THREADS_ENV
 
     os.environ.setdefault(THREADS_ENV, str(max(1, (os.cpu_count() or 1) - 1)))
+    from chatapp.lifecycle import starting_up
     from chatapp.ui.backend import EngineBackend
 
     try:
-        backend = EngineBackend.load(Path(model_dir), device=device)
+        with starting_up():
+            backend = EngineBackend.load(Path(model_dir), device=device)
         if program is not None:
             backend.switch_program(program)
     except ChatappError as err:

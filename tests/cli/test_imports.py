@@ -12,7 +12,7 @@ import pytest
 
 # Runs the CLI in a fresh interpreter and prints which of the heavy packages it imported. `chatapp run` stops where
 # the TUI would start (its engine process, which loads torch, is started and stopped).
-# `main` ends the process itself (`chatapp.shutdown`), after the atexit handlers: the report is one of them.
+# `main` ends the process itself (`chatapp.lifecycle`), after the atexit handlers: the report is one of them.
 PROBE = """
 import atexit, json, sys
 from chatapp.cli import main
@@ -66,3 +66,11 @@ def test_importing_the_cli_loads_no_build_code():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     loaded = json.loads(done.stdout)
     assert not [m for m in loaded if m.startswith(("chatapp.training", "chatapp.recipes"))], loaded
+
+
+def test_the_scripts_module_imports_no_cli_until_it_runs():
+    """The `chatapp` script imports `chatapp.__main__`; the TUI's engine process imports it again (multiprocessing
+    rebuilds `__main__`) and must not load Typer and Rich before the model."""
+    probe = "import sys, chatapp.__main__; print(sorted(m for m in ('typer', 'rich', 'click', 'chatapp.cli') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"

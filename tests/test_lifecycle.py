@@ -1,23 +1,50 @@
-"""`chatapp.shutdown.exit_process`: a process ends with `sys.exit`'s status, its atexit handlers run and its output
-flushed, but without Python's finalization."""
+"""`chatapp.lifecycle`: start-up runs without the garbage collector and freezes what it made; `exit_process` ends a
+process with `sys.exit`'s status, its atexit handlers run and its output flushed, but without Python's
+finalization."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 
 import pytest
 
-from chatapp.shutdown import exit_code
+from chatapp.lifecycle import exit_code, starting_up
 
 # Buffered output, as a command's is unless PYTHONUNBUFFERED is set (it is on some machines).
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
 
 
 def run(body: str) -> subprocess.CompletedProcess[str]:
-    script = "import atexit, sys\nfrom chatapp.shutdown import exit_process\n" + body
+    script = "import atexit, sys\nfrom chatapp.lifecycle import exit_process\n" + body
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=ENV)
+
+
+def test_start_up_runs_without_the_collector_and_freezes_what_it_made() -> None:
+    assert gc.isenabled()
+    try:
+        with starting_up():
+            assert not gc.isenabled()
+            made = [[] for _ in range(1000)]  # tracked objects
+            with starting_up():  # nested: the outer one decides
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= len(made)
+        assert not any(obj is made[0] for obj in gc.get_objects(generation=2))  # out of the collected generations
+    finally:
+        gc.unfreeze()
+
+
+def test_start_up_gives_the_collector_back_when_it_fails() -> None:
+    try:
+        with pytest.raises(RuntimeError), starting_up():
+            raise RuntimeError("the model did not load")
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
 
 
 @pytest.mark.parametrize(("code", "status"), [(None, 0), (0, 0), (3, 3), (130, 130)])
@@ -52,7 +79,7 @@ def test_finalizers_are_skipped() -> None:
 def test_a_reader_that_went_away_makes_the_status_1() -> None:
     """`chatapp generate ... | head -c 5`: the flush at exit finds the pipe closed."""
     script = (
-        "import sys\nfrom chatapp.shutdown import exit_process\n"
+        "import sys\nfrom chatapp.lifecycle import exit_process\n"
         "sys.stdout.write('x' * 100)\n"  # stays in the buffer until the exit's flush
         "sys.stdin.read()\n"  # wait until the test has closed our stdout's reader
         "exit_process(0)\n"
