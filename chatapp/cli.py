@@ -10,7 +10,6 @@ import os
 import sys
 from typing import Annotated, Any, NoReturn
 
-import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -19,15 +18,17 @@ from typer.core import TyperGroup
 from chatapp import __version__
 from chatapp.errors import ChatappError, ModelDirError, SettingsError
 
-try:  # typer 0.2x parses with its own copy of Click: its usage errors are not `click`'s
-    from typer._click import exceptions as _typer_click
+# The Click that parses: typer 0.2x's own copy, Click itself before it (importing Click beside typer's copy would
+# cost `chatapp --help` a tenth of its time for exceptions that are never raised).
+try:
+    from typer._click import Context
+    from typer._click import exceptions as click_errors
 except ImportError:  # pragma: no cover
-    _typer_click = click.exceptions
-_USAGE_ERRORS = (click.UsageError, _typer_click.UsageError)
-_NO_ARGS_IS_HELP = tuple(
-    kind for kind in (getattr(m, "NoArgsIsHelpError", None) for m in (click.exceptions, _typer_click)) if kind
-)
-_NO_SUCH_OPTION = (click.NoSuchOption, _typer_click.NoSuchOption)
+    from click import Context
+    from click import exceptions as click_errors
+_USAGE_ERRORS = (click_errors.UsageError,)
+_NO_ARGS_IS_HELP = tuple(kind for kind in (getattr(click_errors, "NoArgsIsHelpError", None),) if kind)
+_NO_SUCH_OPTION = (click_errors.NoSuchOption,)
 
 
 class ChatappGroup(TyperGroup):
@@ -35,7 +36,7 @@ class ChatappGroup(TyperGroup):
     option), is printed as one message (no traceback, no usage box) and exits with its code (1), so commands just
     raise. `user_error` is the one place that turns an exception into that message and its fix."""
 
-    def make_context(self, info_name: str | None, args: list[str], parent=None, **extra: Any) -> click.Context:
+    def make_context(self, info_name: str | None, args: list[str], parent=None, **extra: Any) -> Context:
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
         except _USAGE_ERRORS as err:
@@ -43,7 +44,7 @@ class ChatappGroup(TyperGroup):
                 raise
             raise fail(user_error(err)) from None
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: Context) -> Any:
         try:
             return super().invoke(ctx)
         except (ChatappError, *_USAGE_ERRORS) as err:
