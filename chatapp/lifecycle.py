@@ -61,7 +61,11 @@ def exit_code(code: object) -> int:
 
 
 def exit_process(code: object = 0) -> NoReturn:
-    """End this process now with `sys.exit(code)`'s status, after the exit-time work (module docstring)."""
+    """End this process now with `sys.exit(code)`'s status, after the exit-time work (module docstring). Under a
+    profiler or a tracer (`python -m cProfile -o ...`, coverage), which write their results after the program
+    returns, it raises `SystemExit` instead, so that they can."""
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        raise SystemExit(code)
     status = exit_code(code)
     atexit._run_exitfuncs()  # what `sys.exit` would run; each handler's error is printed, not raised
     for stream in (sys.stdout, sys.stderr):

@@ -92,3 +92,14 @@ def test_a_reader_that_went_away_makes_the_status_1() -> None:
     process.stdin.close()
     assert process.wait(timeout=60) == 1
     assert process.stderr is not None and b"Traceback" not in process.stderr.read()
+
+
+def test_under_a_profiler_the_exit_is_pythons_own(tmp_path) -> None:
+    """`python -m cProfile -o FILE` writes FILE after the program returns."""
+    script = tmp_path / "ends.py"
+    script.write_text("from chatapp.lifecycle import exit_process\nexit_process(0)\n")
+    profile = tmp_path / "out.prof"
+    done = subprocess.run(
+        [sys.executable, "-m", "cProfile", "-o", str(profile), str(script)], capture_output=True, timeout=60
+    )
+    assert done.returncode == 0 and profile.stat().st_size > 0
