@@ -407,7 +407,7 @@ def generate(
     a file it writes exactly the reply's text (timing and errors go to stderr)."""
     from chatapp.lifecycle import starting_up
     from chatapp.settings import GenerationSettings
-    from chatapp.validation import check_prompt_chars, check_text, longest_token_chars
+    from chatapp.validation import check_prompt_fits, check_text
 
     check_text("the prompt", prompt)
     settings = GenerationSettings(
@@ -421,7 +421,7 @@ def generate(
         from chatapp.models import load_engine
 
         engine = load_engine(model, device, dtype=dtype, compile=compile)
-    check_prompt_chars(len(prompt), int(engine.context_size), longest_token_chars(engine.tokenizer))
+    check_prompt_fits(len(prompt), int(engine.context_size), engine.tokenizer)
     compiled = None
     if program is not None:
         from chatapp.ttfa import load_program

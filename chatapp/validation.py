@@ -8,6 +8,7 @@ Unicode, prompt size, samples per line, and the size of regex and JSON-schema co
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -149,6 +150,7 @@ def check_schema_source(schema: Any) -> None:
         )
 
 
+@functools.lru_cache(maxsize=4)  # keyed by the tokenizer object: a scan of its vocabulary, ~50 ms for 49k tokens
 def longest_token_chars(tokenizer: Any) -> int:
     """Characters in the longest token string of `tokenizer` (at least 1).
 
@@ -168,6 +170,13 @@ def check_prompt_chars(chars: int, context_size: int, chars_per_token: int) -> N
             f"{limit:,} (its longest token is {chars_per_token} characters)",
             hint="shorten the prompt",
         )
+
+
+def check_prompt_fits(chars: int, context_size: int, tokenizer: Any) -> None:
+    """`check_prompt_chars` with `tokenizer`'s longest token, looked up only for a prompt of more characters than
+    the context has tokens: a shorter one is within the limit whatever that token is."""
+    if chars > context_size:
+        check_prompt_chars(chars, context_size, longest_token_chars(tokenizer))
 
 
 def prompt_chars(prompt: str | None, messages: Sequence[Any] | None) -> int:

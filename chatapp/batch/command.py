@@ -24,7 +24,7 @@ from chatapp.errors import (
     ContextOverflowError,
     ProgramError,
 )
-from chatapp.validation import check_prompt_chars, longest_token_chars, prompt_chars
+from chatapp.validation import check_prompt_fits, prompt_chars
 
 STDIO = "-"
 
@@ -79,7 +79,6 @@ class ModelPreparer:
         self.chat_format = engine.chat_format
         self.context_size = int(engine.context_size)
         self.vocab_size = int(engine.model.config.vocab_size)
-        self.chars_per_token = longest_token_chars(self.tokenizer)
         # Many lines name the same program or pattern: compile each once (a failure is remembered too).
         self._programs: dict[str, Any] = {}
         self._dfas: dict[str, Any] = {}
@@ -87,7 +86,7 @@ class ModelPreparer:
 
     def prompt_ids(self, request: LineRequest) -> list[int]:
         messages: Sequence[dict[str, Any]] = request.messages or ({"role": "user", "content": request.prompt},)
-        check_prompt_chars(prompt_chars(request.prompt, request.messages), self.context_size, self.chars_per_token)
+        check_prompt_fits(prompt_chars(request.prompt, request.messages), self.context_size, self.tokenizer)
         ids = list(self.chat_format.render_for_completion(list(messages)))
         if len(ids) >= self.context_size:
             raise ContextOverflowError(

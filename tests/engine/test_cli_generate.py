@@ -36,6 +36,23 @@ def test_generate_reports_a_missing_model_dir(tmp_path) -> None:
     assert "does not exist" in result.output and "Traceback" not in result.output
 
 
+def test_generate_refuses_a_prompt_longer_than_the_context_can_hold_before_tokenizing_it(model_dir) -> None:
+    from tokenizers import Tokenizer
+
+    from chatapp.models.loader import load_model
+    from chatapp.validation import longest_token_chars
+
+    loaded = load_model(model_dir, "cpu")
+    context = int(loaded.model.config.max_position_embeddings)
+    limit = context * longest_token_chars(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    result = CliRunner().invoke(app, ["generate", "x" * (limit + 1), "--model", str(model_dir)])
+    assert result.exit_code == 1, result.output
+    assert f"the prompt is {limit + 1:,} characters" in result.output and "Traceback" not in result.output
+    # More characters than the context has tokens, within the bound: tokenized, then refused by its token count.
+    result = CliRunner().invoke(app, ["generate", "x y " * context, "--model", str(model_dir)])
+    assert result.exit_code == 1 and "tokens but the model's context" in result.output, result.output
+
+
 def test_generate_rejects_bad_settings(model_dir) -> None:
     result = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--top-p", "0"])
     assert result.exit_code == 1 and "top_p" in result.output
