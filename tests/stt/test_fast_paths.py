@@ -38,13 +38,15 @@ def live_entries(cache: KVCache) -> list[tuple[torch.Tensor, torch.Tensor, torch
     return out
 
 
-def assert_same_state(fast: KVCache, slow: KVCache, hidden_tolerance: float = 1e-6) -> None:
+def assert_same_state(
+    fast: KVCache, slow: KVCache, hidden_tolerance: float = 1e-6, entry_tolerance: float = 1e-5
+) -> None:
     assert torch.equal(fast.lengths, slow.lengths)
     assert torch.equal(fast.seen, slow.seen)
     torch.testing.assert_close(fast.prev_hidden, slow.prev_hidden, atol=hidden_tolerance, rtol=hidden_tolerance)
     for (k1, v1, p1), (k2, v2, p2) in zip(live_entries(fast), live_entries(slow), strict=True):
-        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k1, k2, atol=entry_tolerance, rtol=entry_tolerance)
+        torch.testing.assert_close(v1, v2, atol=entry_tolerance, rtol=entry_tolerance)
         assert torch.equal(p1, p2)
 
 

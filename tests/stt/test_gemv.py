@@ -3,19 +3,55 @@ step on the same int8 weights: same logits, router probabilities, decisions and 
 ragged batches, under both routings and both skip modes.
 
 The oracle runs in float32 (the int8 model's scales, norms and embeddings cast to float32, its int8 levels as
-they are), so the two compute the same numbers and differ only in the order of their sums."""
+they are), and its int8 products take their input quantized as the C products do (`quantized_products`: blocks of
+32, int8 levels of one scale each). The two then differ in the order of their sums, and where that moves an
+input across a rounding boundary, by one level of it: the tolerances below are those of a level here and there."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from chatapp.stt import cpu_step
 from chatapp.stt.decode import EAGER_STEPS, decode_step
-from chatapp.stt.weights import prepare_weights
+from chatapp.stt.weights import Int8Linear, prepare_weights
 
 from .conftest import VOCAB, routed_model
 from .test_fast_paths import assert_same_state
+
+
+QBLOCK = 32  # decode_step.c's activation block
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the C products see it: each row in blocks of 32, rounded (ties to even) to int8 levels of the block's
+    largest magnitude / 127, and those levels times that scale."""
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // QBLOCK, QBLOCK)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    levels = torch.round(blocks * inverse).clamp(-127, 127)
+    return (levels * scale).reshape(x.shape)
+
+
+@contextlib.contextmanager
+def quantized_products():
+    """The torch step's int8 products with their inputs quantized as the C step's are (K a multiple of 32)."""
+    plain = Int8Linear.forward
+
+    def forward(self: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % QBLOCK:
+            return plain(self, x)
+        weight = self.weight_int8.float() * self.scales.float()[:, None]
+        out = quantize_activations(x) @ weight.T
+        return out if self.bias is None else out + self.bias.float()
+
+    Int8Linear.forward = forward
+    try:
+        yield
+    finally:
+        Int8Linear.forward = plain
 
 
 def int8_model(skip_mode: str = "strict", **overrides):
@@ -30,19 +66,50 @@ def prefilled(model, lengths: list[int], max_len: int = 64):
     return cache
 
 
+def resync(slow, fast) -> None:
+    """The oracle's cache made the C step's again, so that a rounding difference of one step (see the module
+    docstring) is not carried into the next."""
+    for mine, theirs in zip(slow.keys + slow.values, fast.keys + fast.values, strict=True):
+        mine.copy_(theirs)
+    for name in ("positions", "lengths", "seen", "prev_hidden", "host_bound"):
+        value = getattr(fast, name)
+        setattr(slow, name, value.clone() if isinstance(value, torch.Tensor) else value)
+
+
+class StepComparison:
+    """Each step of the C kernel against the oracle, from the same cache: within a level of a quantized input
+    (a rounding boundary crossed differently moves logits by ~1e-2 on these tiny models), and most steps within
+    the float noise of summing in another order (a systematic error would show in every step)."""
+
+    def __init__(self) -> None:
+        self.steps = self.close = 0
+
+    def check(self, got, want) -> None:
+        torch.testing.assert_close(got[0], want[0], atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(got[1], want[1], atol=2e-3, rtol=2e-3)
+        assert torch.equal(got[2], want[2])
+        self.steps += 1
+        self.close += bool(torch.allclose(got[0], want[0], atol=1e-4, rtol=1e-4))
+
+    def done(self) -> None:
+        assert self.close >= self.steps / 2, f"only {self.close} of {self.steps} steps agree to 1e-4"
+
+
 @torch.no_grad()
 def decode_both(model, lengths: list[int], steps: int, student: bool, cutoff) -> None:
     fast, slow = prefilled(model, lengths), prefilled(model, lengths)
     generator = torch.Generator().manual_seed(1)
+    comparison = StepComparison()
     for _ in range(steps):
         ids = torch.randint(0, VOCAB, (len(lengths),), generator=generator)
         got = cpu_step.kernel_step(model, ids, fast, student, cutoff)
         assert got is not None
-        want = decode_step(model, ids, slow, student, cutoff, EAGER_STEPS)
-        torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
-        assert torch.equal(got[2], want[2])
-    assert_same_state(fast, slow, hidden_tolerance=1e-5)
+        with quantized_products():
+            want = decode_step(model, ids, slow, student, cutoff, EAGER_STEPS)
+        comparison.check(got, want)
+        assert_same_state(fast, slow, hidden_tolerance=2e-2, entry_tolerance=2e-2)
+        resync(slow, fast)
+    comparison.done()
 
 
 @pytest.mark.parametrize("skip_mode", ["strict", "kv"])
@@ -65,6 +132,14 @@ def test_kernel_step_reads_and_writes_a_single_row() -> None:
     decode_both(model, [5], steps=8, student=True, cutoff=0.5)
 
 
+@pytest.mark.parametrize("hidden", [96, 48])
+def test_kernel_step_on_rows_of_an_odd_number_of_blocks_or_none(hidden: int) -> None:
+    """96 = three blocks of 32 (the last one alone in the products' loop); 48 is no whole number of blocks, so its
+    products take float32 inputs (the oracle's too)."""
+    model = int8_model(hidden_size=hidden, intermediate_size=2 * hidden)
+    decode_both(model, [4, 1, 7], steps=6, student=True, cutoff=model.config.router_threshold)
+
+
 @pytest.mark.parametrize("skip_mode", ["strict", "kv"])
 @torch.no_grad()
 def test_kernel_step_over_rows_of_very_different_cache_lengths(skip_mode: str) -> None:
@@ -72,13 +147,16 @@ def test_kernel_step_over_rows_of_very_different_cache_lengths(skip_mode: str) -
     model = int8_model(skip_mode)
     fast, slow = prefilled(model, [1, 64, 65, 150], max_len=192), prefilled(model, [1, 64, 65, 150], max_len=192)
     generator = torch.Generator().manual_seed(2)
+    comparison = StepComparison()
     for _ in range(4):
         ids = torch.randint(0, VOCAB, (4,), generator=generator)
         got = cpu_step.kernel_step(model, ids, fast, True, model.config.router_threshold)
-        want = decode_step(model, ids, slow, True, model.config.router_threshold, EAGER_STEPS)
-        torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
-        assert torch.equal(got[2], want[2])
-    assert_same_state(fast, slow, hidden_tolerance=1e-5)
+        with quantized_products():
+            want = decode_step(model, ids, slow, True, model.config.router_threshold, EAGER_STEPS)
+        comparison.check(got, want)
+        assert_same_state(fast, slow, hidden_tolerance=2e-2, entry_tolerance=2e-2)
+        resync(slow, fast)
+    comparison.done()
 
 
 @torch.no_grad()
