@@ -21,7 +21,6 @@ from chatapp.stt.weights import Int8Linear, prepare_weights
 from .conftest import VOCAB, routed_model
 from .test_fast_paths import assert_same_state
 
-
 QBLOCK = 32  # decode_step.c's activation block
 
 
