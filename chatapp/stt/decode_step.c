@@ -202,6 +202,19 @@ static void rotate(const float *src, float *dst, const float *cos, const float *
 
 static float silu(float v) { return v / (1.0f + expf(-v)); }
 
+/* Attention reads a (row, K/V head)'s cached keys, then its values, one entry per position: dh floats (256 bytes
+ * for the default model) out of every kv_heads * dh, so each task walks the cache with a stride the hardware
+ * prefetchers did not follow. Measured with perf, the attention loops waited on those loads (~6 GB/s of K/V where
+ * the weights stream at 20+), and attention took over the step as a chat grew. Asking for the entry AHEAD positions
+ * on while working on this one took a step at 2,048 cached tokens from 30-38 ms to 22-24 and at 512 from 14-16 to
+ * 13-14 (2-core AVX2 EPYC, interleaved; 4, 8 and 16 ahead measured alike). */
+#ifndef AHEAD
+#define AHEAD 8
+#endif
+static inline void prefetch_entry(const float *entry, int64_t dh) {
+    for (int64_t at = 0; at < dh; at += 16) __builtin_prefetch(entry + at); /* one 64-byte line each */
+}
+
 /* Scratch for one block on up to MAX_ROWS rows, allocated once per step. */
 typedef struct {
     float *xs, *h, *qkv, *attended, *projected, *gate_up, *act;
@@ -248,6 +261,7 @@ static void block(const DecodeArgs *a, int64_t layer, const int64_t *rows, const
             rotate(t->qkv + i * qkv_width + (g * group + h) * dh, q + h * dh, a->cos + b * dh, a->sin + b * dh, dh);
         for (int64_t s = 0; s < count; s++) {
             const float *key = keys + ((b * s1 + s) * hkv + g) * dh;
+            if (s + AHEAD < count) prefetch_entry(key + AHEAD * hkv * dh, dh);
             for (int64_t h = 0; h < group; h++) {
                 float dot = 0.0f;
                 for (int64_t e = 0; e < dh; e++) dot += q[h * dh + e] * key[e];
@@ -263,6 +277,7 @@ static void block(const DecodeArgs *a, int64_t layer, const int64_t *rows, const
         memset(out, 0, sizeof(out));
         for (int64_t s = 0; s < count; s++) {
             const float *value = values + ((b * s1 + s) * hkv + g) * dh;
+            if (s + AHEAD < count) prefetch_entry(value + AHEAD * hkv * dh, dh);
             for (int64_t h = 0; h < group; h++) {
                 const float weight = scores[h * count + s];
                 for (int64_t e = 0; e < dh; e++) out[h * dh + e] += weight * value[e];
