@@ -140,15 +140,18 @@ def test_kernel_step_on_rows_of_an_odd_number_of_blocks_or_none(hidden: int) -> 
 
 
 @pytest.mark.parametrize("skip_mode", ["strict", "kv"])
+@pytest.mark.parametrize("lengths", [[1, 64, 65, 150], [600, 3, 257]])
 @torch.no_grad()
-def test_kernel_step_over_rows_of_very_different_cache_lengths(skip_mode: str) -> None:
-    # Rows of 1, 64, 65 and 150 cached entries in one batch: each row attends over its own entries only.
+def test_kernel_step_over_rows_of_very_different_cache_lengths(skip_mode: str, lengths: list[int]) -> None:
+    # Each row attends over its own entries only, a short row beside long ones too (the attention loops prefetch
+    # entries ahead of the one they read, up to the row's end).
     model = int8_model(skip_mode)
-    fast, slow = prefilled(model, [1, 64, 65, 150], max_len=192), prefilled(model, [1, 64, 65, 150], max_len=192)
+    max_len = max(lengths) + 42
+    fast, slow = prefilled(model, lengths, max_len=max_len), prefilled(model, lengths, max_len=max_len)
     generator = torch.Generator().manual_seed(2)
     comparison = StepComparison()
     for _ in range(4):
-        ids = torch.randint(0, VOCAB, (4,), generator=generator)
+        ids = torch.randint(0, VOCAB, (len(lengths),), generator=generator)
         got = cpu_step.kernel_step(model, ids, fast, True, model.config.router_threshold)
         with quantized_products():
             want = decode_step(model, ids, slow, True, model.config.router_threshold, EAGER_STEPS)
