@@ -211,6 +211,7 @@ static float silu(float v) { return v / (1.0f + expf(-v)); }
 #ifndef AHEAD
 #define AHEAD 8
 #endif
+#define PV_CHUNK 32 /* positions of values summed head by head (`block`) */
 static inline void prefetch_entry(const float *entry, int64_t dh) {
     for (int64_t at = 0; at < dh; at += 16) __builtin_prefetch(entry + at); /* one 64-byte line each */
 }
@@ -275,6 +276,30 @@ static void block(const DecodeArgs *a, int64_t layer, const int64_t *rows, const
             for (int64_t s = 0; s < count; s++) row[s] /= total;
         }
         memset(out, 0, sizeof(out));
+#if defined(__AVX2__) && defined(__FMA__)
+        /* Heads of 64 (most small models'): each head's sum stays in eight registers over PV_CHUNK positions,
+         * whose values stay in L1 for the group's other heads, where the plain loop below loads and stores the
+         * sum at every position and head. A step at 2,048 cached tokens: 22-28 -> 20-24 ms (5 interleaved pairs,
+         * faster in each). */
+        if (dh == 64) {
+            for (int64_t c = 0; c < count; c += PV_CHUNK) {
+                const int64_t end = c + PV_CHUNK < count ? c + PV_CHUNK : count;
+                for (int64_t s = c; s < end && s + AHEAD < count; s++)
+                    prefetch_entry(values + ((b * s1 + s + AHEAD) * hkv + g) * dh, dh);
+                for (int64_t h = 0; h < group; h++) {
+                    __m256 acc[8];
+                    for (int e = 0; e < 8; e++) acc[e] = _mm256_loadu_ps(out + h * dh + 8 * e);
+                    for (int64_t s = c; s < end; s++) {
+                        const float *value = values + ((b * s1 + s) * hkv + g) * dh;
+                        const __m256 weight = _mm256_set1_ps(scores[h * count + s]);
+                        for (int e = 0; e < 8; e++)
+                            acc[e] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * e), acc[e]);
+                    }
+                    for (int e = 0; e < 8; e++) _mm256_storeu_ps(out + h * dh + 8 * e, acc[e]);
+                }
+            }
+        } else
+#endif
         for (int64_t s = 0; s < count; s++) {
             const float *value = values + ((b * s1 + s) * hkv + g) * dh;
             if (s + AHEAD < count) prefetch_entry(value + AHEAD * hkv * dh, dh);

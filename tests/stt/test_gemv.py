@@ -95,8 +95,8 @@ class StepComparison:
 
 
 @torch.no_grad()
-def decode_both(model, lengths: list[int], steps: int, student: bool, cutoff) -> None:
-    fast, slow = prefilled(model, lengths), prefilled(model, lengths)
+def decode_both(model, lengths: list[int], steps: int, student: bool, cutoff, max_len: int = 64) -> None:
+    fast, slow = prefilled(model, lengths, max_len), prefilled(model, lengths, max_len)
     generator = torch.Generator().manual_seed(1)
     comparison = StepComparison()
     for _ in range(steps):
@@ -137,6 +137,15 @@ def test_kernel_step_on_rows_of_an_odd_number_of_blocks_or_none(hidden: int) -> 
     products take float32 inputs (the oracle's too)."""
     model = int8_model(hidden_size=hidden, intermediate_size=2 * hidden)
     decode_both(model, [4, 1, 7], steps=6, student=True, cutoff=model.config.router_threshold)
+
+
+@pytest.mark.parametrize("skip_mode", ["strict", "kv"])
+def test_kernel_step_with_heads_of_64_dimensions(skip_mode: str) -> None:
+    """Heads of 64 (the default model's) take the vectorized sum of values, in chunks of 32 positions: rows that
+    end inside a chunk, on its edge and past several."""
+    model = int8_model(skip_mode, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    assert model.config.hidden_size // model.config.num_attention_heads == 64
+    decode_both(model, [3, 31, 32, 100], steps=6, student=True, cutoff=model.config.router_threshold, max_len=128)
 
 
 @pytest.mark.parametrize("skip_mode", ["strict", "kv"])
