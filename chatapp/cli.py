@@ -874,7 +874,7 @@ def eval_model(
 
 
 def main() -> NoReturn:
-    """Console-script entry point. The process ends through `shutdown.exit_process` (exit-time work, then
+    """Console-script entry point. The process ends through `lifecycle.exit_process` (exit-time work, then
     `os._exit`), ~0.6 s sooner than Python's own finalization once a model was loaded."""
     from chatapp.lifecycle import exit_process
 
