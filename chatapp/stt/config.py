@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 BetaScheduleKind = Literal["cosine", "linear", "constant"]
 # What an STT layer does with a token it skips (see `skip_mode` below and `chatapp.stt.layers`).
-SKIP_MODES = ("strict", "kv")
+SKIP_MODES = ("strict", "kv", "predict")
 
 
 MAX_PARAMETERS = 10**11
@@ -117,6 +117,13 @@ class STTConfig:
     # stores no K/V there. "kv": its K and V, projected from its unchanged input, are stored (no query, attention
     # output or MLP), so later tokens still attend to it. The same in every path: prefill, decode, training, eval.
     skip_mode: str = "strict"
+    # "predict" is "kv" plus an update for the skipped token: its residual stream gets f(norm(x)), a rank-r linear
+    # map of the layer's normed input fitted to the block's residual Δx (`layers.SkipPredictor`), so a skipped token
+    # moves roughly where the block would have moved it.
+    predictor_rank: int = 64
+    # Named operating points (level -> `router_threshold`): what `--routing LEVEL` picks. "off" is always a level
+    # (routing off); a model without levels has one more, "default", its own `router_threshold`.
+    routing_levels: dict | None = None
     # False until the routers were trained: then "student" routing runs every token (routing effectively off).
     routing_trained: bool = False
 
@@ -229,6 +236,12 @@ class STTConfig:
             raise ValueError(f"beta_schedule must be cosine, linear or constant, got {self.beta_schedule!r}")
         if self.skip_mode not in SKIP_MODES:
             raise ValueError(f"skip_mode must be one of {', '.join(SKIP_MODES)}, got {self.skip_mode!r}")
+        rank = self.predictor_rank
+        if self.skip_mode == "predict" and (isinstance(rank, bool) or not 1 <= rank <= self.hidden_size):
+            raise ValueError(f"predictor_rank must be in 1..hidden_size ({self.hidden_size}), got {self.predictor_rank}")
+        for level, threshold in (self.routing_levels or {}).items():
+            if level == "off" or not isinstance(threshold, int | float) or not 0 <= threshold <= 1:
+                raise ValueError(f"routing_levels: {level!r}: a threshold in [0, 1] per level other than 'off'")
         if self.ma_window < 1:
             raise ValueError(f"ma_window must be >= 1, got {self.ma_window}")
         if self.use_sliding_window:

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from chatapp.stt.layers import stores_skipped
 from chatapp.stt.weights import Int8Linear
 
 # Most rows one call takes (`MAX_ROWS` in the C file); a larger batch goes through the torch step (there the
@@ -162,6 +163,13 @@ def model_arrays(model) -> ModelArrays | None:
             "r_out_w": _stack([_f32(r.out.weight.reshape(-1)) for r in routers]),
             "r_out_b": np.array([r.out.bias.item() for r in routers], np.float32),
         }
+    predictors = [layers[i].skip_predictor for i in stt if getattr(layers[i], "skip_predictor", None) is not None]
+    if predictors and len(predictors) == len(stt):
+        arrays |= {
+            "p_down": _stack([_f32(p.down.weight) for p in predictors]),
+            "p_up": _stack([_f32(p.up.weight) for p in predictors]),
+            "p_bias": _stack([_f32(p.up.bias) for p in predictors]),
+        }
     attn = layers[0].self_attn
     fields = {
         "hidden": int(model.config.hidden_size), "layers": len(layers), "heads": attn.num_heads,
@@ -169,6 +177,7 @@ def model_arrays(model) -> ModelArrays | None:
         "up_rows": arrays["up_w"].shape[1], "vocab": arrays["head_w"].shape[0], "stt_count": len(stt),
         "router_width": arrays["r_up_w"].shape[1] if routers else 0, "has_bias": int(arrays["qkv_b"].shape[1] > 0),
         "final_eps": float(model.model.norm.variance_epsilon),
+        "predictor_rank": arrays["p_down"].shape[1] if "p_down" in arrays else 0,
         **{name: _ptr(array) for name, array in arrays.items()},
     }  # fmt: skip
     model._kernel_arrays = (id(model.lm_head), ModelArrays(arrays, fields))
@@ -204,12 +213,12 @@ class DecodeArgs(ctypes.Structure):
     _fields_ = [
         *[(name, ctypes.c_int64) for name in (
             "batch", "hidden", "layers", "heads", "kv_heads", "head_dim", "qkv_rows", "up_rows", "vocab", "slots",
-            "stt_count", "router_width", "has_bias", "student", "store_skipped", "threads")],
+            "stt_count", "router_width", "has_bias", "student", "store_skipped", "threads", "predictor_rank")],
         *[(name, ctypes.c_void_p) for name in (
             "x", "norm1", "eps1", "qkv_w", "qkv_s", "qkv_b", "o_w", "o_s", "norm2", "eps2", "up_w", "up_s",
             "down_w", "down_s", "r_norm_c", "r_eps_c", "r_norm_p", "r_eps_p", "r_up_w", "r_up_b", "r_out_w",
-            "r_out_b", "stt_slot", "keys", "values", "lengths", "positions", "seen", "previous", "inputs", "cos",
-            "sin", "cutoff", "final_norm")],
+            "r_out_b", "p_down", "p_up", "p_bias", "stt_slot", "keys", "values", "lengths", "positions", "seen",
+            "previous", "inputs", "cos", "sin", "cutoff", "final_norm")],
         ("final_eps", ctypes.c_float),
         *[(name, ctypes.c_void_p) for name in ("head_w", "head_s", "logits", "probs", "selected")],
     ]  # fmt: skip
@@ -314,7 +323,7 @@ def kernel_step(model, ids: torch.Tensor, cache, student: bool, cutoff: float | 
     logits = torch.empty((batch, arrays.fields["vocab"]), dtype=torch.float32)
     lengths, positions, seen = cache.lengths.numpy(), cache.positions.numpy(), cache.seen.numpy()
     args = DecodeArgs(
-        batch=batch, slots=keys.shape[2], student=bool(student), store_skipped=model.config.skip_mode == "kv",
+        batch=batch, slots=keys.shape[2], student=bool(student), store_skipped=stores_skipped(model.config.skip_mode),
         threads=_threads(), x=x.data_ptr(), keys=_ptr(keys), values=_ptr(values), lengths=_ptr(lengths),
         positions=_ptr(positions), seen=_ptr(seen), previous=_ptr(previous), inputs=inputs.data_ptr(), cos=_ptr(cos),
         sin=_ptr(sin), cutoff=cutoffs.data_ptr(), logits=logits.data_ptr(), probs=probs.data_ptr(),

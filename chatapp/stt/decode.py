@@ -43,7 +43,17 @@ from typing import NamedTuple
 import torch
 
 from chatapp.stt.cache import KVCache
-from chatapp.stt.layers import BlockParts, STTLayer, block_step, kv_step, rms_norm, router_probs, select
+from chatapp.stt.layers import (
+    BlockParts,
+    STTLayer,
+    block_step,
+    kv_step,
+    rms_norm,
+    router_probs,
+    select,
+    skipped_output,
+    stores_skipped,
+)
 
 
 @dataclass
@@ -108,7 +118,10 @@ def step_state(model, cache: KVCache, span: int) -> StepState:
 def block_parts(model) -> list[BlockParts]:
     """Every layer's `BlockParts` (built each step, ~15 us: a copy cached on the model could go stale when a
     weight format swaps a module)."""
-    return [BlockParts(b.input_layernorm, b.self_attn, b.post_attention_layernorm, b.mlp) for b in model.model.layers]
+    return [
+        BlockParts(b.input_layernorm, b.self_attn, b.post_attention_layernorm, b.mlp, getattr(b, "skip_predictor", None))
+        for b in model.model.layers
+    ]
 
 
 def stack_step(
@@ -130,8 +143,9 @@ def stack_step(
     one were as many, and each call of a compiled function costs ~0.05 ms of argument handling, a seventh of a
     block at batch 1.
 
-    `kv_lead`: the first block is an STT layer that skipped every row in "kv" mode, so it only stores their K/V
-    (`kv_step`) and passes them on unchanged; the call goes on with the blocks after it (`routed_segment`).
+    `kv_lead`: the first block is an STT layer that skipped every row in "kv" or "predict" mode, so it only stores
+    their K/V (`kv_step`) and passes them on (with its predicted update in "predict" mode); the call goes on with the
+    blocks after it (`routed_segment`).
 
     `routers`: per block, the STT layer whose causal router reads that block's input, and one more that reads the
     stack's output (the next layer's input), None where there is none; `previous`: each one's stored x_{t-1}.
@@ -147,7 +161,7 @@ def stack_step(
     for i, block in enumerate(blocks):
         route(i, x)
         if i == 0 and kv_lead:
-            kv_step(block, x, keys[0], values[0], rows, slots[0], cos, sin)
+            x = kv_step(block, x, keys[0], values[0], rows, slots[0], cos, sin)
             continue
         x = block_step(block, x, keys[i], values[i], rows, slots[i], masks[i], cos, sin, span, False)
     route(len(blocks), x)
@@ -364,12 +378,12 @@ def routed_layer(
         out = steps.block(
             blocks[index], x, keys, values, state.rows, slots, mask, state.cos, state.sin, state.span, False
         )
-        return torch.where(selected[:, None], out, x), write
+        return torch.where(selected[:, None], out, skipped_output(blocks[index], x)), write
     picked = selected.nonzero().squeeze(1)  # which rows: the shapes below depend on it
     if store_skipped:
         # The skipped rows' K/V through the stack call with a K/V-only lead (compiled when the step is).
         skipped = (~selected).nonzero().squeeze(1)
-        steps.stack(
+        carried, _, _ = steps.stack(
             (blocks[index],),
             x.index_select(0, skipped),
             (keys,),
@@ -382,6 +396,7 @@ def routed_layer(
             state.span,
             True,
         )
+        x = x.index_copy(0, skipped, carried)
     if picked.numel() == 0:
         return x, write
     out = steps.block(
@@ -506,7 +521,7 @@ def decode_step(
     probs: dict[int, torch.Tensor] = {}
     inputs: dict[int, torch.Tensor] = {}
     stored = cache.prev_hidden.unbind(0)
-    store_skipped = model.config.skip_mode == "kv"
+    store_skipped = stores_skipped(model.config.skip_mode)
     # Batch 1 on a CPU: a decision is one number, read on the host, where the rule takes it as it is.
     one_row = ids.shape[0] == 1 and x.device.type != "cuda"
     for segment, readers in zip(decode_plan(model, student), plan_readers(model, student), strict=True):

@@ -34,7 +34,7 @@
  * layers (L), the routers' on one of STT layers (L_stt). Mirrored field for field by `cpu_step.DecodeArgs`. */
 typedef struct {
     int64_t batch, hidden, layers, heads, kv_heads, head_dim, qkv_rows, up_rows, vocab, slots, stt_count,
-        router_width, has_bias, student, store_skipped, threads;
+        router_width, has_bias, student, store_skipped, threads, predictor_rank;
     float *x;                                 /* (B, D) the token embeddings; the final hidden state after */
     const float *norm1, *eps1;                /* (L, D), (L) */
     const int8_t *qkv_w;                      /* (L, QKV, D) */
@@ -48,6 +48,8 @@ typedef struct {
     const float *down_s;                      /* (L, D) */
     const float *r_norm_c, *r_eps_c, *r_norm_p, *r_eps_p; /* (L_stt, D), (L_stt) each */
     const float *r_up_w, *r_up_b, *r_out_w, *r_out_b;     /* (L_stt, R, 2D), (L_stt, R), (L_stt, R), (L_stt) */
+    /* "predict" skip mode (predictor_rank P > 0): a skipped token's update up . (down . norm1(x)) + bias */
+    const float *p_down, *p_up, *p_bias;      /* (L_stt, P, D), (L_stt, D, P), (L_stt, D) */
     const int64_t *stt_slot;                  /* (L): the layer's STT index, -1 for a dense layer */
     float *keys, *values;                     /* (L, B, S + 1, H_kv, Dh): slot S is the trash slot */
     int64_t *lengths;                         /* (L, B) */
@@ -223,8 +225,30 @@ typedef struct {
     float *d;
 } Scratch;
 
+/* A skipped token's predicted update in "predict" skip mode (`layers.SkipPredictor`): x += up . (down . h) + bias
+ * for the n rows, h their normed inputs (n, D). A rank-P map: 2 * P * D multiply-adds a row, ~2% of a block. */
+static void predict(const DecodeArgs *a, int64_t slot, const int64_t *rows, int64_t n, const float *h) {
+    const int64_t d = a->hidden, rank = a->predictor_rank;
+    const float *down = a->p_down + slot * rank * d, *up = a->p_up + slot * d * rank, *bias = a->p_bias + slot * d;
+    float u[rank];
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t r = 0; r < rank; r++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < d; j++) acc += down[r * d + j] * h[i * d + j];
+            u[r] = acc;
+        }
+        float *x = a->x + rows[i] * d;
+        for (int64_t j = 0; j < d; j++) {
+            float acc = bias[j];
+            for (int64_t r = 0; r < rank; r++) acc += up[j * rank + r] * u[r];
+            x[j] += acc;
+        }
+    }
+}
+
 /* One decoder block on `n` rows (indices `rows` into the batch and the cache), whose tokens are stored at slots
- * `slots`. `kv_only`: store K/V and stop (an STT layer's skipped token in "kv" mode). */
+ * `slots`. `kv_only`: store K/V and stop (an STT layer's skipped token in "kv" mode), after adding the predicted
+ * update in "predict" mode. */
 static void block(const DecodeArgs *a, int64_t layer, const int64_t *rows, const int64_t *slots, int64_t n,
                   int kv_only, Scratch *t) {
     const int64_t d = a->hidden, dh = a->head_dim, hkv = a->kv_heads, q_width = a->heads * dh;
@@ -247,7 +271,10 @@ static void block(const DecodeArgs *a, int64_t layer, const int64_t *rows, const
             memcpy(values + at, t->qkv + i * qkv_width + v_at + g * dh, dh * sizeof(float));
         }
     }
-    if (kv_only) return;
+    if (kv_only) {
+        if (a->predictor_rank > 0) predict(a, a->stt_slot[layer], rows, n, t->h);
+        return;
+    }
 
     /* Attention over the row's entries 0..slot, softmax in float32: one task per (row, K/V head), whose query
      * heads read each key and value once between them. */
@@ -351,7 +378,8 @@ static void router(const DecodeArgs *a, int64_t slot) {
  * - at an STT layer its router reads the layer input beside `previous` into `probs`, and the input is kept in
  *   `inputs` for the next token;
  * - with `student` a row runs an STT layer only when its probability is at or above its cutoff; a skipped row
- *   stores its K/V only (`store_skipped`, "kv" mode) or nothing ("strict": its trash slot takes the position);
+ *   stores its K/V only (`store_skipped`, "kv" mode; plus its predicted update with `predictor_rank`, "predict")
+ *   or nothing ("strict": its trash slot takes the position);
  * - a row's length at a layer grows by one wherever it stored its token; `positions` records the token's position
  *   `seen[b]` at its slot, and `seen` grows by one.
  * Returns 0, or -1 for a call it does not take (more than MAX_ROWS rows, or out of memory). */

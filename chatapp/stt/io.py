@@ -37,7 +37,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "chat_template.jinja",
 )
-ROUTER_PARTS = (".transition_network.", ".predictive_router.", ".causal_router.")
+ROUTER_PARTS = (".transition_network.", ".predictive_router.", ".causal_router.", ".skip_predictor.")
 
 
 def _require_dir(model_dir: Path) -> None:

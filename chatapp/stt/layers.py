@@ -56,9 +56,30 @@ def router_probs(layer: STTLayer, current: torch.Tensor, previous: torch.Tensor)
 
 def routed_attention_mask(selected: torch.Tensor, skip_mode: str) -> torch.Tensor | None:
     """Which keys a routed STT layer's queries see over a full (B, T) sequence: in "strict" mode only the selected
-    tokens are keys (`routed_causal_mask`); in "kv" mode every token is (its K/V come from its unchanged input),
-    which is plain causal attention (None)."""
-    return None if skip_mode == "kv" else routed_causal_mask(selected)
+    tokens are keys (`routed_causal_mask`); in "kv" and "predict" modes every token is (its K/V come from its
+    unchanged input), which is plain causal attention (None)."""
+    return routed_causal_mask(selected) if skip_mode == "strict" else None
+
+
+def stores_skipped(skip_mode: str) -> bool:
+    """Whether a token an STT layer skips stores its K/V there ("kv" and "predict"; not "strict")."""
+    return skip_mode != "strict"
+
+
+def skipped_output(
+    layer: nn.Module, x: torch.Tensor, normed: torch.Tensor | None = None, predictor: nn.Module | None = None
+) -> torch.Tensor:
+    """What a token an STT layer skips carries on: its input `x`, plus the layer's predicted update f(norm(x)) when
+    the layer has a `SkipPredictor` ("predict" mode). `normed`: `norm(x)` when the caller has it already (the
+    skipped token's K/V were projected from it). `predictor`: one to use instead of the layer's own (a routing fit
+    measures predictors before they belong to a layer)."""
+    if predictor is None:
+        predictor = getattr(layer, "skip_predictor", None)
+    if predictor is None:
+        return x
+    if normed is None:
+        normed = rms_norm(layer.input_layernorm, x)
+    return x + predictor(normed).to(x.dtype)
 
 
 def routed_causal_mask(key_selected: torch.Tensor) -> torch.Tensor:
@@ -171,12 +192,19 @@ class DecoderBlock(nn.Module):
         return run_block(self, x, lambda y: self.self_attn(y, cos, sin, sink))
 
     def routed(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, selected: torch.Tensor, skip_mode: str
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        selected: torch.Tensor,
+        skip_mode: str,
+        predictor: nn.Module | None = None,
     ) -> torch.Tensor:
         """A routed layer over a full (B, T) sequence without a cache: the block's output for the `selected`
-        tokens, attending to the keys `skip_mode` leaves (`routed_attention_mask`); the other tokens' input."""
+        tokens, attending to the keys `skip_mode` leaves (`routed_attention_mask`); for the others what a skipped
+        token carries on (`skipped_output`, with `predictor` instead of the layer's own when given)."""
         y = self.block(x, cos, sin, self_attention_sink(routed_attention_mask(selected, skip_mode)))
-        return torch.where(selected[..., None], y, x)
+        return torch.where(selected[..., None], y, skipped_output(self, x, predictor=predictor))
 
 
 def run_block(block, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -288,14 +316,39 @@ class CausalRouter(nn.Module):
         return self.out(F.silu(self.up(features))).squeeze(-1)
 
 
+class SkipPredictor(nn.Module):
+    """f(norm(x)) ≈ Δx: the update a token an STT layer skips gets in "predict" mode, a rank-r linear map of the
+    layer's normed input (`input_layernorm(x)`, which the skipped token's K/V projection computes anyway).
+
+    Linear because it is fitted in closed form (reduced-rank ridge regression on cached dense passes,
+    `chatapp.training.predictor`), low rank because a skipped token must stay cheap: at rank 64 on a 576-wide
+    model it costs 2·64·576 multiply-adds, ~2% of the block it stands in for. It starts at zero, which is "kv"
+    mode exactly."""
+
+    def __init__(self, config: STTConfig) -> None:
+        super().__init__()
+        # Built without drawing from the global RNG (`skip_init`), so a model's other weights are the same whether
+        # or not it has predictors; zero, the update starts as none.
+        self.down = nn.utils.skip_init(nn.Linear, config.hidden_size, config.predictor_rank, bias=False)
+        self.up = nn.utils.skip_init(nn.Linear, config.predictor_rank, config.hidden_size, bias=True)
+        for tensor in (self.down.weight, self.up.weight, self.up.bias):
+            nn.init.zeros_(tensor)
+
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        dtype = self.down.weight.dtype
+        return self.up(self.down(normed.to(dtype)))
+
+
 class STTLayer(DecoderBlock):
-    """A decoder block whose execution is routed per token; owns the TPN and both routers (§2)."""
+    """A decoder block whose execution is routed per token; owns the TPN, both routers (§2) and, in "predict" skip
+    mode, the predictor of a skipped token's update."""
 
     def __init__(self, config: STTConfig) -> None:
         super().__init__(config)
         self.transition_network = TransitionNetwork(config)
         self.predictive_router = PredictiveRouter(config)
         self.causal_router = CausalRouter(config) if config.train_causal_router else None
+        self.skip_predictor = SkipPredictor(config) if config.skip_mode == "predict" else None
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -370,12 +423,14 @@ def single_query_attention(
 
 class BlockParts(NamedTuple):
     """A decoder block as the step functions take it. An STT layer's parts have the types of a dense layer's, so
-    one compiled graph serves both kinds (a graph guards on the types of the modules it is given)."""
+    one compiled graph serves both kinds (a graph guards on the types of the modules it is given); `skip_predictor`
+    is read only where the layer skipped its rows."""
 
     input_layernorm: nn.Module
     self_attn: Attention
     post_attention_layernorm: nn.Module
     mlp: nn.Module
+    skip_predictor: nn.Module | None = None
 
 
 def block_step(
@@ -409,11 +464,14 @@ def kv_step(
     slots: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> None:
-    """Store the K/V of tokens an STT layer skips in "kv" mode: the (B', D) layer inputs `x` of cache rows `rows`,
-    normed and projected (no query, no attention, no MLP), rotary at their positions, written at `slots`."""
+) -> torch.Tensor:
+    """Store the K/V of tokens an STT layer skips in "kv" or "predict" mode: the (B', D) layer inputs `x` of cache
+    rows `rows`, normed and projected (no query, no attention, no MLP), rotary at their positions, written at
+    `slots`. Returns what the skipped tokens carry on (`skipped_output`)."""
     attn = block.self_attn
-    kv = attn.project_kv_only(rms_norm(block.input_layernorm, x)).view(x.shape[0], 2 * attn.num_kv_heads, attn.head_dim)
+    normed = rms_norm(block.input_layernorm, x)
+    kv = attn.project_kv_only(normed).view(x.shape[0], 2 * attn.num_kv_heads, attn.head_dim)
     k = rotate(kv[:, : attn.num_kv_heads], cos, sin)
     keys.index_put_((rows, slots), k.to(keys.dtype))
     values.index_put_((rows, slots), kv[:, attn.num_kv_heads :].to(values.dtype))
+    return skipped_output(block, x, normed)

@@ -2,9 +2,10 @@
 
 Inference (`extend` / `decode`) follows `seeds/stt.md` §3.2: per STT layer the causal router gives each new token
 a probability, tokens at or above the threshold are selected (`layers.router_probs`, `layers.select`), the block
-runs for selected tokens only; unselected tokens pass through unchanged. In "strict" skip mode only selected tokens
-append K/V to that layer's cache; in "kv" mode every token does, a skipped one from its unchanged input
-(`STTConfig.skip_mode`). Rows of a batch are never
+runs for selected tokens only; unselected tokens pass through unchanged ("strict", "kv") or with the layer's
+predicted update ("predict"). In "strict" skip mode only selected tokens append K/V to that layer's cache; in "kv"
+and "predict" modes every token does, a skipped one from its unchanged input (`STTConfig.skip_mode`). Rows of a
+batch are never
 packed together: selected tokens are gathered *within* each row, so attention can only see the row's own cache.
 
 Host syncs: decode needs none on CUDA (unselected rows are computed and discarded, masked by `torch.where`).
@@ -28,7 +29,15 @@ from chatapp.stt.cache import KVCache
 from chatapp.stt.config import STTConfig
 from chatapp.stt.decode import DecodeSteps, decode_step
 from chatapp.stt.io import load_model, save_model
-from chatapp.stt.layers import DecoderBlock, STTLayer, rms_norm, router_probs, select
+from chatapp.stt.layers import (
+    DecoderBlock,
+    STTLayer,
+    rms_norm,
+    router_probs,
+    select,
+    skipped_output,
+    stores_skipped,
+)
 from chatapp.stt.qwen2 import RMSNorm, RotaryEmbedding
 from chatapp.stt.teacher import EvalMode, EvalOutput, TrainOutput, forward_eval, forward_train
 
@@ -207,7 +216,7 @@ class STTForCausalLM(nn.Module):
         student = routing == "student" and self.routing_active
         cutoff = self.config.router_threshold if threshold is None else threshold
         compact = width > 1 or hidden.device.type != "cuda"
-        store_skipped = student and self.config.skip_mode == "kv"
+        store_skipped = student and stores_skipped(self.config.skip_mode)
         probs, chosen = [], []
         stt_slot = 0
         for index, layer in enumerate(self.model.layers):
@@ -219,13 +228,18 @@ class STTForCausalLM(nn.Module):
             prob = self._router_probs(layer, hidden, lengths, cache, stt_slot)
             selected = valid & select(prob, cutoff) if student else valid
             if store_skipped:
-                # "kv": every valid token stores the K/V of its unchanged input, as in a dense layer; then the block
-                # runs for the selected tokens, attending to those entries (the block's own K/V writes are skipped).
-                k, v = layer.self_attn.project_kv(rms_norm(layer.input_layernorm, hidden), cos, sin)
+                # "kv"/"predict": every valid token stores the K/V of its unchanged input, as in a dense layer; then
+                # the block runs for the selected tokens, attending to those entries (the block's own K/V writes are
+                # skipped), and the skipped ones carry on with `skipped_output` (their input, plus f in "predict").
+                normed = rms_norm(layer.input_layernorm, hidden)
+                k, v = layer.self_attn.project_kv(normed, cos, sin)
                 cache.append(index, k, v, positions, valid, span)
+                carried = skipped_output(layer, hidden, normed)
                 hidden = self._run_block(
                     layer, index, hidden, cos, sin, positions, selected, cache, span, compact, store=False
                 )
+                if carried is not hidden:
+                    hidden = torch.where((valid & ~selected)[..., None], carried, hidden)
             else:
                 hidden = self._run_block(
                     layer, index, hidden, cos, sin, positions, selected, cache, span, compact, causal=causal

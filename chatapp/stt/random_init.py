@@ -17,13 +17,20 @@ from chatapp.stt.model import STTForCausalLM
 
 
 def spread_routers(model: STTForCausalLM, std: float = 0.5) -> STTForCausalLM:
-    """Give every causal router spread-out weights and a zero output bias (in place; uses torch's global RNG)."""
+    """Give every causal router spread-out weights and a zero output bias, and every skip predictor random weights
+    (in place; uses torch's global RNG)."""
     with torch.no_grad():
         for index in model.stt_layer_indices:
             router = model.model.layers[index].causal_router
             router.up.weight.normal_(std=std)
             router.out.weight.normal_(std=std)
             router.out.bias.zero_()
+        for index in model.stt_layer_indices:  # after the routers: those are the same whatever the skip mode
+            predictor = model.model.layers[index].skip_predictor
+            if predictor is not None:  # "predict" mode: an update of about the size of a block's residual
+                predictor.down.weight.normal_(std=std / predictor.down.in_features**0.5)
+                predictor.up.weight.normal_(std=std / predictor.up.in_features**0.5)
+                predictor.up.bias.normal_(std=0.1 * std)
     return model
 
 

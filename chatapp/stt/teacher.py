@@ -10,7 +10,8 @@ sees a detached input, and the causal router sees detached inputs.
 
 Routed passes over a whole sequence (teacher evaluation, student evaluation and the optional gated second
 training pass) run `STTLayer.routed`: in "strict" skip mode an attention mask in which only selected tokens are
-keys, in "kv" mode plain causal attention (every token's K/V, from its unchanged input): the same maths as the
+keys, in "kv" and "predict" modes plain causal attention (every token's K/V, from its unchanged input; in "predict"
+a skipped token carries on with its predicted update, `layers.skipped_output`): the same maths as the
 sparse KV cache at inference, written independently of it, which makes each a check on the other.
 """
 
@@ -24,7 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from chatapp.stt.config import STTConfig, betas_at
-from chatapp.stt.layers import STTLayer, routed_attention_mask, router_probs, select, self_attention_sink
+from chatapp.stt.layers import (
+    STTLayer,
+    routed_attention_mask,
+    router_probs,
+    select,
+    self_attention_sink,
+    skipped_output,
+)
 
 EvalMode = Literal["off", "teacher", "student"]
 STAT_NAMES = (
@@ -172,7 +180,7 @@ def forward_train(
             gate = (targets.to(signals.g.dtype) + signals.g - signals.g.detach())[..., None]
             mask = routed_attention_mask(targets, config.skip_mode)
             routed = hidden if mask is None else layer.block(x, cos, sin, self_attention_sink(mask))
-            hidden = torch.where(targets[..., None], x + gate.to(x.dtype) * (routed - x), x)
+            hidden = torch.where(targets[..., None], x + gate.to(x.dtype) * (routed - x), skipped_output(layer, x))
         if signals.causal_logits is not None:
             causal_loss = F.binary_cross_entropy_with_logits(signals.causal_logits, targets.float())
             predicted = select(torch.sigmoid(signals.causal_logits.detach()), config.router_threshold)

@@ -436,7 +436,8 @@ def prepare_weights(model: nn.Module, fmt: str, adapters: dict[str, Adapter] | N
 
     The causal routers stay float32 under every format: their threshold decides which tokens run, so they should
     decide as trained, and at their size (2D -> 64 -> 1) a float32 product on a CPU is several times faster than a
-    bfloat16 one. So do the rotary embedding's frequencies (cos and sin are then rounded once, to the activations'
+    bfloat16 one. So do the skip predictors ("predict" mode), for the same size reason and because the C step
+    reads them in float32. So do the rotary embedding's frequencies (cos and sin are then rounded once, to the activations'
     dtype, as transformers does).
     """
     fmt = parse_format(fmt) or "float32"
@@ -456,7 +457,12 @@ def prepare_weights(model: nn.Module, fmt: str, adapters: dict[str, Adapter] | N
         model.lm_head = quantized(model.lm_head, "int8")
     # The routers and the adapters' B stay float32 under every format (see LowRankLinear): kept aside while the rest
     # is cast, so that they never pass through the activations' dtype.
-    routers = [layer.causal_router for layer in model.model.layers if getattr(layer, "causal_router", None) is not None]
+    routers = [
+        part
+        for layer in model.model.layers
+        for part in (getattr(layer, "causal_router", None), getattr(layer, "skip_predictor", None))
+        if part is not None
+    ]
     kept = [(router, {k: v.clone() for k, v in router.state_dict().items()}) for router in routers]
     low_rank = [(module, module.lora_B_t) for module in model.modules() if isinstance(module, LowRankLinear)]
     model.to(dtype=activation_dtype(fmt))

@@ -31,7 +31,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,8 +51,9 @@ from chatapp.stt.io import (
     save_merged_adapters,
     save_model,
 )
-from chatapp.stt.layers import CausalRouter, router_probs, select, self_attention_sink
+from chatapp.stt.layers import CausalRouter, SkipPredictor, rms_norm, router_probs, select, self_attention_sink
 from chatapp.stt.teacher import previous_tokens
+from chatapp.training.predictor import PredictorFit, fit_predictors
 from chatapp.training.tune import Adapters, TuneOptions, dense_targets, tune
 
 Log = Callable[[str], None]
@@ -70,6 +71,7 @@ class RouteOptions:
     layers: list[int] | None = None
     max_layers: int = 12
     skip_mode: str = "kv"
+    predictor_rank: int = 64  # "predict" mode: the rank of each layer's skip predictor (`training.predictor`)
     budget: float = 1.10  # held-out perplexity, student routing / routing off
     rates: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6)
     # What the model answers, each conversation's user turns (e.g. `data.route_dialogues`): the data.
@@ -111,6 +113,11 @@ class RouteReport:
     seconds: dict[str, float] = field(default_factory=dict)
     tune_steps: int = 0
     tuned_dense_ppl: float | None = None  # routing off, after the fine-tune (same held-out replies)
+    # "predict" mode, per fitted layer: the share of held-out E‖Δx‖² its predictor explains
+    predictor_explained: dict[int, float] = field(default_factory=dict)
+    # Operating points over the chosen routing: level -> threshold, and what each measured (`measure_levels`)
+    levels: dict[str, float] = field(default_factory=dict)
+    level_measures: dict[str, Measure] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -264,9 +271,30 @@ class Cached:
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def residual_score(self, layer: int) -> torch.Tensor:
-        """‖Δx‖² per dimension (B, T) of `layer`'s dense block: the teacher score (higher = process)."""
-        return (self.inputs[layer + 1] - self.inputs[layer]).float().pow(2).mean(-1)
+    def residual_score(self, layer: int, skips: Skips | None = None) -> torch.Tensor:
+        """The teacher score (B, T) of `layer`'s dense block (higher = process): ‖Δx‖² per dimension, the spec's
+        D_st; where `skips` has a predictor for the layer ("predict" mode), what it fails to predict,
+        ‖Δx − f(norm(x))‖² (the spec's change surprise D_ch, with f as the transition model)."""
+        x = self.inputs[layer]
+        residual = self.inputs[layer + 1] - x
+        if skips is not None and layer in skips.predictors:
+            residual = residual - skips.update(layer, x)
+        return residual.float().pow(2).mean(-1)
+
+
+@dataclass
+class Skips:
+    """What a token a routed layer skips carries on, during a fit: `mode` ("strict", "kv", "predict") and, in
+    "predict" mode, each layer's fitted predictor (they join the routed model's layers when it is built)."""
+
+    model: STTForCausalLM
+    mode: str
+    predictors: dict[int, SkipPredictor] = field(default_factory=dict)
+    fits: dict[int, PredictorFit] = field(default_factory=dict)
+
+    def update(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """f(norm(x)) of `layer`'s predictor."""
+        return self.predictors[layer](rms_norm(self.model.model.layers[layer].input_layernorm, x))
 
 
 @torch.no_grad()
@@ -296,7 +324,7 @@ def teacher_selected(score: torch.Tensor, valid: torch.Tensor, rate: float) -> t
 
 @torch.no_grad()
 def routed_pass(
-    model: STTForCausalLM, cached: Cached, decide: dict[int, Callable[[torch.Tensor], torch.Tensor]], mode: str
+    model: STTForCausalLM, cached: Cached, decide: dict[int, Callable[[torch.Tensor], torch.Tensor]], skips: Skips
 ) -> tuple[torch.Tensor, dict[int, int]]:
     """The final hidden state with the layers of `decide` routed (`decide[layer](layer_input)` gives the selected
     tokens (B, T)) and the others dense, from the cached input of the lowest routed layer; and per routed layer the
@@ -312,7 +340,7 @@ def routed_pass(
             continue
         selected = decide[index](hidden) | ~valid
         skipped[index] = int((~selected).sum())
-        hidden = layer.routed(hidden, cached.cos, cached.sin, selected, mode)
+        hidden = layer.routed(hidden, cached.cos, cached.sin, selected, skips.mode, skips.predictors.get(index))
     return hidden, skipped
 
 
@@ -356,12 +384,12 @@ class HeldOut:
         self.dense_copy = dense.copies_right / self.probes if self.probes else 1.0
 
     def run(
-        self, decide_for: Callable[[Cached], dict[int, Callable]], mode: str
+        self, decide_for: Callable[[Cached], dict[int, Callable]], skips: Skips
     ) -> tuple[float, float, dict[int, int]]:
         """(perplexity ratio to the reference, copy-probe share, skipped tokens per layer) of a routing plan."""
         scores = Scores()
         for c in self.cached:
-            hidden, skipped = routed_pass(self.model, c, decide_for(c), mode)
+            hidden, skipped = routed_pass(self.model, c, decide_for(c), skips)
             scores.add(self.model, hidden, c)
             for layer, n in skipped.items():
                 scores.skipped[layer] = scores.skipped.get(layer, 0) + n
@@ -371,25 +399,49 @@ class HeldOut:
 
 
 # ------------------------------------------------------------------------------------------- layers and routers
-def single_layer_costs(held: HeldOut, layers: Sequence[int], mode: str, log: Log) -> dict[int, float]:
+def fitted_skips(
+    model: STTForCausalLM, options: RouteOptions, fit: Sequence[Cached], held: HeldOut, layers: Iterable[int]
+) -> Skips:
+    """The skip path of `options.skip_mode`; in "predict" mode with a predictor fitted for each of `layers` on the
+    fit passes (its ridge strength chosen on the held-out ones, `training.predictor`)."""
+    skips = Skips(model, options.skip_mode)
+    if options.skip_mode != "predict":
+        return skips
+    passes = [(c.inputs, c.batch.valid, False) for c in fit] + [(c.inputs, c.batch.valid, True) for c in held.cached]
+    rank = min(options.predictor_rank, model.config.hidden_size)
+    skips.fits = fit_predictors(model, passes, layers, rank)
+    config = STTConfig.from_dict({**model.config.to_dict(), "predictor_rank": rank})
+    for layer, found in skips.fits.items():
+        predictor = SkipPredictor(config)
+        found.load_into(predictor)
+        skips.predictors[layer] = predictor.eval()
+    return skips
+
+
+def single_layer_costs(held: HeldOut, layers: Sequence[int], skips: Skips, log: Log) -> dict[int, float]:
     """Per layer: perplexity ratio with that layer alone skipping `SWEEP_RATE` of tokens by the teacher score."""
     costs = {}
     for layer in layers:
 
         def decide_for(c: Cached, layer: int = layer) -> dict[int, Callable]:
-            chosen = teacher_selected(c.residual_score(layer), c.batch.valid, SWEEP_RATE)
+            chosen = teacher_selected(c.residual_score(layer, skips), c.batch.valid, SWEEP_RATE)
             return {layer: lambda _x: chosen}
 
-        costs[layer], _, _ = held.run(decide_for, mode)
+        costs[layer], _, _ = held.run(decide_for, skips)
         log(f"layer {layer} alone at {SWEEP_RATE:.0%} skipped: perplexity x{costs[layer]:.3f}")
     return costs
 
 
-def with_routed_layers(model: STTForCausalLM, layers: Sequence[int], skip_mode: str) -> STTForCausalLM:
+def with_routed_layers(
+    model: STTForCausalLM, layers: Sequence[int], skip_mode: str, skips: Skips | None = None
+) -> STTForCausalLM:
     """A copy of `model` (same weights, shared) whose STT layers are `layers`, with fresh causal routers; the
-    transition networks and teacher biases of layers that already were STT layers are kept."""
+    transition networks and teacher biases of layers that already were STT layers are kept. In "predict" mode the
+    layers' skip predictors are those of `skips`."""
     values = model.config.to_dict()
     values.update(stt_layers=sorted(layers), skip_mode=skip_mode, routing_trained=True, router_threshold=0.5)
+    if skips is not None and skips.predictors:
+        values.update(predictor_rank=next(iter(skips.predictors.values())).down.out_features)
     config = STTConfig.from_dict(values)
     config.validate_stt()
     routed = STTForCausalLM(config)
@@ -398,7 +450,11 @@ def with_routed_layers(model: STTForCausalLM, layers: Sequence[int], skip_mode: 
         for name, tensor in model.state_dict().items()
         if not any(part in name for part in ROUTER_PARTS) or _layer_of(name) in layers
     }
-    kept = {name: tensor for name, tensor in kept.items() if ".causal_router." not in name}
+    kept = {
+        name: tensor
+        for name, tensor in kept.items()
+        if ".causal_router." not in name and ".skip_predictor." not in name
+    }
     result = routed.load_state_dict(kept, strict=False)
     missing = [k for k in result.missing_keys if not any(part in k for part in ROUTER_PARTS)]
     if config.tie_word_embeddings:
@@ -407,6 +463,8 @@ def with_routed_layers(model: STTForCausalLM, layers: Sequence[int], skip_mode: 
         raise RuntimeError(f"re-layering lost weights: missing {missing[:4]}, unexpected {result.unexpected_keys[:4]}")
     if config.tie_word_embeddings:
         routed.lm_head.weight = routed.model.embed_tokens.weight
+    for layer in layers if skip_mode == "predict" and skips is not None else ():
+        routed.model.layers[layer].skip_predictor.load_state_dict(skips.predictors[layer].state_dict())
     return routed.eval()
 
 
@@ -415,12 +473,14 @@ def _layer_of(name: str) -> int | None:
     return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] else None
 
 
-def fit_router(router: CausalRouter, fit: Sequence[Cached], layer: int, options: RouteOptions) -> float:
+def fit_router(
+    router: CausalRouter, fit: Sequence[Cached], layer: int, options: RouteOptions, skips: Skips
+) -> float:
     """Fit `router` to the teacher's decisions at `layer` on the cached dense inputs; returns the final loss."""
     currents, previouses, targets = [], [], []
     for c in fit:
         x, valid = c.inputs[layer], c.batch.valid
-        target = teacher_selected(c.residual_score(layer), valid, 0.5)
+        target = teacher_selected(c.residual_score(layer, skips), valid, 0.5)
         currents.append(x[valid])
         previouses.append(previous_tokens(x)[valid])
         targets.append(target[valid].float())
@@ -454,7 +514,7 @@ def fit_probs(model: STTForCausalLM, fit: Sequence[Cached], layer: int) -> torch
     )
 
 
-def f1_score(model: STTForCausalLM, held: HeldOut, layer: int, cutoff: float) -> float:
+def f1_score(model: STTForCausalLM, held: HeldOut, layer: int, cutoff: float, skips: Skips) -> float:
     """Student (router >= cutoff) vs teacher (the upper half by ‖Δx‖²) decisions, dense held-out stream."""
     true_pos = predicted = actual = 0
     block = model.model.layers[layer]
@@ -462,7 +522,7 @@ def f1_score(model: STTForCausalLM, held: HeldOut, layer: int, cutoff: float) ->
         for c in held.cached:
             valid = c.batch.valid
             student = select(router_probs(block, c.inputs[layer], previous_tokens(c.inputs[layer])), cutoff) & valid
-            teacher = teacher_selected(c.residual_score(layer), valid, 0.5) & valid
+            teacher = teacher_selected(c.residual_score(layer, skips), valid, 0.5) & valid
             true_pos += int((student & teacher).sum())
             predicted += int(student.sum())
             actual += int(teacher.sum())
@@ -511,11 +571,13 @@ def route(loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None =
         dense_copy=held.dense_copy,
         copy_probes=held.probes,
     )
+    skips = fitted_skips(model, options, fit, held, range(count) if options.layers is None else options.layers)
+    report.predictor_explained = {layer: fit.explained for layer, fit in skips.fits.items()}
     if options.layers is None:
         # One padded batch of the held-out set (of middling length) ranks the layers: the sweep runs ~N²/2 layer
         # passes, and a ranking needs fewer tokens than a calibration.
         sample = HeldOut(model, held.cached[len(held.cached) // 2 :][:1])
-        report.single_layer = single_layer_costs(sample, range(count), options.skip_mode, log)
+        report.single_layer = single_layer_costs(sample, range(count), skips, log)
         candidates = sorted(report.single_layer, key=report.single_layer.get)
         candidates = [layer for layer in candidates if report.single_layer[layer] <= options.budget]
         candidates = candidates[: options.max_layers]
@@ -525,7 +587,7 @@ def route(loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None =
     log(f"candidates, cheapest first: {candidates}")
 
     clock = time.perf_counter()
-    routed, probs = fit_routers(model, candidates, fit, options, log)
+    routed, probs = fit_routers(model, candidates, fit, options, skips, log)
     seconds["fit routers"] = time.perf_counter() - clock
     adapters: Adapters = {}
     if options.tune.steps:
@@ -546,7 +608,9 @@ def route(loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None =
         held = HeldOut(model, [dense_pass(model, c.batch) for c in held.cached], reference_nll=held.dense_nll)
         report.tune_steps, report.tuned_dense_ppl = options.tune.steps, math.exp(held.dense_nll)
         log(f"tuned: dense perplexity {report.tuned_dense_ppl:.3f} (before {report.dense_ppl:.3f})")
-        routed, probs = fit_routers(model, candidates, fit, options, log)
+        skips = fitted_skips(model, options, fit, held, candidates)
+        report.predictor_explained = {layer: fit.explained for layer, fit in skips.fits.items()}
+        routed, probs = fit_routers(model, candidates, fit, options, skips, log)
         seconds["fit routers"] += time.perf_counter() - clock
 
     clock = time.perf_counter()
@@ -565,7 +629,7 @@ def route(loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None =
 
             return {layer: decide(layer) for layer in layers}
 
-        ratio, copy, skipped = held.run(decide_for, options.skip_mode)
+        ratio, copy, skipped = held.run(decide_for, skips)
         result = Measure(
             layers=layers,
             rate=rate,
@@ -603,23 +667,23 @@ def route(loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None =
     report.chosen = best
     if best is None:
         return Routed(with_routed_layers(model, [], options.skip_mode), report, adapters)
-    final = with_routed_layers(model, best.layers, options.skip_mode)
+    final = with_routed_layers(model, best.layers, options.skip_mode, skips)
     report.cutoffs = cutoffs_at(best.rate, best.layers)
     for layer in best.layers:
         source, target = routed.model.layers[layer].causal_router, final.model.layers[layer].causal_router
         target.load_state_dict(source.state_dict())
-        report.f1[layer] = f1_score(final, held, layer, report.cutoffs[layer])
+        report.f1[layer] = f1_score(final, held, layer, report.cutoffs[layer], skips)
         fold_cutoff(target, report.cutoffs[layer])
     return Routed(final, report, adapters)
 
 
 def fit_routers(
-    model: STTForCausalLM, layers: Sequence[int], fit: Sequence[Cached], options: RouteOptions, log: Log
+    model: STTForCausalLM, layers: Sequence[int], fit: Sequence[Cached], options: RouteOptions, skips: Skips, log: Log
 ) -> tuple[STTForCausalLM, dict[int, torch.Tensor]]:
     """A copy of `model` routed at `layers`, each router fitted, and each router's probabilities on the fit data."""
-    routed = with_routed_layers(model, layers, options.skip_mode)
+    routed = with_routed_layers(model, layers, options.skip_mode, skips)
     for layer in layers:
-        loss = fit_router(routed.model.layers[layer].causal_router, fit, layer, options)
+        loss = fit_router(routed.model.layers[layer].causal_router, fit, layer, options, skips)
         log(f"layer {layer}: router fitted, final BCE {loss:.3f}")
     return routed, {layer: fit_probs(routed, fit, layer) for layer in layers}
 

@@ -95,7 +95,7 @@ def test_decode_equals_extend_across_several_stacks(routing):
     decode_both(deep, fast, slow, steps=6, routing=routing)
 
 
-@pytest.mark.parametrize("mode", ["strict", "kv"])
+@pytest.mark.parametrize("mode", ["strict", "kv", "predict"])
 def test_batch_one_decode_equals_extend_with_routed_segments(mode):
     """At batch 1 every routed layer's decision is the same for all rows: a selected layer runs as a dense one at
     the head of its segment's stack, a skipped one stores only its K/V there ("kv") or is left out ("strict"),
@@ -117,7 +117,7 @@ def test_batch_one_decode_equals_extend_with_routed_segments(mode):
     assert decisions.any(0).all() and (~decisions).any(0).all()
 
 
-@pytest.mark.parametrize("mode", ["strict", "kv"])
+@pytest.mark.parametrize("mode", ["strict", "kv", "predict"])
 def test_student_decode_of_every_none_and_some_rows_in_each_mode(mode):
     """A batch whose rows an STT layer runs all, none or some of (the three branches of `routed_segment`), in each
     skip mode, on a model whose routed segments go on with dense layers."""

@@ -111,7 +111,7 @@ def decode_both(model, lengths: list[int], steps: int, student: bool, cutoff, ma
     comparison.done()
 
 
-@pytest.mark.parametrize("skip_mode", ["strict", "kv"])
+@pytest.mark.parametrize("skip_mode", ["strict", "kv", "predict"])
 @pytest.mark.parametrize("student", [True, False])
 def test_kernel_step_equals_the_torch_step_on_a_ragged_batch(skip_mode: str, student: bool) -> None:
     model = int8_model(skip_mode)
@@ -119,7 +119,7 @@ def test_kernel_step_equals_the_torch_step_on_a_ragged_batch(skip_mode: str, stu
     decode_both(model, [3, 9, 1, 6], steps=10, student=student, cutoff=model.config.router_threshold)
 
 
-@pytest.mark.parametrize("skip_mode", ["strict", "kv"])
+@pytest.mark.parametrize("skip_mode", ["strict", "kv", "predict"])
 def test_kernel_step_splits_rows_that_a_layer_takes_from_rows_it_skips(skip_mode: str) -> None:
     # Per-row cutoffs: row 0 runs every STT layer, row 1 none, row 2 as its router says.
     model = int8_model(skip_mode)
@@ -139,7 +139,7 @@ def test_kernel_step_on_rows_of_an_odd_number_of_blocks_or_none(hidden: int) -> 
     decode_both(model, [4, 1, 7], steps=6, student=True, cutoff=model.config.router_threshold)
 
 
-@pytest.mark.parametrize("skip_mode", ["strict", "kv"])
+@pytest.mark.parametrize("skip_mode", ["strict", "kv", "predict"])
 def test_kernel_step_with_heads_of_64_dimensions(skip_mode: str) -> None:
     """Heads of 64 (the default model's) take the vectorized sum of values, in chunks of 32 positions: rows that
     end inside a chunk, on its edge and past several."""
@@ -148,7 +148,7 @@ def test_kernel_step_with_heads_of_64_dimensions(skip_mode: str) -> None:
     decode_both(model, [3, 31, 32, 100], steps=6, student=True, cutoff=model.config.router_threshold, max_len=128)
 
 
-@pytest.mark.parametrize("skip_mode", ["strict", "kv"])
+@pytest.mark.parametrize("skip_mode", ["strict", "kv", "predict"])
 @pytest.mark.parametrize("lengths", [[1, 64, 65, 150], [600, 3, 257]])
 @torch.no_grad()
 def test_kernel_step_over_rows_of_very_different_cache_lengths(skip_mode: str, lengths: list[int]) -> None:

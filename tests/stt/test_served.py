@@ -49,6 +49,8 @@ def _run(model, ids: torch.Tensor, steps: int = 6) -> list[tuple[torch.Tensor, t
         ("int4", True, "kv"),
         ("int4", False, "strict"),
         ("int8", False, "kv"),
+        ("int8", False, "predict"),
+        ("int4", False, "predict"),
         ("bfloat16", False, "strict"),
     ],
 )

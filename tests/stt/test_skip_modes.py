@@ -1,7 +1,8 @@
 """Skip modes (`STTConfig.skip_mode`) against a dense reference written in plain torch over the full sequence.
 
 "strict": a skipped token passes through unchanged and is no key for that layer. "kv": it passes through unchanged
-but its K and V, projected from its unchanged input, are keys for later tokens. Each path (extend, decode, the
+but its K and V, projected from its unchanged input, are keys for later tokens. "predict": as "kv", and the skipped
+token carries on with the layer's predicted update f(norm(x)). Each path (extend, decode, the
 full-sequence evaluation pass, the teacher's gated second pass) must mean the same thing.
 """
 
@@ -17,7 +18,7 @@ from chatapp.stt.layers import STTLayer
 
 from .conftest import VOCAB, routed_model, tiny_config
 
-MODES = ["strict", "kv"]
+MODES = ["strict", "kv", "predict"]
 
 
 def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -25,9 +26,8 @@ def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 
 
 def model_in(mode: str, seed: int = 0, **overrides) -> STTForCausalLM:
-    model = routed_model(seed=seed, **overrides)
-    model.config.skip_mode = mode
-    return model
+    """A routed random model in skip `mode` ("predict": with random, non-zero predictors, see `random_init`)."""
+    return routed_model(seed=seed, skip_mode=mode, **overrides)
 
 
 class FixedRouter(nn.Module):
@@ -93,7 +93,7 @@ def reference_logits(model: STTForCausalLM, ids: torch.Tensor, masks: dict[int, 
             q, k = rope(q, positions, config.rope_theta), rope(k, positions, config.rope_theta)
             k = k.repeat_interleave(heads // kv_heads, dim=2)
             v = v.repeat_interleave(heads // kv_heads, dim=2)
-            keys = torch.ones_like(run) if mode == "kv" else run
+            keys = run if mode == "strict" else torch.ones_like(run)
             # A query sees causal keys of the layer; a query that does not run sees every earlier token (discarded).
             allowed = (causal[None] & keys[:, None, :]) | (causal[None] & ~run[:, :, None])
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / dim**0.5
@@ -103,7 +103,11 @@ def reference_logits(model: STTForCausalLM, ids: torch.Tensor, masks: dict[int, 
             mlp = layer.mlp
             m = rms(h2, layer.post_attention_layernorm.weight, eps)
             y = h2 + F.linear(F.silu(F.linear(m, mlp.gate_proj.weight)) * F.linear(m, mlp.up_proj.weight), mlp.down_proj.weight)
-            x = torch.where(run[..., None], y, x)
+            skipped = x
+            if mode == "predict" and index in masks:  # a skipped token's predicted update f(norm(x)) = up(down(h)) + b
+                predictor = layer.skip_predictor
+                skipped = x + F.linear(F.linear(h, predictor.down.weight), predictor.up.weight, predictor.up.bias)
+            x = torch.where(run[..., None], y, skipped)
         return F.linear(rms(x, model.model.norm.weight, eps), model.lm_head.weight)
 
 
@@ -155,13 +159,14 @@ def test_fixed_selection_equals_the_masked_reference(mode):
     for slot, index in enumerate(model.stt_layer_indices):
         assert torch.equal(out.selected[slot], masks[index])
         stored = cache.layer_lengths(index).tolist()
-        assert stored == ([14] * 3 if mode == "kv" else masks[index].sum(1).tolist())
+        assert stored == ([14] * 3 if mode != "strict" else masks[index].sum(1).tolist())
     torch.testing.assert_close(out.logits, expected, atol=1e-4, rtol=1e-4)
     fix_routing(model, masks)  # rewind the routers
     torch.testing.assert_close(model.forward_eval(ids, "student").logits, expected, atol=1e-4, rtol=1e-4)
-    # the two modes really differ
-    other = reference_logits(model, ids, masks, "strict" if mode == "kv" else "kv")
-    assert not torch.allclose(other, expected, atol=1e-3)
+    # the modes really differ ("predict" needs the predictors only its model has)
+    for other_mode in ("strict", "kv"):
+        if other_mode != mode:
+            assert not torch.allclose(reference_logits(model, ids, masks, other_mode), expected, atol=1e-3)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -215,7 +220,7 @@ def test_decode_equals_prefill_on_a_ragged_batch(mode):
     assert 0 < full.selected.float().mean() < 1
     assert torch.equal(cache.lengths, full_cache.lengths)
     for index in model.stt_layer_indices:
-        if mode == "kv":  # an STT layer's cache advances with every token, like a dense layer's
+        if mode != "strict":  # an STT layer's cache advances with every token, like a dense layer's
             assert torch.equal(cache.layer_lengths(index), cache.seen)
 
 
@@ -228,7 +233,7 @@ def test_kv_mode_stores_dense_keys_for_every_token(mode):
     _, routed = prefill(model, ids)
     _, dense = prefill(model, ids, routing="off")
     first = model.stt_layer_indices[0]
-    if mode == "kv":
+    if mode != "strict":
         torch.testing.assert_close(routed.keys[first][:, :11], dense.keys[first][:, :11])
         torch.testing.assert_close(routed.values[first][:, :11], dense.values[first][:, :11])
         assert torch.equal(routed.positions[first, :, :11], dense.positions[first, :, :11])

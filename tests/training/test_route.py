@@ -45,6 +45,31 @@ def test_route_a_converted_gguf_then_it_skips(converted: Path, tmp_path: Path) -
     assert decisions and not all(decisions), "a budget of 1e9 routes at the highest rate: some tokens must skip"
 
 
+def test_route_a_converted_gguf_in_predict_mode(converted: Path, tmp_path: Path) -> None:
+    """convert -> route --skip-mode predict -> skipped tokens carry fitted predictors' updates, and the model
+    serves them in every path (the served int8 model decodes through the C step)."""
+    out = tmp_path / "predict"
+    args = ["route", str(converted), "--out", str(out), "--prompts", "8", "--answer-tokens", "12", "--budget", "1e9"]
+    result = runner.invoke(app, [*args, "--skip-mode", "predict"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    report = json.loads((out / "routing.json").read_text())
+    assert config["skip_mode"] == "predict" and config["stt_layers"]
+    assert set(map(int, report["predictor_explained"])) >= set(config["stt_layers"])
+
+    from chatapp.models import load_engine
+    from chatapp.settings import GenerationSettings
+
+    for dtype in ("float32", "int8"):
+        engine = load_engine(out, dtype=dtype)
+        for index in config["stt_layers"]:
+            predictor = engine.model.model.layers[index].skip_predictor
+            assert predictor is not None and predictor.up.weight.abs().sum() > 0
+        reply = engine.generate_batch(["Hello there, how are you?"], GenerationSettings(max_tokens=24))[0]
+        decisions = [c for e in reply.events if e.computed is not None for c in e.computed]
+        assert decisions and not all(decisions), "a budget of 1e9 routes at the highest rate: some tokens must skip"
+
+
 def test_route_rejects_bad_options(converted: Path, tmp_path: Path) -> None:
     for args, message in [
         (["--layers", "a,b"], "comma-separated list"),
