@@ -116,6 +116,15 @@ TopKOption = Annotated[int, typer.Option("--top-k", help="Keep the k most likely
 TopPOption = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")]
 MaxTokensOption = Annotated[int, typer.Option("--max-tokens", help="Most sampled tokens (forced ones are free).")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Random seed for sampling.")]
+RoutingOption = Annotated[
+    str | None,
+    typer.Option(
+        "--routing",
+        metavar="LEVEL",
+        help="STT routing level: off, or one the model names, e.g. quality or fast (default: the model's first; "
+        "chatapp models lists them).",
+    ),
+]
 LogprobsOption = Annotated[
     int, typer.Option("--logprobs", help="Per token: log-probability, entropy and N alternatives (0-20; 0 = off).")
 ]
@@ -196,13 +205,20 @@ def models() -> None:
     from chatapp.models.registry import default_model_name, model_listing
 
     table = Table(box=None, pad_edge=False)
-    for column in ("name", "parameters", "context", "STT layers", "skip mode", "state"):
+    for column in ("name", "parameters", "context", "STT layers", "skip mode", "routing levels", "state"):
         table.add_column(column)
     table.add_column("path", overflow="fold")
     for entry in model_listing():
         name = f"{entry.name} (default)" if entry.name == default_model_name() else entry.name
         table.add_row(
-            name, entry.parameters, entry.context, entry.stt_layers, entry.skip_mode, entry.state, str(entry.path)
+            name,
+            entry.parameters,
+            entry.context,
+            entry.stt_layers,
+            entry.skip_mode,
+            entry.levels,
+            entry.state,
+            str(entry.path),
         )
     Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200).print(table)
 
@@ -317,6 +333,7 @@ def run(
             help="Run the model in the UI's process instead of its own engine process (slower while drawing).",
         ),
     ] = False,
+    routing: RoutingOption = None,
 ) -> None:
     """Open the chat TUI: streamed tokens (sampled vs forced), zone tags, routing heatmap, tool calls, history."""
     from pathlib import Path
@@ -346,7 +363,7 @@ def run(
 
             # Started before the app's modules are imported (Textual, ~0.5 s): the first answer waits for the
             # engine process's model, and the two processes load side by side.
-            backend = start_engine(model, device=device, program=program)
+            backend = start_engine(model, device=device, program=program, routing_level=routing)
             program = None  # the engine process switches to it as it starts
         try:
             from chatapp.ui.app import close_backend, make_app
@@ -358,6 +375,7 @@ def run(
                 device=device,
                 in_process=in_process,
                 backend=backend,
+                routing_level=routing if in_process else None,
             )
         except BaseException:
             if backend is not None:
@@ -402,6 +420,7 @@ def generate(
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timing: tokens/s, forced %, ...")] = False,
     logprobs: LogprobsOption = 0,
+    routing: RoutingOption = None,
 ) -> None:
     """Stream a reply to PROMPT: sampled tokens plain, forced tokens (tool output) in italic cyan. Into a pipe or
     a file it writes exactly the reply's text (timing and errors go to stderr)."""
@@ -421,6 +440,7 @@ def generate(
         from chatapp.models import load_engine
 
         engine = load_engine(model, device, dtype=dtype, compile=compile)
+    settings = settings.with_(routing_level=engine.resolve_level(routing))
     check_prompt_fits(len(prompt), int(engine.context_size), engine.tokenizer)
     compiled = None
     if program is not None:
@@ -478,6 +498,7 @@ def batch(
     ] = False,
     fsync: Annotated[bool, typer.Option("--fsync", help="fsync every record (survives power loss).")] = False,
     logprobs: LogprobsOption = 0,
+    routing: RoutingOption = None,
 ) -> None:
     """Generate every line of a JSONL file in device batches: one JSON record per (id, sample), an error record per
     bad line (exit code 1 if any), a summary on stderr. The sampling options are the defaults a line may override."""
@@ -487,7 +508,13 @@ def batch(
     from chatapp.settings import GenerationSettings
 
     settings = GenerationSettings(
-        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=logprobs
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        logprobs=logprobs,
+        routing_level=routing,
     )
     summary = run_batch_command(
         input,
@@ -788,7 +815,9 @@ def route(
     from chatapp.settings import data_dir
 
     log = lambda line: err_console.print(f"[dim]{line}[/dim]")  # noqa: E731
-    routed = fit_routing(loaded, options, log, cache_dir=data_dir() / "routing-data")
+    # The replies the fit learns from are written by the model as it is served (its default format).
+    speaker = load_model(source)
+    routed = fit_routing(loaded, options, log, cache_dir=data_dir() / "routing-data", speaker=speaker)
     write_routed(routed, source, target)
     typer.echo(f"{routed.report.summary()}\nwrote {target}")
 

@@ -33,8 +33,8 @@ REFUSAL_STYLE = "bold red"
 ZONE_STYLE = "dim magenta"
 
 
-def render_stats(reply: Reply, total_seconds: float) -> Text:
-    """The `--verbose` block: what the reply cost, with the reply fold's definitions."""
+def render_stats(reply: Reply, total_seconds: float, routing_level: str | None = None) -> Text:
+    """The `--verbose` block: what the reply cost, with the reply fold's definitions, at `routing_level`."""
     prompt_rate = reply.prompt_tokens / reply.prefill_seconds if reply.prefill_seconds > 0 else 0.0
     forced = f"{reply.forced_count} ({reply.forced_fraction:.1%})" if reply.emitted else "0"
     rows = [
@@ -48,9 +48,10 @@ def render_stats(reply: Reply, total_seconds: float) -> Text:
         ("forced tokens", forced),
         (
             "compute saved",
-            f"{reply.compute_saved:.1%} of the reply's decoder-layer work "
+            f"{reply.compute_saved:.1%} of the reply's decoder-layer work, net "
             f"(STT routing; {reply.stt_skipped_fraction:.1%} of the STT layers' work)",
         ),
+        ("routing level", routing_level or "-"),
         ("finish reason", reply.finish_reason or "-"),
     ]
     width = max(len(name) for name, _ in rows) + 2
@@ -124,7 +125,7 @@ def stream_reply(
     if reply.error:
         console.print(Text(reply.error, style=REFUSAL_STYLE))
     if verbose:
-        console.print(render_stats(reply, total_seconds))
+        console.print(render_stats(reply, total_seconds, settings.routing_level))
     if settings.logprobs:
         console.print(render_logprobs(reply))
     return reply

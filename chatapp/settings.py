@@ -40,6 +40,9 @@ class GenerationSettings:
     routing_threshold: float | None = None
     # Routing mode at generation time: "student" (causal router), "off" (every token through every layer).
     routing: Literal["student", "off"] = "student"
+    # A named operating point of the model (`--routing LEVEL`: "off" or one of the model's `routing_levels`, e.g.
+    # "quality", "fast"); when set it decides `routing` and `routing_threshold` (the engine resolves it).
+    routing_level: str | None = None
     context_policy: ContextPolicy = "error"
     # Push known runs of forced tokens through the model in one forward. Token-identical to step-by-step.
     fast_forward: bool = True
@@ -63,6 +66,11 @@ class GenerationSettings:
             _check_number("routing_threshold", self.routing_threshold)
             if not 0 <= self.routing_threshold <= 1:
                 raise SettingsError(f"routing_threshold must be in [0, 1], got {self.routing_threshold}")
+        if self.routing_level is not None and (not isinstance(self.routing_level, str) or not self.routing_level):
+            raise SettingsError(
+                f"routing_level must be a level's name, got {self.routing_level!r}",
+                hint="use off, or a level the model names (chatapp models lists them)",
+            )
         if self.context_policy not in ("error", "drop_oldest"):
             raise SettingsError(
                 f"context_policy must be 'error' or 'drop_oldest', got {self.context_policy!r}",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,8 @@ def run_batch_command(
             )
         with starting_up():
             engine = load_engine(model, device, dtype=dtype, compile=compile)
+        level = engine.resolve_level(defaults.settings.routing_level)
+        defaults = replace(defaults, settings=defaults.settings.with_(routing_level=level))
         preparer = ModelPreparer(engine)
         summary = run_batch(
             engine,

@@ -17,9 +17,10 @@ def timings_record(reply: Reply) -> dict[str, float]:
     }
 
 
-def row_record(reply: Reply, request_id: RequestId, sample: int) -> dict[str, Any]:
+def row_record(reply: Reply, request_id: RequestId, sample: int, routing_level: str | None = None) -> dict[str, Any]:
     """The JSON record of one finished row. `tokens`, `forced` and `tags` list every emitted token, a final stop
-    token included; `text` is the reply's text, which ends before that token."""
+    token included; `text` is the reply's text, which ends before that token. `routing_level`: the STT routing level
+    the row ran at (`GenerationSettings.routing_level`)."""
     record: dict[str, Any] = {
         "id": request_id,
         "sample": sample,
@@ -30,7 +31,8 @@ def row_record(reply: Reply, request_id: RequestId, sample: int) -> dict[str, An
         "tags": [list(event.tags) for event in reply.events],
         "tool_calls": reply.tool_calls,
         "routing": {str(layer): round(fraction, 6) for layer, fraction in reply.layer_computed().items()},
-        "compute_saved": round(reply.compute_saved, 6),  # share of all decoder-layer blocks skipped
+        "routing_level": routing_level,
+        "compute_saved": round(reply.compute_saved, 6),  # share of all decoder-layer work skipped, net
         "stt_skipped": round(reply.stt_skipped_fraction, 6),  # the same over the STT layers' blocks
         "timings": timings_record(reply),
     }

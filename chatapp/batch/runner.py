@@ -171,7 +171,7 @@ class _Run:
             self.progress.line_done()
 
     def result(self, job: RowJob, reply: Reply) -> None:
-        record = row_record(reply, job.request.id, job.sample)
+        record = row_record(reply, job.request.id, job.sample, job.settings.routing_level)
         self.emitter.emit(job.request.line, job.sample, record)
         self.summary.records += 1
         self.summary.tokens += reply.emitted

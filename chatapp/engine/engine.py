@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from chatapp.compute_saved import skip_cost
 from chatapp.engine.constraints import fresh_constraint
 from chatapp.engine.detok import Detokenizer, TokenBytes
 from chatapp.engine.events import Step
@@ -23,6 +24,7 @@ from chatapp.engine.session import ChatSession, TurnRequest
 from chatapp.engine.tools import DEFAULT_MAX_EXPRESSION_TOKENS, ToolBox, ToolMachine
 from chatapp.errors import ContextOverflowError, ConversationError, SettingsError
 from chatapp.settings import GenerationSettings
+from chatapp.stt.config import routing_level, routing_levels
 from chatapp.tools import TOOLS, Tool
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
 
@@ -83,6 +85,23 @@ class Engine:
         return int(self.model.config.num_hidden_layers)
 
     @property
+    def skip_cost(self) -> float:
+        """The share of a block a token its STT layer skips still computes: net of it a reply's `compute_saved`."""
+        return skip_cost(self.model.config)
+
+    @property
+    def routing_levels(self) -> tuple[str, ...]:
+        """The model's routing levels (`GenerationSettings.routing_level`), its default first, "off" last."""
+        return tuple(routing_levels(self.model.config))
+
+    def resolve_level(self, level: str | None) -> str:
+        """The routing level a request names (None: the model's default), checked against the model's levels."""
+        try:
+            return routing_level(self.model.config, level)
+        except ValueError as err:
+            raise SettingsError(str(err), hint="pass one of those to --routing (chatapp models lists them)") from None
+
+    @property
     def tool_markers(self) -> ToolMarkers:
         """The chat format's tool protocol (nanochat's markers for a format that names none)."""
         return getattr(self.chat_format, "tool_markers", None) or NANOCHAT_TOOL_MARKERS
@@ -98,7 +117,7 @@ class Engine:
 
     def new_reply(self, row: int = 0) -> Reply:
         """An empty reply fold for one row of this engine's output."""
-        return Reply(row, self.num_layers, self.stt_layers, self.tool_markers)
+        return Reply(row, self.num_layers, self.stt_layers, self.tool_markers, self.skip_cost)
 
     # ---------------------------------------------------------------------------------------------- public API
     def generate(
@@ -150,7 +169,11 @@ class Engine:
         """Run `generate` to the end and fold each row's reply (tokens, forced mask, text, finish reason, tools)."""
         steps = self.generate(prompts, settings, num_samples, programs, constraints)
         return fold_replies(
-            steps, num_layers=self.num_layers, stt_layers=self.stt_layers, markers=self.tool_markers
+            steps,
+            num_layers=self.num_layers,
+            stt_layers=self.stt_layers,
+            markers=self.tool_markers,
+            skip_cost=self.skip_cost,
         )
 
     def session(self, system: str | None = None) -> ChatSession:
@@ -225,7 +248,7 @@ class Engine:
         if len(per_prompt) != prompts:
             raise SettingsError(f"got {len(per_prompt)} settings for {prompts} prompts", hint="give one per prompt")
         # One model call serves the whole batch, so routing is a property of the call, not of a row.
-        if len({(s.routing, s.routing_threshold) for s in per_prompt}) > 1:
+        if len({(s.routing, s.routing_threshold, s.routing_level) for s in per_prompt}) > 1:
             raise SettingsError(
                 "rows of one generate call must share routing and routing_threshold",
                 hint="run prompts with different routing settings in separate calls",

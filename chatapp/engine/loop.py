@@ -57,8 +57,9 @@ from chatapp.engine.programs import ProgramRunner
 from chatapp.engine.protocols import ConstraintLike, ForwardOutput, KVCacheLike, ModelLike
 from chatapp.engine.sampling import SamplingParams, sample, sample_with_log_probs
 from chatapp.engine.tools import ForcedToken, ToolMachine
-from chatapp.errors import ChatappError
+from chatapp.errors import ChatappError, SettingsError
 from chatapp.settings import GenerationSettings
+from chatapp.stt.config import routing_level, routing_levels
 
 if TYPE_CHECKING:
     from chatapp.ttfa import Program
@@ -81,6 +82,18 @@ _UNFINISHED_CALL = {
     "program": "the program ended",
     "error": "the reply stopped on an error",
 }
+
+def call_routing(config: Any, settings: GenerationSettings) -> tuple[str, float | None]:
+    """The routing ("student" or "off") and router threshold a call runs at: its settings', or those of its named
+    level (`routing_level`, one of the model's `stt.config.routing_levels`)."""
+    if settings.routing_level is None:
+        return settings.routing, settings.routing_threshold
+    try:
+        threshold = routing_levels(config)[routing_level(config, settings.routing_level)]
+    except ValueError as err:
+        raise SettingsError(str(err), hint="pass one of those to --routing (chatapp models lists each model's)") from None
+    return ("off", None) if threshold is None else ("student", threshold)
+
 
 # A prompt token's routing: per STT layer, (router probabilities, computed flags).
 TokenRouting = tuple[tuple[float, ...], tuple[bool, ...]]
@@ -244,13 +257,12 @@ class DecodeLoop:
     ) -> Iterator[Step]:
         """Prefill `prompt_ids` (one list per prompt) into `cache`, then decode until every row finished."""
         started = time.perf_counter()
-        call_settings = rows[0].settings  # routing is a property of the whole call (checked by the front)
+        # Routing is a property of the whole call (checked by the front).
+        routing, threshold = call_routing(self.model.config, rows[0].settings)
         # inference_mode (cheaper than no_grad) is entered per step, never across a `yield`: the consumer's own
         # code must not run in it.
         with torch.inference_mode():
-            logits, prompt_routing = self._prefill(
-                prompt_ids, cache, call_settings.routing, call_settings.routing_threshold
-            )
+            logits, prompt_routing = self._prefill(prompt_ids, cache, routing, threshold)
             if num_samples > 1:
                 index = torch.arange(len(prompt_ids), device=self.device).repeat_interleave(num_samples)
                 cache = cache.select_rows(index)
@@ -264,8 +276,8 @@ class DecodeLoop:
             logits=logits,
             params=SamplingParams.build([r.settings for r in rows], [r.index % num_samples for r in rows], self.device),
             counters=torch.zeros(len(rows), dtype=torch.long, device=self.device),
-            routing=call_settings.routing,
-            threshold=call_settings.routing_threshold,
+            routing=routing,
+            threshold=threshold,
             may_compact=may_compact,
             top_n=max(r.settings.logprobs for r in rows),
         )

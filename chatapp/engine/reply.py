@@ -87,6 +87,7 @@ class Reply:
     num_layers: int = 0
     stt_layers: Sequence[int] = ()
     markers: ToolMarkers = NANOCHAT_TOOL_MARKERS  # the chat format's tool protocol
+    skip_cost: float = 0.0  # share of a block a skipped token still computes (`chatapp.compute_saved.skip_cost`)
     events: list[TokenEvent] = field(default_factory=list)  # every emitted token, a final stop token included
     stop_token: int | None = None
     finish_reason: FinishReason | None = None
@@ -291,12 +292,12 @@ class Reply:
     @property
     def compute_saved(self) -> float:
         """Share of all (token, decoder layer) blocks the STT routers skipped; see the module docstring."""
-        return compute_saved(self._skipped_blocks, self.routed_tokens, self.num_layers)
+        return compute_saved(self._skipped_blocks, self.routed_tokens, self.num_layers, self.skip_cost)
 
     @property
     def stt_skipped_fraction(self) -> float:
         """Share of (token, STT layer) blocks the routers skipped."""
-        return compute_saved(self._skipped_blocks, self.routed_tokens, len(self.computed_per_layer))
+        return compute_saved(self._skipped_blocks, self.routed_tokens, len(self.computed_per_layer), self.skip_cost)
 
     def layer_computed(self) -> dict[int, float]:
         """Per STT layer index: the fraction of this row's routed tokens the layer computed ({} with routing off)."""
@@ -378,12 +379,13 @@ def fold_replies(
     num_layers: int = 0,
     stt_layers: Sequence[int] = (),
     markers: ToolMarkers = NANOCHAT_TOOL_MARKERS,
+    skip_cost: float = 0.0,
 ) -> list[Reply]:
     """Run a `generate` stream to its end and fold every row's reply (rows in request order)."""
     replies: list[Reply] = []
     for step in steps:
         if step.prompt is not None:
-            replies = [Reply(row, num_layers, stt_layers, markers) for row in range(step.prompt.rows)]
+            replies = [Reply(row, num_layers, stt_layers, markers, skip_cost) for row in range(step.prompt.rows)]
             for reply in replies:
                 reply.start(step.prompt)
         for reply in replies:

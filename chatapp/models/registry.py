@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chatapp.errors import ChatappError, ModelDirError
+from chatapp.routing_levels import level_thresholds
 
 
 def tiny_model_dir() -> Path:
@@ -111,6 +112,7 @@ class ModelEntry:
     stt_layers: str
     state: str
     skip_mode: str = "?"  # what a token an STT layer skips leaves there (`STTConfig.skip_mode`)
+    levels: str = "?"  # its routing levels (`chatapp.routing_levels`), the default first
 
 
 def model_listing() -> list[ModelEntry]:
@@ -150,6 +152,7 @@ def _describe(name: str, path: Path, state: str) -> ModelEntry:
         f"{len(stt)} of {layers}" if stt else "none",
         state,
         str(config.get("skip_mode", "strict")) if stt else "-",
+        ", ".join(level_thresholds(config.get("routing_levels"), config.get("router_threshold", 0.5))) if stt else "-",
     )
 
 

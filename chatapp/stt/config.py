@@ -30,6 +30,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from chatapp.routing_levels import level_thresholds, pick_level
+
 BetaScheduleKind = Literal["cosine", "linear", "constant"]
 # What an STT layer does with a token it skips (see `skip_mode` below and `chatapp.stt.layers`).
 SKIP_MODES = ("strict", "kv", "predict")
@@ -254,6 +256,16 @@ class STTConfig:
         theta = self.rope_parameters.get("rope_theta")
         if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
             raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
+
+
+def routing_levels(config: STTConfig) -> dict[str, float | None]:
+    """The model's routing levels (`chatapp.routing_levels`): level -> threshold, None for "off"."""
+    return level_thresholds(config.routing_levels, config.router_threshold)
+
+
+def routing_level(config: STTConfig, requested: str | None) -> str:
+    """The level a request runs at (`chatapp.routing_levels.pick_level`)."""
+    return pick_level(routing_levels(config), requested)
 
 
 def schedule_value(start: float, end: float, step: int, steps: int, kind: str) -> float:

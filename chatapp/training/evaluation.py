@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatapp.compute_saved import compute_saved
+from chatapp.compute_saved import compute_saved, skip_cost
 from chatapp.stt.layers import select
 
 MODES = ("off", "teacher", "student")
@@ -73,6 +73,7 @@ class EvalReport:
     tokens: int = 0
     num_layers: int = 0  # all decoder layers of the model: the denominator of `compute_saved`
     skip_mode: str = "strict"
+    skip_cost: float = 0.0  # share of a block a skipped token still computes (`chatapp.compute_saved.skip_cost`)
     loss: dict[str, float] = field(default_factory=dict)  # mode -> mean next-token cross-entropy
     selected_fraction: dict[str, list[float]] = field(default_factory=dict)  # mode -> per STT layer
     student_accuracy: list[float] = field(default_factory=list)  # causal router vs teacher targets
@@ -86,12 +87,12 @@ class EvalReport:
         """Share of all the model's block computations (tokens x decoder layers) skipped in `mode`; see
         `chatapp.compute_saved`. Without `num_layers` (a report built by hand) the STT layers are taken for all."""
         fractions = self.selected_fraction.get(mode) or []
-        return compute_saved(sum(1.0 - f for f in fractions), 1, self.num_layers or len(fractions))
+        return compute_saved(sum(1.0 - f for f in fractions), 1, self.num_layers or len(fractions), self.skip_cost)
 
     def routed_skipped(self, mode: str = "student") -> float:
         """Share of the STT layers' block computations skipped in `mode` (0 when there are no STT layers)."""
         fractions = self.selected_fraction.get(mode) or []
-        return compute_saved(sum(1.0 - f for f in fractions), 1, len(fractions))
+        return compute_saved(sum(1.0 - f for f in fractions), 1, len(fractions), self.skip_cost)
 
 
 @dataclass
@@ -154,7 +155,12 @@ def evaluate(
         counts.positions += ids.numel()
     if was_training:
         model.train()
-    report = EvalReport(tokens=tokens, num_layers=model.config.num_hidden_layers, skip_mode=model.config.skip_mode)
+    report = EvalReport(
+        tokens=tokens,
+        num_layers=model.config.num_hidden_layers,
+        skip_mode=model.config.skip_mode,
+        skip_cost=skip_cost(model.config),
+    )
     positions = counts.positions
     for mode in modes:
         if mode in counts.loss:

@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from chatapp import store
-from chatapp.compute_saved import compute_saved
+from chatapp.compute_saved import compute_saved, skip_cost
 from chatapp.stt import STTConfig, STTForCausalLM
+from chatapp.stt.cpu_step import MAX_ROWS
 from chatapp.stt.io import (
     CONFIG_NAME,
     MERGED_ADAPTERS_NAME,
@@ -148,7 +149,9 @@ class Conversation:
 
 def self_distilled(loaded: Any, options: RouteOptions, log: Log) -> list[Conversation]:
     """The model's own greedy replies, routing off, to `options.dialogues` (tool calls run, results forced), turn by
-    turn: each later user turn follows the model's own earlier replies. A conversation scores its last reply."""
+    turn: each later user turn follows the model's own earlier replies. A conversation scores its last reply.
+    `loaded` writes them: the model as it is served (the CLI passes its default format, which on a CPU decodes in
+    one native call a step, ~3x the float32 torch step at 8 rows) or the float32 model itself."""
     from chatapp.engine.engine import Engine
     from chatapp.settings import GenerationSettings
 
@@ -158,12 +161,14 @@ def self_distilled(loaded: Any, options: RouteOptions, log: Log) -> list[Convers
     settings = GenerationSettings(max_tokens=options.answer_tokens, routing="off")
     start_id, end_id = getattr(chat_format, "python_start_id", None), getattr(chat_format, "python_end_id", None)
     dialogues = options.dialogues
+    # The native step takes up to MAX_ROWS rows a call; more would go through the (slower) torch step.
+    step = MAX_ROWS if loaded.model.kernel_step is not None else GENERATE_BATCH
     messages: list[list[dict[str, Any]]] = [[] for _ in dialogues]
     out: list[Conversation | None] = [None] * len(dialogues)
     for turn in range(max((len(d) for d in dialogues), default=0)):
         rows = [i for i, dialogue in enumerate(dialogues) if len(dialogue) > turn]
-        for first in range(0, len(rows), GENERATE_BATCH):
-            chunk = rows[first : first + GENERATE_BATCH]
+        for first in range(0, len(rows), step):
+            chunk = rows[first : first + step]
             rendered = []
             for i in chunk:
                 messages[i].append({"role": "user", "content": dialogues[i][turn]})
@@ -195,12 +200,17 @@ def conversation(
     return Conversation(ids, scored, copy)
 
 
-def conversations_cached(loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None) -> list[Conversation]:
-    """`self_distilled`, kept in `cache_dir` for the next fit of the same weights and options (a second run, in the
-    other skip mode or with other layers, then starts at the dense pass). A damaged entry is made again."""
+def conversations_cached(
+    loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None, speaker: Any | None = None
+) -> list[Conversation]:
+    """`self_distilled` by `speaker` (default: `loaded`), kept in `cache_dir` for the next fit of the same weights,
+    options and speaker's format (a second run, in another skip mode or with other layers, then starts at the dense
+    pass). A damaged entry is made again."""
+    speaker = speaker or loaded
     if cache_dir is None:
-        return self_distilled(loaded, options, log)
-    path = cache_dir / f"{backbone_digest(loaded.model, options)}.json"
+        return self_distilled(speaker, options, log)
+    fmt = getattr(speaker.model, "weight_format", None) or "float32"
+    path = cache_dir / f"{backbone_digest(loaded.model, options)}{'' if fmt == 'float32' else '-' + fmt}.json"
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))
         found = [Conversation(r["ids"], r["scored"], r["copy"]) for r in rows]
@@ -208,7 +218,7 @@ def conversations_cached(loaded: Any, options: RouteOptions, log: Log, cache_dir
         return found
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    made = self_distilled(loaded, options, log)
+    made = self_distilled(speaker, options, log)
     cache_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps([asdict(c) for c in made])
     store.atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
@@ -539,10 +549,13 @@ class Routed:
     adapters: Adapters = field(default_factory=dict)
 
 
-def route(loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None = None) -> Routed:
+def route(
+    loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None = None, speaker: Any | None = None
+) -> Routed:
     """Fit and calibrate routing for `loaded` (a float32 `LoadedModel`), with its backbone frozen or, when
     `options.tune.steps`, fine-tuned to the routing first. `cache_dir`: where the self-distilled replies and the
-    fine-tune's checkpoint are kept between runs (`conversations_cached`)."""
+    fine-tune's checkpoint are kept between runs; `speaker`: the same model in the format that writes them
+    (`conversations_cached`)."""
     torch.manual_seed(options.seed)
     model, clock = loaded.model, time.perf_counter()
     count = model.config.num_hidden_layers
@@ -550,7 +563,7 @@ def route(loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None =
         bad = [layer for layer in options.layers if not 0 <= layer < count]
         if bad:
             raise ValueError(f"layers {bad} out of range: the model has layers 0-{count - 1}")
-    conversations = conversations_cached(loaded, options, log, cache_dir)
+    conversations = conversations_cached(loaded, options, log, cache_dir, speaker)
     held_rows = [c for i, c in enumerate(conversations) if i % 4 == 3]
     fit_rows = [c for i, c in enumerate(conversations) if i % 4 != 3]
     pad = conversations[0].ids[0]
@@ -635,7 +648,7 @@ def route(loaded: Any, options: RouteOptions, log: Log, cache_dir: Path | None =
             rate=rate,
             ppl_ratio=ratio,
             copy=copy,
-            compute_saved=compute_saved(sum(skipped.values()), held.tokens, count),
+            compute_saved=compute_saved(sum(skipped.values()), held.tokens, count, skip_cost(routed.config)),
             processed={layer: 1 - skipped[layer] / held.tokens for layer in layers},
         )
         report.tried.append(result)

@@ -158,7 +158,11 @@ class ChatApp(App[None]):
         if not info.stt_layers:
             heatmap.border_subtitle = "model has no STT layers"
         else:
-            heatmap.border_subtitle = skip_mode_caption(info.skip_mode)
+            heatmap.border_subtitle = skip_mode_caption(info.skip_mode, self._routing_level())
+
+    def _routing_level(self) -> str:
+        """The routing level answers run at: the settings' own, else the model's default."""
+        return self.backend.settings.routing_level or self.backend.info.routing_levels[0]
 
     @property
     def model_name(self) -> str:
@@ -318,7 +322,7 @@ class ChatApp(App[None]):
     def _new_reply(self) -> Reply:
         """The fold of the next answer (row 0 of the backend's stream)."""
         info = self.backend.info
-        return Reply(0, info.num_layers, info.stt_layers, info.tool_markers)
+        return Reply(0, info.num_layers, info.stt_layers, info.tool_markers, info.skip_cost)
 
     def _start(self, stream: StepStream, user: UserMessage | None = None) -> None:
         """Create the answer (on screen, after the user's message if given, and in the database) and generate it in
@@ -544,6 +548,7 @@ class ChatApp(App[None]):
 
         def applied(choice: SettingsChoice | None) -> None:
             if choice is not None:
+                self._show_model()  # the heatmap's caption names the routing level
                 self.notify("Settings saved for the next answer.")
 
         self.push_screen(SettingsScreen(self.backend), applied)
@@ -686,6 +691,7 @@ def make_app(
     in_process: bool = False,
     clock: Callable[[], float] = time.time,
     cursor_blink: bool | None = None,
+    routing_level: str | None = None,
 ) -> ChatApp:
     """Build the chat app: load the model (unless a backend is given), the program and the history database.
 
@@ -706,11 +712,13 @@ def make_app(
                 from chatapp.ui.backend import EngineBackend
 
                 backend = EngineBackend.load(resolve_model(model_dir), device=device)
+                if routing_level is not None:
+                    backend.set_routing_level(routing_level)
             else:
                 from chatapp.ui.process import start_engine
 
                 # Returns at once: the app's first frame does not wait for torch and the weights (~3 s).
-                backend = start_engine(model_dir, device=device, program=program)
+                backend = start_engine(model_dir, device=device, program=program, routing_level=routing_level)
                 program = None  # the engine process switches to it as it starts
     except BaseException:
         store.close()

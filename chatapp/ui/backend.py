@@ -51,6 +51,8 @@ class ModelInfo:
     # The chat format's tool protocol: how the transcript finds a tool call and the history stores one.
     tool_markers: ToolMarkers = NANOCHAT_TOOL_MARKERS
     skip_mode: str = "strict"  # what a skipped token leaves in an STT layer (`STTConfig.skip_mode`)
+    skip_cost: float = 0.0  # share of a block a skipped token still computes (`chatapp.compute_saved.skip_cost`)
+    routing_levels: tuple[str, ...] = ("default", "off")  # the model's routing levels, its default first
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,8 @@ class EngineBackend(BackendState):
             supports_tools=bool(engine.chat_format.supports_tools),
             tool_markers=engine.tool_markers,
             skip_mode=str(getattr(config, "skip_mode", "strict")),
+            skip_cost=engine.skip_cost,
+            routing_levels=engine.routing_levels,
         )
         self.new_session()
 
@@ -290,6 +294,11 @@ class EngineBackend(BackendState):
         self._program_object = program
         self._program = ProgramInfo(name=name_or_path, tags=tuple(program.tag_names))
         return self._program
+
+    def set_routing_level(self, level: str | None) -> None:
+        """Answer at the model's routing `level` from now on (`--routing`); `SettingsError` naming the model's levels
+        when it has no such level."""
+        self._settings = self._settings.with_(routing_level=self._engine.resolve_level(level))
 
     def configure(self, settings: GenerationSettings, constraint: str | None) -> None:
         if constraint:

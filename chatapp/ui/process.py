@@ -70,6 +70,7 @@ class ProcessBackend(BackendState):
         *,
         device: str | None = None,
         program: str | None = None,
+        routing_level: str | None = None,
         log_path: Path | None = None,
         start_timeout: float = 300.0,
     ) -> None:
@@ -81,7 +82,9 @@ class ProcessBackend(BackendState):
         self.log_path = log_path
         self._process = context.Process(
             target=_engine_main,
-            args=(child_conn, str(model_dir), device, None if log_path is None else str(log_path), program),
+            args=(
+                child_conn, str(model_dir), device, None if log_path is None else str(log_path), program, routing_level
+            ),
             name="chatapp-engine",
             daemon=True,
         )
@@ -330,13 +333,22 @@ class ProcessBackend(BackendState):
 COMPILE_AFTER_IDLE = 3.0
 
 
-def start_engine(model_dir: str | Path, device: str | None = None, program: str | None = None) -> ProcessBackend:
+def start_engine(
+    model_dir: str | Path, device: str | None = None, program: str | None = None, routing_level: str | None = None
+) -> ProcessBackend:
     """The app's backend for `model_dir` (a name or a directory): an engine process that loads it (and switches to
-    `program`), its output to the engine log. Returns at once: the app draws while the model loads."""
+    `program` and `routing_level`), its output to the engine log. Returns at once: the app draws while the model
+    loads."""
     from chatapp.models import resolve_model
     from chatapp.settings import engine_log_path
 
-    return ProcessBackend(resolve_model(model_dir), device=device, program=program, log_path=engine_log_path())
+    return ProcessBackend(
+        resolve_model(model_dir),
+        device=device,
+        program=program,
+        routing_level=routing_level,
+        log_path=engine_log_path(),
+    )
 
 
 def _engine_main(*args: Any) -> None:
@@ -349,10 +361,15 @@ def _engine_main(*args: Any) -> None:
 
 
 def serve(
-    conn: Connection, model_dir: str, device: str | None, log_path: str | None = None, program: str | None = None
+    conn: Connection,
+    model_dir: str,
+    device: str | None,
+    log_path: str | None = None,
+    program: str | None = None,
+    routing_level: str | None = None,
 ) -> None:
-    """The engine process: load the model (and switch to `program`), then answer requests until the pipe closes or
-    `close` arrives."""
+    """The engine process: load the model (and switch to `program` and `routing_level`), then answer requests until
+    the pipe closes or `close` arrives."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl+c belongs to the UI; it closes us through the pipe
     if log_path is not None:
         _redirect_output(log_path)
@@ -371,6 +388,8 @@ def serve(
             backend = EngineBackend.load(Path(model_dir), device=device)
         if program is not None:
             backend.switch_program(program)
+        if routing_level is not None:
+            backend.set_routing_level(routing_level)
     except ChatappError as err:
         conn.send(("error", err))
         return

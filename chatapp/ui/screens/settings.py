@@ -37,6 +37,7 @@ _FIELDS = (
     _Field("max_tokens", "max tokens", int),
     _Field("seed", "seed", int),
     _Field("routing_threshold", "routing threshold (blank = model's)", float, optional=True),
+    _Field("routing_level", "routing level (off, or the model's; blank = its default)", str, optional=True),
 )
 
 
@@ -46,8 +47,11 @@ class SettingsChoice:
     constraint: str | None
 
 
-def parse_settings(base: GenerationSettings, values: dict[str, str]) -> GenerationSettings:
-    """Settings from the form's text values; `SettingsError` naming the field on a bad number or range."""
+def parse_settings(
+    base: GenerationSettings, values: dict[str, str], levels: tuple[str, ...] | None = None
+) -> GenerationSettings:
+    """Settings from the form's text values; `SettingsError` naming the field on a bad number or range, or on a
+    routing level that is not one of the model's `levels`."""
     changes: dict[str, object] = {}
     for spec in _FIELDS:
         raw = values.get(spec.name, "").strip()
@@ -59,6 +63,9 @@ def parse_settings(base: GenerationSettings, values: dict[str, str]) -> Generati
         except ValueError:
             kind = "a whole number" if spec.kind is int else "a number"
             raise SettingsError(f"{spec.label}: {raw!r} is not {kind}", hint=f"type {kind}") from None
+    level = changes.get("routing_level")
+    if levels is not None and level is not None and level not in levels:
+        raise SettingsError(f"routing level: this model has no level {level!r}", hint=f"type one of: {', '.join(levels)}")
     return base.with_(**changes)
 
 
@@ -100,7 +107,7 @@ class SettingsScreen(ModalScreen[SettingsChoice | None]):
         if self._cancel is not None:
             return  # a compile is already running
         try:
-            settings = parse_settings(self._backend.settings, values)
+            settings = parse_settings(self._backend.settings, values, self._backend.info.routing_levels)
         except ChatappError as err:
             self.show_error(err)
             return

@@ -31,10 +31,11 @@ Column = tuple[tuple[float, ...], tuple[bool, ...]] | None
 SURPRISE_LABEL = "-log p"
 
 
-def skip_mode_caption(skip_mode: str) -> str:
-    """The heatmap's bottom border title: the model's skip mode, what a token a layer skipped leaves there ("strict":
-    nothing; "kv": its keys and values). Below, because the top title already fills the side panel's width."""
-    return f"skip mode: {skip_mode}"
+def skip_mode_caption(skip_mode: str, level: str | None = None) -> str:
+    """The heatmap's bottom border title: the routing level answers run at, and the model's skip mode, what a token
+    a layer skipped leaves there ("strict": nothing; "kv": its keys and values; "predict": those and a predicted
+    update). Below, because the top title already fills the side panel's width."""
+    return f"skip mode: {skip_mode}" if level is None else f"{level} · skip mode: {skip_mode}"
 
 
 def probability_colour(p: float) -> str:

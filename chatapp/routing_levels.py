@@ -1,0 +1,34 @@
+"""A model's routing levels, in one place: named operating points of its STT routing that a user picks
+(`--routing LEVEL` on `generate`, `batch` and `run`, the TUI's settings).
+
+A level is a router threshold (`STTConfig.router_threshold`'s meaning: a token runs an STT layer when its causal
+router's probability is at or above it). A routing fit (`chatapp route`) folds each layer's calibrated cutoff into
+its router so that 0.5 is the calibrated point ("quality"); a higher threshold skips more in every layer ("fast").
+A model lists its levels in `STTConfig.routing_levels`, the default first; a model without them has one, "default"
+(its own threshold). Every model has "off": every token through every layer.
+
+Plain data, no torch: `chatapp models` reads the levels from config.json without loading anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+OFF_LEVEL = "off"
+
+
+def level_thresholds(levels: Mapping[str, float] | None, router_threshold: float) -> dict[str, float | None]:
+    """Level -> threshold (None: routing off), in order, the default first and "off" last."""
+    table: dict[str, float | None] = dict(levels or {"default": router_threshold})
+    table[OFF_LEVEL] = None
+    return table
+
+
+def pick_level(table: Mapping[str, float | None], requested: str | None) -> str:
+    """The level a request runs at: `requested` when the table has it, else the default (the first); ValueError
+    naming the levels there are."""
+    if requested is None:
+        return next(iter(table))
+    if requested not in table:
+        raise ValueError(f"this model has no routing level {requested!r}; its levels: {', '.join(table)}")
+    return requested
