@@ -33,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from chatapp.settings import KERNEL_THREADS_ENV, threads_from_env
 from chatapp.stt.weights import Int8Linear
 
 # Most rows one call takes (`MAX_ROWS` in the C file); a larger batch goes through the torch step (there the
@@ -47,8 +48,9 @@ FLAGS = (
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
     "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
 )  # fmt: skip
-# Threads of the kernel's OpenMP pool: `$CHATAPP_KERNEL_THREADS`, else torch's count when a step starts.
-THREADS_ENV = "CHATAPP_KERNEL_THREADS"
+# Threads of the kernel's OpenMP pool: `$CHATAPP_KERNEL_THREADS` (checked and capped by `settings.threads_from_env`),
+# else torch's count when a step starts.
+THREADS_ENV = KERNEL_THREADS_ENV
 
 _EMPTY = np.zeros(0, dtype=np.float32)
 
@@ -334,8 +336,7 @@ def _kernel_layout(cache) -> bool:
 
 
 def _threads() -> int:
-    value = os.environ.get(THREADS_ENV, "")
-    return int(value) if value.isdigit() and int(value) > 0 else torch.get_num_threads()
+    return threads_from_env(THREADS_ENV) or torch.get_num_threads()
 
 
 def serves(model) -> bool:
