@@ -166,7 +166,12 @@ def record_source(entry: ServedEntry, directory: Path | None = None) -> None:
     from chatapp.store import atomic_write
 
     text = json.dumps({"stamp": entry.stamp, "digest": entry.digest}, indent=1) + "\n"
-    atomic_write((directory or entry.path) / SOURCE_FILE, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+    def write_record(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.chmod(0o644)  # as the entry's other files (a temporary file is created private)
+
+    atomic_write((directory or entry.path) / SOURCE_FILE, write_record)
 
 
 def remember(entry: ServedEntry) -> None:
