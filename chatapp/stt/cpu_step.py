@@ -260,9 +260,9 @@ def library_path() -> Path:
 
 def build(path: Path) -> None:
     """Compile decode_step.c to `path` (atomically: a killed build leaves no half file under that name)."""
-    problem, cc = compiler_problem(), compiler()
-    if problem is not None or cc is None:
+    if (problem := compiler_problem()) is not None:
         raise OSError(problem)
+    cc = compiler() or "cc"  # there is one: compiler_problem found it
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     try:
@@ -305,10 +305,10 @@ def remove_dead_partials(folder: Path) -> list[Path]:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # gone, or a number no process can have
         return False
-    except (PermissionError, OverflowError):  # another user's process (alive), or no pid at all
-        return pid > 0
+    except PermissionError:  # another user's process
+        return True
     return True
 
 

@@ -159,9 +159,7 @@ def test_12_a_build_killed_with_minus_9_leaves_a_temporary_the_next_load_removes
     folder = tmp_path / "_build"
     folder.mkdir()
     target = folder / cpu_step.library_path().name
-    build = (
-        "import sys; from pathlib import Path; from chatapp.stt import cpu_step; cpu_step.build(Path(sys.argv[1]))"
-    )
+    build = "import sys; from pathlib import Path; from chatapp.stt import cpu_step; cpu_step.build(Path(sys.argv[1]))"
     env = os.environ | {"CC": str(_fake_compiler(tmp_path)), "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen([sys.executable, "-c", build, str(target)], env=env, start_new_session=True)
     partial = folder / f".{target.name}.{child.pid}"
