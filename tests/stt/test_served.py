@@ -155,3 +155,19 @@ def test_the_checksums_name_the_damaged_tensor(stored_int8) -> None:
             served.read(directory)
     finally:
         weights.write_bytes(original)
+
+
+def test_a_changed_layout_is_refused(stored_int8) -> None:
+    """A number changed in layout.json (still valid JSON) would build other modules around the right tensors: the
+    layout's checksum, kept in the weights file's checked header, refuses it."""
+    directory, _, _ = stored_int8
+    layout = directory / served.LAYOUT_FILE
+    original = layout.read_text()
+    changed = re.sub(r'"in_features": (\d+)', lambda m: f'"in_features": {int(m[1]) + 1}', original, count=1)
+    assert changed != original
+    layout.write_text(changed)
+    try:
+        with pytest.raises(served.ServedFormatError, match=re.escape(f"{layout} is damaged")):
+            served.read(directory)
+    finally:
+        layout.write_text(original)
