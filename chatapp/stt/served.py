@@ -144,10 +144,11 @@ def content_digest(source: ServedSource) -> str:
 def source_stamp(source: ServedSource, store: Path) -> dict[str, Any]:
     """What identifies `source` without reading it: its model directory (relative to the data directory, the
     parent of `store`, when inside it), the weight format, and each file's name, size and modification time."""
+    stats = [(path.name, path.stat()) for path in source.files]
     return {
         "model_dir": _recorded_dir(source.model_dir, store.parent),
         "weight_format": source.weight_format,
-        "files": [[path.name, path.stat().st_size, path.stat().st_mtime_ns] for path in source.files],
+        "files": [[name, stat.st_size, stat.st_mtime_ns] for name, stat in stats],
     }
 
 
