@@ -175,10 +175,10 @@ def info() -> None:
     kernel = cpu_step.library_path()  # reported, not built here
     if kernel.is_file():
         kernel_state = f"{kernel} (built)"
-    elif cpu_step.compiler():
-        kernel_state = f"{kernel} (not built yet: built at the first int8 load, or by `make kernels`)"
+    elif problem := cpu_step.compiler_problem():
+        kernel_state = f"cannot be built: {problem}; int8 decodes with torch's step"
     else:
-        kernel_state = "unavailable: no C compiler (set $CC or install gcc); int8 decodes with torch's step"
+        kernel_state = f"{kernel} (not built yet: built at the first int8 load, or by `make kernels`)"
     rows = {
         "chatapp": __version__,
         "python": sys.version.split()[0],

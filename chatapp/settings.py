@@ -101,6 +101,37 @@ def _check_number(name: str, value: object, hint: str | None = None) -> None:
         raise SettingsError(f"{name} must be a finite number, got {value}", hint=hint)
 
 
+KERNEL_THREADS_ENV = "CHATAPP_KERNEL_THREADS"
+"""Threads of the int8 decode kernel's OpenMP pool (`stt.cpu_step`); unset: torch's count when a step starts."""
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: a container or `taskset` may give it fewer than
+    the machine has)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
+def threads_from_env(name: str) -> int | None:
+    """The thread count set in `$name`: None when unset or empty; a `SettingsError` naming it and the fix when it
+    is not a positive integer. At most `usable_cores()`: a thread more than there are cores only waits for the others
+    (with 10000 kernel threads a reply took 174 s instead of 14 s), so more means all of them."""
+    wanted = os.environ.get(name, "").strip()
+    if not wanted:
+        return None
+    hint = f"set {name} to a number of threads from 1 to {usable_cores()} (the cores this process may use), or unset it"
+    shown = wanted if len(wanted) <= 30 else f"{wanted[:27]}..."
+    try:
+        threads = int(wanted)
+    except ValueError:
+        raise SettingsError(f"{name}={shown!r} is not a whole number", hint=hint) from None
+    if threads < 1:
+        raise SettingsError(f"{name}={shown!r} must be at least 1", hint=hint)
+    return min(threads, usable_cores())
+
+
 def _home_override() -> Path | None:
     home = os.environ.get("CHATAPP_HOME")
     return Path(home).expanduser() if home else None

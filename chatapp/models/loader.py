@@ -9,7 +9,6 @@ any weights are touched where possible.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -29,7 +28,7 @@ if TYPE_CHECKING:
 
     from chatapp.chat import AnyChatFormat
     from chatapp.engine.engine import Engine
-    from chatapp.stt import STTForCausalLM
+    from chatapp.stt import STTForCausalLM, served
     from chatapp.stt.decode import DecodeSteps
 
 # The weight format when no `dtype` is passed (a `--dtype` option wins over it): auto, float32, bfloat16, int8.
@@ -158,36 +157,47 @@ def _served_model(model_dir: Path, device: torch.device, fmt: str, hint: str | N
     """The model of `model_dir` in weight format `fmt` on `device`: from its stored served format when there is
     one (`stt.served`: memory-mapped, nothing converted), else converted from the checkpoint's weights and stored
     for the next process. float32 needs no store (the checkpoint is memory-mapped as it is), nor does a GPU (not
-    measured there). A store that cannot be read is rebuilt, with a one-line notice on stderr; one that cannot be
-    written leaves this process its converted model."""
+    measured there). A store that cannot be read (damaged: its checksums do not match) is rebuilt, with a one-line
+    notice on stderr naming it; one that cannot be written leaves this process its converted model."""
     from chatapp.store import is_complete
     from chatapp.stt import served
 
     if fmt == "float32" or device.type != "cpu":
         return _converted_model(model_dir, device, fmt, hint)
-    directory = served_dir(model_dir, fmt)
-    if is_complete(directory):
+    try:
+        entry = served_entry(model_dir, fmt)
+    except (OSError, ChatappError) as err:  # a source file unreadable now: the conversion names it
+        _notice(f"the stored {fmt} weights cannot be looked up ({_first_line(err)})")
+        return _converted_model(model_dir, device, fmt, hint)
+    if is_complete(entry.path):
         try:
-            return served.read(directory, device)
+            model = served.read(entry.path, device)
         except served.ServedFormatError as err:
             _notice(f"{_first_line(err)}; converting the weights again")
+        else:
+            served.remember(entry)
+            return model
     model = _converted_model(model_dir, device, fmt, hint)
     try:
-        _store_served(model, directory)
+        _store_served(model, entry)
     except (OSError, ChatappError) as err:  # a full or read-only disk: this process still has its model
         _notice(f"the {fmt} weights are not stored for the next start ({_first_line(err)})")
     return model
 
 
-def served_dir(model_dir: Path, fmt: str) -> Path:
-    """Where the served format `fmt` of `model_dir` is stored: the data directory, one entry per `served_key`,
-    named `<model and format>-<key>` so that a rebuild can find and remove what it replaces (`_store_served`)."""
+def served_entry(model_dir: Path, fmt: str) -> served.ServedEntry:
+    """Where the served format `fmt` of `model_dir` is stored: the data directory, one entry per `served_key`
+    (by the source's content, not its path: `stt.served.find_entry`)."""
     from chatapp.settings import data_dir
-    from chatapp.stt.served import ServedSource, served_key
+    from chatapp.stt.served import ServedSource, find_entry
 
-    source = ServedSource(files=tuple(_source_files(model_dir)), weight_format=fmt)
-    model = hashlib.sha256(f"{model_dir.resolve()}\n{fmt}".encode()).hexdigest()[:12]
-    return data_dir() / "served" / f"{model}-{served_key(source)}"
+    source = ServedSource(model_dir=model_dir, files=tuple(_source_files(model_dir)), weight_format=fmt)
+    return find_entry(source, data_dir() / "served")
+
+
+def served_dir(model_dir: Path, fmt: str) -> Path:
+    """The directory of `served_entry` (written or not)."""
+    return served_entry(model_dir, fmt).path
 
 
 def _source_files(model_dir: Path) -> list[Path]:
@@ -197,21 +207,17 @@ def _source_files(model_dir: Path) -> list[Path]:
     return _weight_files(model_dir) + [path for path in extra if path.is_file()]
 
 
-def _store_served(model: STTForCausalLM, directory: Path) -> None:
+def _store_served(model: STTForCausalLM, entry: served.ServedEntry) -> None:
     """Write the served format through the data directory's store (staged, locked, stamped, renamed into place),
-    then remove what it replaces: the same model and format stored from older weights or code, never read again
-    (another key) and 220 MB each for the default model."""
-    import shutil
-
+    then remove the entries nothing reads again (`stt.served.remove_unused`: the same model and format stored from
+    older weights or code, those of deleted models), 200 MB each for the default model."""
     from chatapp.store import staged_dir
     from chatapp.stt import served
 
-    with staged_dir(directory, what="stored model") as staging:
+    with staged_dir(entry.path, what="stored model") as staging:
         served.write(model, staging)
-    model_key = directory.name.split("-", 1)[0]
-    for old in directory.parent.glob(f"{model_key}-*"):
-        if old != directory and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
+        served.record_source(entry, staging)
+    served.remove_unused(entry)
 
 
 def _converted_model(model_dir: Path, device: torch.device, fmt: str, hint: str | None) -> STTForCausalLM:
@@ -253,11 +259,13 @@ def _notice(line: str) -> None:
 
 
 def check_environment() -> None:
-    """Refuse a bad `$CHATAPP_COMPILE`, `$CHATAPP_DTYPE`, `$CHATAPP_THREADS` or `$CHATAPP_DEFAULT_MODEL` before
-    any work (a model load takes seconds; a bad value found after it wastes them). Raises a `ChatappError`
-    naming the variable and the fix."""
+    """Refuse a bad `$CHATAPP_COMPILE`, `$CHATAPP_DTYPE`, `$CHATAPP_THREADS`, `$CHATAPP_KERNEL_THREADS` or
+    `$CHATAPP_DEFAULT_MODEL` before any work (a model load takes seconds; a bad value found after it wastes them).
+    Raises a `ChatappError` naming the variable and the fix. (`$CHATAPP_HOME` is checked where the data directory
+    is first written, `settings.check_data_dir`.)"""
     from chatapp.errors import ChatappError, SettingsError
     from chatapp.models.registry import default_model_name
+    from chatapp.settings import KERNEL_THREADS_ENV, threads_from_env
     from chatapp.validation import parse_format
 
     env_flag(COMPILE_ENV)
@@ -267,21 +275,9 @@ def check_environment() -> None:
             parse_format(value)
         except ChatappError as err:
             raise SettingsError(f"{DTYPE_ENV}={value!r}: {err.message}", hint=err.hint) from None
-    _threads_from_env()
+    threads_from_env(THREADS_ENV)
+    threads_from_env(KERNEL_THREADS_ENV)
     default_model_name()
-
-
-def _threads_from_env() -> int | None:
-    wanted = os.environ.get(THREADS_ENV)
-    if not wanted:
-        return None
-    try:
-        threads = int(wanted)
-    except ValueError:
-        raise ModelDirError(f"{THREADS_ENV}={wanted!r} is not a number", hint="set it to e.g. 1 or 2") from None
-    if threads < 1:
-        raise ModelDirError(f"{THREADS_ENV}={wanted!r} must be at least 1", hint="set it to e.g. 1 or 2")
-    return threads
 
 
 def env_flag(name: str) -> bool:
@@ -459,9 +455,10 @@ def configure_threads(num_parameters: int) -> int:
     """
     import torch
 
+    from chatapp.settings import threads_from_env
     from chatapp.stt.weights import fits_in_cache
 
-    threads = _threads_from_env()
+    threads = threads_from_env(THREADS_ENV)
     if threads is None:
         threads = torch.get_num_threads() if not fits_in_cache(num_parameters) else 1
     torch.set_num_threads(threads)  # the int8 kernel (`stt.cpu_step`) takes the same count unless told otherwise

@@ -25,14 +25,17 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from chatapp.settings import KERNEL_THREADS_ENV, threads_from_env
 from chatapp.stt.layers import stores_skipped
 from chatapp.stt.weights import Int8Linear
 
@@ -48,10 +51,15 @@ FLAGS = (
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
     "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
 )  # fmt: skip
-# Threads of the kernel's OpenMP pool: `$CHATAPP_KERNEL_THREADS`, else torch's count when a step starts.
-THREADS_ENV = "CHATAPP_KERNEL_THREADS"
+# Threads of the kernel's OpenMP pool: `$CHATAPP_KERNEL_THREADS` (checked and capped by `settings.threads_from_env`),
+# else torch's count when a step starts.
+THREADS_ENV = KERNEL_THREADS_ENV
 
 _EMPTY = np.zeros(0, dtype=np.float32)
+# A build being written: `build` compiles to `.<name>.<pid>` and renames it into place.
+_PARTIAL = re.compile(r"^\.decode_step-[0-9a-f]+\.so\.(?P<pid>[0-9]+)$")
+# A build takes seconds (~3 s on 2 cores); a partial file older than this is no live build's, whatever its pid says.
+PARTIAL_MAX_AGE_S = 30 * 60
 
 
 def _f32(t: torch.Tensor | None) -> np.ndarray:
@@ -237,6 +245,17 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def compiler_problem() -> str | None:
+    """Why this machine cannot build the kernel, found without building it (no compiler, or a `$CC` that names no
+    program); None when a compiler is there (it may still fail, e.g. `CC=/bin/false`: `build` says so)."""
+    cc = compiler()
+    if cc is None:
+        return "no C compiler found (set CC, or install gcc)"
+    if shutil.which(cc) is None:
+        return f"the C compiler CC={cc!r} was not found (set CC to an installed compiler such as gcc, or unset it)"
+    return None
+
+
 def library_path() -> Path:
     """Where the build for this source, these flags and this CPU lives (built or not)."""
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_features().encode()).hexdigest()
@@ -250,15 +269,15 @@ def library_path() -> Path:
 
 def build(path: Path) -> None:
     """Compile decode_step.c to `path` (atomically: a killed build leaves no half file under that name)."""
-    cc = compiler()
-    if cc is None:
-        raise OSError("no C compiler found (set $CC, or install gcc)")
+    if (problem := compiler_problem()) is not None:
+        raise OSError(problem)
+    cc = compiler() or "cc"  # there is one: compiler_problem found it
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
     except FileNotFoundError:
-        raise OSError(f"the C compiler {cc!r} was not found (set $CC, or install gcc)") from None
+        raise OSError(f"the C compiler {cc!r} was not found (set CC, or install gcc)") from None
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         raise OSError(f"{cc} failed: {(done.stderr.strip().splitlines() or ['no message'])[-1]}")
@@ -268,10 +287,45 @@ def build(path: Path) -> None:
             stale.unlink(missing_ok=True)
 
 
+def remove_dead_partials(folder: Path) -> list[Path]:
+    """Remove the half-written builds (`.decode_step-*.so.<pid>`) in `folder` that no build will finish: their
+    process is gone (kill -9 during a build), or they are older than `PARTIAL_MAX_AGE_S` (the pid may be another
+    process's by now). Run before every load; never raises. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _PARTIAL.match(entry.name)
+        if match is None:
+            continue
+        try:
+            age = time.time() - entry.stat(follow_symlinks=False).st_mtime
+            if _alive(int(match["pid"])) and age < PARTIAL_MAX_AGE_S:
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # gone, or a number no process can have
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     try:
         path = library_path()
+        remove_dead_partials(path.parent)
         if not path.is_file():
             build(path)
         library = ctypes.CDLL(str(path))
@@ -343,8 +397,7 @@ def _kernel_layout(cache) -> bool:
 
 
 def _threads() -> int:
-    value = os.environ.get(THREADS_ENV, "")
-    return int(value) if value.isdigit() and int(value) > 0 else torch.get_num_threads()
+    return threads_from_env(THREADS_ENV) or torch.get_num_threads()
 
 
 def serves(model) -> bool:

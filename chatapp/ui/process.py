@@ -377,9 +377,9 @@ def serve(
     # UI drawing the stream, two threads on a 2-core box lose a scheduler slice at each (in the TUI, 1-6 tokens/s).
     # One core is left to the UI. Measured on the 2-core EPYC with another job busy (the same loops in numba): 28 ms
     # a step on one thread, 76 on two.
-    from chatapp.stt.cpu_step import THREADS_ENV
+    from chatapp.settings import KERNEL_THREADS_ENV, usable_cores
 
-    os.environ.setdefault(THREADS_ENV, str(max(1, (os.cpu_count() or 1) - 1)))
+    os.environ.setdefault(KERNEL_THREADS_ENV, str(max(1, usable_cores() - 1)))
     from chatapp.lifecycle import starting_up
     from chatapp.ui.backend import EngineBackend
 

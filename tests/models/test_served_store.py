@@ -51,13 +51,34 @@ def test_a_damaged_store_is_rebuilt_with_a_notice(routed_model_dir: Path, capsys
 
     again = load_engine(routed_model_dir, "cpu", dtype="int4", compile=False)
     notice = capsys.readouterr().err
-    assert "cannot read the stored weights" in notice and "converting the weights again" in notice
+    assert f"{weights} is damaged" in notice and "converting the weights again" in notice
     assert "Traceback" not in notice
     assert greedy(again) == expected
     assert served.read(served_dir(routed_model_dir, "int4")) is not None  # stored again, whole
 
 
 def test_changed_weights_give_a_new_store_and_the_old_one_is_removed(routed_model_dir: Path, tmp_path: Path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(routed_model_dir, model_dir)
+    load_model(model_dir, "cpu", dtype="int8", compile=False)
+    before = served_dir(model_dir, "int8")
+    weights = model_dir / "model.safetensors"
+    state = load_file(weights)
+    name = next(name for name in state if name.endswith("down_proj.weight"))
+    state[name] = state[name] * 0.5
+    save_file(state, weights, metadata={"format": "pt"})
+
+    load_model(model_dir, "cpu", dtype="int8", compile=False)
+    after = served_dir(model_dir, "int8")
+    assert after != before and after.is_dir() and not before.exists()
+
+
+def test_new_dates_alone_keep_the_store(routed_model_dir: Path, tmp_path: Path, monkeypatch):
+    """The key is the sources' content: touched files are hashed once, found the same, and the entry is read."""
     import shutil
 
     model_dir = tmp_path / "model"
@@ -67,9 +88,11 @@ def test_changed_weights_give_a_new_store_and_the_old_one_is_removed(routed_mode
     weights = model_dir / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
 
+    refuse_conversion(monkeypatch)
     load_model(model_dir, "cpu", dtype="int8", compile=False)
-    after = served_dir(model_dir, "int8")
-    assert after != before and after.is_dir() and not before.exists()
+    hashed = []
+    monkeypatch.setattr(served, "content_digest", lambda source: hashed.append(source) or "")
+    assert served_dir(model_dir, "int8") == before and not hashed  # the new stamp is remembered
 
 
 def test_a_fifo_in_the_store_is_rebuilt_not_waited_on(routed_model_dir: Path, capsys):

@@ -4,10 +4,13 @@ device computes bit-identical logits and routing to the model converted in memor
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chatapp.stt import served
 from chatapp.stt.weights import prepare_weights
@@ -102,3 +105,71 @@ def test_a_layout_from_other_code_is_refused(tmp_path: Path):
     layout.write_text(layout.read_text().replace('"Int4Linear"', '"Int5Linear"'))
     with pytest.raises(served.ServedFormatError):
         served.read(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def stored_int8(tmp_path_factory) -> tuple[Path, bytes, dict[str, torch.Tensor]]:
+    """A stored int8 model: its directory, its weights file's bytes, and its state as read back whole."""
+    directory = tmp_path_factory.mktemp("stored")
+    served.write(prepare_weights(routed_model(), "int8").eval(), directory)
+    state = {name: tensor.clone() for name, tensor in served.read(directory).state_dict().items()}
+    return directory, (directory / served.WEIGHTS_FILE).read_bytes(), state
+
+
+@given(position=st.floats(0, 1, exclude_max=True), mask=st.binary(min_size=1, max_size=64))
+@settings(max_examples=60)
+def test_any_damage_to_the_weights_file_is_refused_or_harmless(stored_int8, position: float, mask: bytes) -> None:
+    """Bytes changed anywhere in the file (header, tensors, the padding between them): `read` either refuses the
+    file, naming it, or (padding only: never read) gives the model exactly as it was stored. Never other numbers."""
+    directory, original, state = stored_int8
+    start = int(position * len(original))
+    damaged = bytearray(original)
+    for offset, byte in enumerate(mask[: len(original) - start]):
+        damaged[start + offset] ^= byte or 0xFF
+    weights = directory / served.WEIGHTS_FILE
+    weights.write_bytes(bytes(damaged))
+    try:
+        model = served.read(directory)
+    except served.ServedFormatError as err:
+        assert str(weights) in str(err) or str(directory) in str(err)
+    else:
+        read = model.state_dict()
+        assert read.keys() == state.keys()
+        assert all(torch.equal(read[name], tensor) for name, tensor in state.items())
+    finally:
+        weights.write_bytes(original)
+
+
+def test_the_checksums_name_the_damaged_tensor(stored_int8) -> None:
+    import json
+
+    directory, original, _ = stored_int8
+    weights = directory / served.WEIGHTS_FILE
+    header_end = 8 + int.from_bytes(original[:8], "little")
+    header = json.loads(original[8:header_end])
+    name = next(name for name in header if name.endswith("qkv_proj.weight_int8"))
+    start, end = header[name]["data_offsets"]
+    damaged = bytearray(original)
+    damaged[header_end + (start + end) // 2] ^= 0x01  # one bit
+    weights.write_bytes(bytes(damaged))
+    try:
+        with pytest.raises(served.ServedFormatError, match=re.escape(f"{weights} is damaged: tensor {name}")):
+            served.read(directory)
+    finally:
+        weights.write_bytes(original)
+
+
+def test_a_changed_layout_is_refused(stored_int8) -> None:
+    """A number changed in layout.json (still valid JSON) would build other modules around the right tensors: the
+    layout's checksum, kept in the weights file's checked header, refuses it."""
+    directory, _, _ = stored_int8
+    layout = directory / served.LAYOUT_FILE
+    original = layout.read_text()
+    changed = re.sub(r'"in_features": (\d+)', lambda m: f'"in_features": {int(m[1]) + 1}', original, count=1)
+    assert changed != original
+    layout.write_text(changed)
+    try:
+        with pytest.raises(served.ServedFormatError, match=re.escape(f"{layout} is damaged")):
+            served.read(directory)
+    finally:
+        layout.write_text(original)
