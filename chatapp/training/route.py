@@ -88,7 +88,7 @@ class Measure:
     """Student routing at one setting, on the held-out conversations."""
 
     layers: list[int]
-    rate: float
+    rate: float  # the calibration's share of tokens each layer skips; for a level (`measure_levels`) its threshold
     ppl_ratio: float
     copy: float
     compute_saved: float  # share of all block computations skipped (`chatapp.compute_saved`)
@@ -133,6 +133,11 @@ class RouteReport:
             f"routed {len(chosen.layers)} layers{tuned} ({self.skip_mode} mode) at rate {chosen.rate:.2f}: "
             f"compute saved {chosen.compute_saved:.1%} of all block work, perplexity x{chosen.ppl_ratio:.3f}, "
             f"copy probe {chosen.copy:.0%} (dense {self.dense_copy:.0%}); processed {processed}"
+            + "".join(
+                f"\nlevel {name} (threshold {m.rate}): compute saved {m.compute_saved:.1%}, perplexity "
+                f"x{m.ppl_ratio:.3f}, copy probe {m.copy:.0%}"
+                for name, m in self.level_measures.items()
+            )
         )
 
 
@@ -687,7 +692,48 @@ def route(
         target.load_state_dict(source.state_dict())
         report.f1[layer] = f1_score(final, held, layer, report.cutoffs[layer], skips)
         fold_cutoff(target, report.cutoffs[layer])
+    report.levels, report.level_measures = measure_levels(final, held, skips, log)
+    final.config.routing_levels = dict(report.levels)
     return Routed(final, report, adapters)
+
+
+# Router thresholds tried for the "fast" level, above the calibrated 0.5 (higher skips more in every layer), and the
+# net share of all block work it aims at (issue 39: "fast" skips at least a fifth).
+FAST_THRESHOLDS = (0.6, 0.7, 0.8, 0.9, 0.95)
+FAST_TARGET = 0.20
+
+
+def measure_levels(model: STTForCausalLM, held: HeldOut, skips: Skips, log: Log) -> tuple[dict, dict]:
+    """The routed `model`'s levels and what each costs on the held-out conversations: "quality" at the calibrated
+    threshold 0.5, and "fast" at the lowest of `FAST_THRESHOLDS` that skips `FAST_TARGET` of all block work net
+    (the highest when none does, if it skips more than "quality"). Returns (level -> threshold, level -> Measure)."""
+    layers = list(model.stt_layer_indices)
+    blocks = model.model.layers
+    count, cost = model.config.num_hidden_layers, skip_cost(model.config)
+
+    def at(threshold: float) -> Measure:
+        def decide_for(_c: Cached) -> dict[int, Callable]:
+            return {
+                layer: (lambda x, block=blocks[layer]: select(router_probs(block, x, previous_tokens(x)), threshold))
+                for layer in layers
+            }
+
+        ratio, copy, skipped = held.run(decide_for, skips)
+        saved = compute_saved(sum(skipped.values()), held.tokens, count, cost)
+        log(f"level at threshold {threshold}: perplexity x{ratio:.3f}, copy {copy:.0%}, compute saved {saved:.1%}")
+        processed = {layer: 1 - skipped.get(layer, 0) / held.tokens for layer in layers}
+        return Measure(layers, threshold, ratio, copy, saved, processed)
+
+    levels, measures = {"quality": 0.5}, {"quality": at(0.5)}
+    tried = []
+    for threshold in FAST_THRESHOLDS:
+        tried.append(at(threshold))
+        if tried[-1].compute_saved >= FAST_TARGET:
+            break
+    fast = tried[-1]
+    if fast.compute_saved > measures["quality"].compute_saved:
+        levels["fast"], measures["fast"] = fast.rate, fast
+    return levels, measures
 
 
 def fit_routers(

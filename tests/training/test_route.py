@@ -56,6 +56,10 @@ def test_route_a_converted_gguf_in_predict_mode(converted: Path, tmp_path: Path)
     report = json.loads((out / "routing.json").read_text())
     assert config["skip_mode"] == "predict" and config["stt_layers"]
     assert set(map(int, report["predictor_explained"])) >= set(config["stt_layers"])
+    # Its levels: "quality" at the calibrated threshold, each level measured on the held-out replies.
+    assert config["routing_levels"]["quality"] == 0.5 and set(report["level_measures"]) == set(config["routing_levels"])
+    for level in config["routing_levels"]:
+        assert f"level {level} (threshold" in result.output
 
     from chatapp.models import load_engine
     from chatapp.settings import GenerationSettings
