@@ -11,12 +11,18 @@ Scores (higher = keep the token; the first token, the attention sink, is always 
 - `tpn`: ‖Δx − TPN(y_{t−1})‖² per dimension: the layer's transition network's prediction error (D_ch; the TPN
   reads the previous token's block output, as in `chatapp.stt.teacher`); STT layers only;
 - `g`: the spec's gate, `PredictiveRouter.gate(D_st, D_ch)` at the end-of-training betas; STT layers only;
+- `dxf`: ‖Δx − f(norm(x))‖² per dimension: what the layer's skip predictor f fails to predict ("predict" mode's
+  teacher score, `chatapp.training.route`); with `--ranks`, one score per predictor rank;
 - `random`: a seeded uniform draw per layer and token, the baseline any score has to beat.
 
 Skip modes, as `chatapp.stt` defines them: "strict" (a skipped token passes unchanged and is no key in that
-layer) and "kv" (it passes unchanged, its K/V projected from its unchanged input stay visible). The routed layer
-is the model's own `DecoderBlock.routed` (the block with the mask of `routed_attention_mask(selected, mode)`,
-exactly what `forward_eval` runs), the other layers their dense `block`.
+layer), "kv" (it passes unchanged, its K/V projected from its unchanged input stay visible) and "predict" ("kv",
+and the skipped token carries on with x + f(norm(x))). The routed layer is the model's own `DecoderBlock.routed`
+(the block with the mask of `routed_attention_mask(selected, mode)`, exactly what `forward_eval` runs), the other
+layers their dense `block`. In "predict" mode f is a rank-r reduced-rank ridge map per layer
+(`chatapp.training.predictor`) fitted on `--fit-replies`: a file of the model's own replies as `chatapp route` keeps
+them (`routing-data/*.json` in the data directory), none of it held-out text; `--ranks` gives the ranks, and each
+rank is a mode of its own ("predict@64"), whose score is `dxf` at that rank.
 
 Efficiency: one dense pass per batch caches every layer's input and the per-layer scores. A single-layer
 experiment at layer L starts from the cached input of L (layers below it are unchanged) and runs layers L..29. In a
@@ -61,15 +67,15 @@ import torch
 import torch.nn.functional as F
 from _machine import machine
 
-from chatapp.compute_saved import compute_saved
-from chatapp.stt import STTForCausalLM
+from chatapp.compute_saved import compute_saved, skip_cost
+from chatapp.stt import STTConfig, STTForCausalLM
 from chatapp.stt.config import betas_at
-from chatapp.stt.layers import STTLayer, self_attention_sink
+from chatapp.stt.layers import STTLayer, rms_norm, self_attention_sink
 from chatapp.stt.teacher import previous_tokens
 from chatapp.training.route import teacher_selected
 
-SCORES = ("dx", "tpn", "g", "random")
-MODES = ("strict", "kv")
+SCORES = ("dx", "tpn", "g", "dxf", "random")
+MODES = ("strict", "kv", "predict")
 HELD_OUT_SEED = 1234  # chatapp.recipes.smollm2.evaluate's
 PROBE_KINDS = ("arithmetic", "word problem", "percent")
 
@@ -189,13 +195,20 @@ class Dense:
     scores: dict[str, dict[int, torch.Tensor]]
 
 
-def layer_scores(model: STTForCausalLM, index: int, x: torch.Tensor, y: torch.Tensor, names) -> dict[str, torch.Tensor]:
-    """Per-token scores (B, T) of layer `index` from its input `x` and dense output `y` (higher = keep)."""
+def layer_scores(
+    model: STTForCausalLM, index: int, x: torch.Tensor, y: torch.Tensor, names, predictors=None
+) -> dict[str, torch.Tensor]:
+    """Per-token scores (B, T) of layer `index` from its input `x` and dense output `y` (higher = keep);
+    `predictors`: rank -> layer -> SkipPredictor, for the `dxf@RANK` scores."""
     layer = model.model.layers[index]
     residual = y - x
     out = {}
     if "dx" in names:
         out["dx"] = residual.float().pow(2).mean(-1)
+    for rank, by_layer in (predictors or {}).items():
+        if f"dxf@{rank}" in names and index in by_layer:
+            predicted = by_layer[index](rms_norm(layer.input_layernorm, x))
+            out[f"dxf@{rank}"] = (residual - predicted).float().pow(2).mean(-1)
     if isinstance(layer, STTLayer) and ({"tpn", "g"} & set(names)):
         predicted = layer.transition_network(previous_tokens(y))
         d_st, d_ch = layer.predictive_router.surprises(residual, predicted)
@@ -208,7 +221,7 @@ def layer_scores(model: STTForCausalLM, index: int, x: torch.Tensor, y: torch.Te
 
 
 @torch.no_grad()
-def dense_pass(model: STTForCausalLM, batch: Batch, names) -> Dense:
+def dense_pass(model: STTForCausalLM, batch: Batch, names, predictors=None) -> Dense:
     hidden = model.model.embed_tokens(batch.ids)
     positions = torch.arange(batch.ids.shape[1])[None, :].expand_as(batch.ids)
     cos, sin = model.model.rotary_emb(hidden, positions)
@@ -217,7 +230,7 @@ def dense_pass(model: STTForCausalLM, batch: Batch, names) -> Dense:
     for index, layer in enumerate(model.model.layers):
         inputs.append(hidden)
         y = layer.block(hidden, cos, sin, causal)
-        for name, s in layer_scores(model, index, hidden, y, names).items():
+        for name, s in layer_scores(model, index, hidden, y, names, predictors).items():
             scores[name][index] = s
         hidden = y
     inputs.append(hidden)
@@ -226,10 +239,12 @@ def dense_pass(model: STTForCausalLM, batch: Batch, names) -> Dense:
 
 @torch.no_grad()
 def routed_run(
-    model: STTForCausalLM, batch: Batch, dense: Dense, plan: dict[int, float], score: str, mode: str
+    model: STTForCausalLM, batch: Batch, dense: Dense, plan: dict[int, float], score: str, mode: str, predictors=None
 ) -> tuple[torch.Tensor, int]:
     """The final hidden state with the layers of `plan` routed (layer -> skipped fraction), and the number of
-    (token, layer) block computations skipped."""
+    (token, layer) block computations skipped. `mode` "predict@RANK": "predict" with that rank's predictors."""
+    mode, _, rank = mode.partition("@")
+    by_layer = (predictors or {}).get(int(rank), {}) if rank else {}
     start = min(plan)
     hidden = dense.inputs[start]
     causal = self_attention_sink()
@@ -243,10 +258,10 @@ def routed_run(
             s = dense.scores[score][index]
         else:  # the stream changed below: score on what this layer actually receives
             y = layer.block(hidden, dense.cos, dense.sin, causal)
-            s = layer_scores(model, index, hidden, y, (score,))[score]
+            s = layer_scores(model, index, hidden, y, (score,), predictors)[score]
         selected = teacher_selected(s, batch.valid, plan[index])
         skipped += int((~selected & batch.valid).sum())
-        hidden = layer.routed(hidden, dense.cos, dense.sin, selected, mode)
+        hidden = layer.routed(hidden, dense.cos, dense.sin, selected, mode, by_layer.get(index))
     return hidden, skipped
 
 
@@ -280,10 +295,12 @@ class Result:
 class Oracle:
     """The held-out chats and the probes with their dense passes cached; `run` routes a plan over all of them."""
 
-    def __init__(self, model: STTForCausalLM, chats: list[Batch], probes: list[Batch], names) -> None:
-        self.model = model
-        self.chats = [(b, dense_pass(model, b, names)) for b in chats]
-        self.probes = [(b, dense_pass(model, b, names)) for b in probes]
+    def __init__(
+        self, model: STTForCausalLM, chats: list[Batch], probes: list[Batch], names, predictors=None
+    ) -> None:
+        self.model, self.predictors = model, predictors or {}
+        self.chats = [(b, dense_pass(model, b, names, predictors)) for b in chats]
+        self.probes = [(b, dense_pass(model, b, names, predictors)) for b in probes]
         self.tokens = sum(int(b.valid.sum()) for b in chats)
         self.scored = sum(int(b.read.sum()) for b in chats)
         self.probe_count = sum(b.ids.shape[0] for b in probes)
@@ -300,14 +317,42 @@ class Oracle:
     def run(self, plan: dict[int, float], score: str, mode: str) -> Result:
         nll, skipped, right = 0.0, 0, 0
         for batch, dense in self.chats:
-            hidden, n = routed_run(self.model, batch, dense, plan, score, mode)
+            hidden, n = routed_run(self.model, batch, dense, plan, score, mode, self.predictors)
             nll += nll_sum(self.model, hidden, batch)
             skipped += n
         for batch, dense in self.probes:
-            hidden, _ = routed_run(self.model, batch, dense, plan, score, mode)
+            hidden, _ = routed_run(self.model, batch, dense, plan, score, mode, self.predictors)
             right += copies_right(self.model, hidden, batch)
-        saved = compute_saved(skipped, self.tokens, self.model.config.num_hidden_layers)
+        # Net of what a skipped token still computes in the mode (`chatapp.compute_saved.skip_cost`).
+        base, _, rank = mode.partition("@")
+        shape = {"skip_mode": base, "predictor_rank": int(rank) if rank else 0}
+        cost = skip_cost(STTConfig.from_dict({**self.model.config.to_dict(), **shape}))
+        saved = compute_saved(skipped, self.tokens, self.model.config.num_hidden_layers, cost)
         return Result(math.exp(nll / self.scored - self.dense_nll), right / self.probe_count, saved)
+
+
+def fit_skip_predictors(model: STTForCausalLM, path: Path, layers: list[int], ranks: list[int]) -> dict:
+    """rank -> layer -> SkipPredictor fitted on the replies in `path` (every 4th held out for the ridge strength)."""
+    import json
+
+    from chatapp.stt.layers import SkipPredictor
+    from chatapp.training.predictor import layer_statistics, solve
+
+    rows = [r["ids"] for r in json.loads(path.read_text(encoding="utf-8"))]
+    batches = batched(rows, [[False] * (len(r) - 1) for r in rows], pad=rows[0][0])
+    passes = ((dense_pass(model, b, ()).inputs, b.valid, i % 4 == 3) for i, b in enumerate(batches))
+    fit, held = layer_statistics(model, passes, layers)
+    log(f"predictors: {sum(len(r) for r in rows)} tokens of {len(rows)} replies from {path}")
+    out: dict[int, dict[int, SkipPredictor]] = {}
+    for rank in ranks:
+        config = STTConfig.from_dict({**model.config.to_dict(), "skip_mode": "predict", "predictor_rank": rank})
+        out[rank] = {}
+        for layer in layers:
+            found = solve(fit[layer], held[layer], rank)
+            out[rank][layer] = predictor = SkipPredictor(config).eval()
+            found.load_into(predictor)
+            log(f"rank {rank} layer {layer}: explains {found.explained:.1%} of held-out E|dx|^2")
+    return out
 
 
 def parse_layers(text: str, count: int) -> list[int]:
@@ -346,7 +391,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--scores", default="dx", help=f"teacher scores, of {','.join(SCORES)}; the first ranks the sets"
     )
-    parser.add_argument("--modes", default="strict,kv", help="skip modes: strict, kv")
+    parser.add_argument("--modes", default="strict,kv", help="skip modes: strict, kv, predict")
+    parser.add_argument("--ranks", default="64", help="predict mode: the predictors' ranks, each a mode of its own")
+    parser.add_argument("--fit-replies", default=None, help="predict mode: the replies f is fitted on (route's JSON)")
     parser.add_argument("--chats", type=int, default=24, help="held-out chats (half general, half tool)")
     parser.add_argument("--max-tokens", type=int, default=256, help="each chat cut to this many tokens")
     parser.add_argument("--work", default="runs/smollm2", help="the recipe's working directory (held-out split)")
@@ -362,6 +409,12 @@ def main(argv: list[str] | None = None) -> None:
     more_fractions = [float(f) for f in args.more_fractions.split(",") if f]
     if bad := [s for s in scores if s not in SCORES] + [m for m in modes if m not in MODES]:
         raise SystemExit(f"unknown score or mode: {bad}")
+    ranks = [int(r) for r in args.ranks.split(",") if r] if "predict" in modes else []
+    if ranks and not args.fit_replies:
+        raise SystemExit("predict mode needs --fit-replies (the JSON of replies `chatapp route` keeps)")
+    # Each rank is a mode; its score is dxf at that rank where the others use dx (the best-predicted tokens skip).
+    modes = [m for m in modes if m != "predict"] + [f"predict@{r}" for r in ranks]
+    scores = [s for s in scores if s != "dxf"] + [f"dxf@{r}" for r in ranks]
 
     from chatapp.models.loader import load_model
 
@@ -375,13 +428,16 @@ def main(argv: list[str] | None = None) -> None:
     layers = parse_layers(args.layers, n_layers)
     more_layers = parse_layers(args.more_layers, n_layers) if args.more_layers else []
     sweeps = [(scores[0], f, layers) for f in fractions]
-    sweeps += [(s, f, layers) for s in scores[1:] for f in other_fractions]
+    sweeps += [(s, f, layers) for s in scores[1:] if not s.startswith("dxf@") for f in other_fractions]
+    sweeps += [(f"dxf@{r}", f, layers) for r in ranks for f in fractions]
     sweeps += [(scores[0], f, more_layers) for f in more_fractions if f not in fractions]
     chats, source = held_out_chats(
         model, loaded.chat_format, args.chats, args.max_tokens, args.answer_tokens, Path(args.work)
     )
     probes = copy_probes(loaded.chat_format, args.probes)
-    oracle = Oracle(model, chats, probes, scores)
+    fitted = sorted(set(layers) | set(more_layers) | set(model.config.stt_layers))  # every layer a plan may route
+    predictors = fit_skip_predictors(model, Path(args.fit_replies), fitted, ranks) if ranks else {}
+    oracle = Oracle(model, chats, probes, scores, predictors)
     log(f"data and dense passes: {time.perf_counter() - began:.0f} s")
 
     # Sanity: the routed path with nothing skipped is the dense model.
@@ -392,6 +448,10 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[tuple[str, str, float, int], Result] = {}
     for mode in modes:
         for score, fraction, sweep_layers in sweeps:
+            if score.startswith("dxf@") != mode.startswith("predict@") or (
+                score.startswith("dxf@") and score[4:] != mode[8:]
+            ):
+                continue  # each predict mode with its own rank's score, the other modes with the others
             for layer in sweep_layers:
                 if not oracle.has(layer, score):
                     continue
@@ -429,11 +489,12 @@ def main(argv: list[str] | None = None) -> None:
     sets = parse_sets(args.sets)
     if not sets and not model.config.stt_layers:
         return
-    score = scores[0]
-    print(f"## multi-layer sets (score {score}; ranked by the single-layer ppl ratio in the same mode)\n")
+    print(f"## multi-layer sets (score {scores[0]}, dxf in predict modes; ranked by the single-layer ppl ratio in "
+          "the same mode)\n")
     print("| mode | set | layers | ppl× | copy | compute saved (all blocks) |")
     print("|---|---|---|---:|---:|---:|")
     for mode in modes:
+        score = f"dxf@{mode[8:]}" if mode.startswith("predict@") else scores[0]
         plans = []
         for n, f in sets:
             # Rank at the fraction nearest f among those swept over the most layers (a fraction swept over a

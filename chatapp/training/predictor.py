@@ -100,7 +100,10 @@ def layer_moments(block, x: torch.Tensor, out: torch.Tensor, valid: torch.Tensor
 
 
 def solve(fit: Moments, held: Moments, rank: int) -> PredictorFit:
-    """The reduced-rank ridge map of rank `rank` from `fit`, its ridge strength chosen on `held`."""
+    """The reduced-rank ridge map of rank `rank` from `fit`, its ridge strength chosen on `held` (on `fit` itself
+    when nothing is held out)."""
+    if held.count == 0:
+        held = fit
     mean_y, mean_r, c_yy, c_yr = fit.centered()
     d = c_yy.shape[0]
     scale = float(torch.diagonal(c_yy).mean().clamp_min(1e-12))
@@ -128,11 +131,15 @@ def solve(fit: Moments, held: Moments, rank: int) -> PredictorFit:
     return best
 
 
-def fit_predictors(
-    model, passes: Iterable[tuple[list[torch.Tensor], torch.Tensor, bool]], layers: Iterable[int], rank: int
-) -> dict[int, PredictorFit]:
-    """Fit a predictor for each of `layers` from dense passes: each item is (the inputs of every layer and the
-    final hidden state, as `route.Cached.inputs`; valid (B, T); whether the pass is held out)."""
+Passes = Iterable[tuple[list[torch.Tensor], torch.Tensor, bool]]
+
+
+def layer_statistics(
+    model, passes: Passes, layers: Iterable[int]
+) -> tuple[dict[int, Moments], dict[int, Moments]]:
+    """Per layer, the moments of the fit passes and of the held-out ones. Each pass is (the inputs of every layer and
+    the final hidden state, as `route.Cached.inputs`; valid (B, T); whether it is held out); an iterable, so passes
+    may be made one at a time."""
     layers = list(layers)
     width = model.config.hidden_size
     fit = {layer: Moments(width) for layer in layers}
@@ -142,4 +149,10 @@ def fit_predictors(
             target = held if held_out else fit
             for layer in layers:
                 layer_moments(model.model.layers[layer], inputs[layer], inputs[layer + 1], valid, target[layer])
-    return {layer: solve(fit[layer], held[layer], rank) for layer in layers}
+    return fit, held
+
+
+def fit_predictors(model, passes: Passes, layers: Iterable[int], rank: int) -> dict[int, PredictorFit]:
+    """A rank-`rank` predictor for each of `layers`, fitted on the passes (`layer_statistics`)."""
+    fit, held = layer_statistics(model, passes, layers)
+    return {layer: solve(fit[layer], held[layer], rank) for layer in fit}
