@@ -54,10 +54,12 @@ from _formats import NoStopFormat
 from _machine import machine
 from _routing import route_synthetically
 
-from chatapp.compute_saved import compute_saved
+from chatapp.compute_saved import compute_saved, skip_cost
 from chatapp.engine.engine import Engine
+from chatapp.routing_levels import OFF_LEVEL
 from chatapp.settings import GenerationSettings
 from chatapp.stt import STTForCausalLM, cpu_step, precompile
+from chatapp.stt.config import routing_levels
 from chatapp.stt.decode import compiled_decode_steps
 from chatapp.stt.io import load_merged_adapters
 from chatapp.stt.weights import Int4Linear, Int8Linear, LowRankLinear, prepare_weights
@@ -161,14 +163,15 @@ def time_engine(
     routing: str = "off",
     computed=None,
     kernel: bool = False,
+    level: str | None = None,
 ) -> tuple[float, float, list[list[int]]]:
     """(time to first token, decode tokens/s after it, tokens) of one greedy Engine call; `compiled` is the
     compiled step functions to decode with (None: eager); `kernel`: decode through the one-call native step
     (`chatapp.stt.cpu_step`, int8). `computed`: a list that gets each decoded token's per-STT-layer "ran the
-    block" flags (routing "student")."""
+    block" flags (routing "student"). `level`: the model's routing level to run at (`--routing LEVEL`)."""
     engine.model.compiled_steps = compiled
     engine.model.kernel_step = cpu_step.kernel_step if kernel else None
-    settings = GenerationSettings(max_tokens=new_tokens, routing=routing, fast_forward=False)
+    settings = GenerationSettings(max_tokens=new_tokens, routing=routing, routing_level=level, fast_forward=False)
     rows: list[list[int]] = [[] for _ in prompts]
     start = time.perf_counter()
     first = None
@@ -453,12 +456,14 @@ def routing_models(model_dir: Path, args, prompt: list[int]) -> dict[str, STTFor
 
 
 def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int], list[list[int]]], args) -> list[str]:
-    """Routing on ("student") vs off at batch 1 on the same model, format and step (eager, and the saved compiled
-    step as the app runs it), interleaved; and the time to first token of a `--ttft-tokens` prompt on vs off."""
+    """Routing on at each of the model's levels (`--routing LEVEL`: "quality", "fast", ...) vs `--routing off` at
+    batch 1 on the same model, format and step (eager, the saved compiled step, the native step), interleaved; and
+    the time to first token of a `--ttft-tokens` prompt on vs off."""
     prompt = prompts_for(1, args.prompt_tokens)
     models = routing_models(model_dir, args, prompt[0])
     model = next(iter(models.values()))
     config = model.config
+    levels = [level for level in routing_levels(config) if level != OFF_LEVEL]
     steps = {fmt: {"eager": None} for fmt in models}
     for fmt in models:
         if "compiled" in args.routing_steps:
@@ -470,22 +475,27 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
     engines = {fmt: Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
     sides = [(fmt, step) for fmt in models for step in steps[fmt]]
     rates: dict[tuple[str, str, str], list[float]] = {}
-    ratios: dict[tuple[str, str], list[float]] = {}
-    computed: dict[tuple[str, str], list[tuple[bool, ...]]] = {side: [] for side in sides}
+    ratios: dict[tuple[str, str, str], list[float]] = {}
+    computed: dict[tuple[str, str, str], list[tuple[bool, ...]]] = {}
+
+    def run(fmt: str, step: str, level: str, tokens: int, prompts, flags=None) -> tuple[float, float, list]:
+        routing = "off" if level == OFF_LEVEL else "student"
+        return time_engine(engines[fmt], prompts, tokens, steps[fmt][step], routing, flags, kernel=step == "kernel",
+                           level=None if level == OFF_LEVEL else level)
+
     for fmt, step in sides:  # warm-up
-        for routing in ("off", "student"):
-            time_engine(engines[fmt], prompts_for(1, 16), 8, steps[fmt][step], routing, kernel=step == "kernel")
+        for level in (OFF_LEVEL, *levels):
+            run(fmt, step, level, 8, prompts_for(1, 16))
     for round_ in range(args.rounds):
         for fmt, step in sides:
-            order = ("off", "student") if round_ % 2 == 0 else ("student", "off")  # neither always goes first
+            order = (OFF_LEVEL, *levels) if round_ % 2 == 0 else (*levels, OFF_LEVEL)  # none always goes first
             got = {}
-            for routing in order:
-                flags = computed[(fmt, step)] if routing == "student" else None
-                got[routing] = time_engine(
-                    engines[fmt], prompt, args.new_tokens, steps[fmt][step], routing, flags, kernel=step == "kernel"
-                )[1]
-                rates.setdefault((fmt, step, routing), []).append(got[routing])
-            ratios.setdefault((fmt, step), []).append(got["student"] / got["off"])
+            for level in order:
+                flags = computed.setdefault((fmt, step, level), []) if level != OFF_LEVEL else None
+                got[level] = run(fmt, step, level, args.new_tokens, prompt, flags)[1]
+                rates.setdefault((fmt, step, level), []).append(got[level])
+            for level in levels:
+                ratios.setdefault((fmt, step, level), []).append(got[level] / got[OFF_LEVEL])
         print(f"routing round {round_ + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}", flush=True)
     ttft: dict[tuple[str, str], list[float]] = {}
     long_prompt = prompts_for(1, args.ttft_tokens)
@@ -499,22 +509,24 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
         else f"the model's own routing, layers {config.stt_layers}"
     )
     lines = [
-        f"Routing on vs off, batch 1: {how}, skip mode {config.skip_mode!r}, threshold {config.router_threshold}; "
-        f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {args.threads} threads, median of "
-        f"{args.rounds} interleaved rounds (on/off: the median of each round's ratio).",
+        f"Routing on at each level vs off, batch 1: {how}, skip mode {config.skip_mode!r}, levels "
+        f"{routing_levels(config)}; {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {args.threads} "
+        f"threads, median of {args.rounds} interleaved rounds (on/off: the median of each round's ratio). Skipped "
+        f"shares are net of what a skipped token still computes (`chatapp.compute_saved`).",
         "",
-        "| format | step | off tok/s | on tok/s | on/off | routed-layer tokens skipped | all blocks skipped |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| format | step | level | off tok/s | on tok/s | on/off | routed-layer work skipped | all block work skipped |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
-    layers = config.num_hidden_layers
+    count, cost = config.num_hidden_layers, skip_cost(config)
     for fmt, step in sides:
-        flags = computed[(fmt, step)]
-        skipped = sum(len(f) - sum(f) for f in flags)
-        routed_share = compute_saved(skipped, len(flags), len(config.stt_layers))
-        all_share = compute_saved(skipped, len(flags), layers)
-        off, on = (statistics.median(rates[(fmt, step, r)]) for r in ("off", "student"))
-        lines.append(f"| {fmt} | {step} | {off:.1f} | {on:.1f} | {statistics.median(ratios[(fmt, step)]):.2f}x "
-                     f"| {routed_share:.0%} | {all_share:.1%} |")
+        for level in levels:
+            flags = computed[(fmt, step, level)]
+            skipped = sum(len(f) - sum(f) for f in flags)
+            routed_share = compute_saved(skipped, len(flags), len(config.stt_layers), cost)
+            all_share = compute_saved(skipped, len(flags), count, cost)
+            off, on = (statistics.median(rates[(fmt, step, r)]) for r in (OFF_LEVEL, level))
+            lines.append(f"| {fmt} | {step} | {level} | {off:.1f} | {on:.1f} | "
+                         f"{statistics.median(ratios[(fmt, step, level)]):.2f}x | {routed_share:.0%} | {all_share:.1%} |")
     lines += ["", f"Time to first token, {args.ttft_tokens}-token prompt, batch 1 (median of "
               f"{args.ttft_rounds or args.rounds}):", "", "| format | off ms | on ms | on/off time |", "|---|---:|---:|---:|"]
     for fmt in models:
