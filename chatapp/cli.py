@@ -16,7 +16,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from chatapp import __version__
-from chatapp.errors import ChatappError, ModelDirError, SettingsError
+from chatapp.errors import ChatappError, ModelDirError, SettingsError, user_message
 
 # The Click that parses: typer 0.2x's own copy, Click itself before it (importing Click beside typer's copy would
 # cost `chatapp --help` a tenth of its time for exceptions that are never raised).
@@ -80,11 +80,11 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def fail(err: ChatappError) -> typer.Exit:
-    """Print a user-caused error and return the Exit to raise."""
+    """Print a user-caused error as its `error:` line and its `fix:` line, and return the Exit to raise."""
+    shown = user_message(err)
     # Messages quote user input (expressions, paths) that may contain "[...]": escape it so Rich prints it as-is.
-    err_console.print(f"[bold red]error:[/] {escape(err.message)}", markup=True, soft_wrap=True)
-    if err.hint:
-        err_console.print(f"[bold]fix:[/] {escape(err.hint)}", markup=True, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(shown.error)}", markup=True, soft_wrap=True)
+    err_console.print(f"[bold]fix:[/] {escape(shown.fix)}", markup=True, soft_wrap=True)
     return typer.Exit(code=err.exit_code)
 
 
@@ -380,7 +380,9 @@ def run(
 
 @app.command()
 def generate(
-    prompt: Annotated[str, typer.Argument(help="The prompt to answer, sent as one user turn.")],
+    prompt: Annotated[
+        str, typer.Argument(help="The prompt to answer, sent as one user turn; - reads it from stdin (any length).")
+    ],
     model: ModelOption = None,
     temperature: TemperatureOption = 0.0,
     top_k: TopKOption = 0,
@@ -407,15 +409,16 @@ def generate(
     a file it writes exactly the reply's text (timing and errors go to stderr)."""
     from chatapp.lifecycle import starting_up
     from chatapp.settings import GenerationSettings
-    from chatapp.validation import check_prompt_fits, check_text
+    from chatapp.validation import check_prompt_fits, check_prompt_text
 
-    check_text("the prompt", prompt)
     settings = GenerationSettings(
         temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=logprobs
     )
     if regex is not None and json_schema is not None:
         raise SettingsError("--regex and --json-schema both constrain the reply", hint="pass one of them")
     schema = _json_schema(json_schema) if json_schema is not None else None
+    prompt = _read_prompt() if prompt == "-" else prompt
+    check_prompt_text(prompt)
     with starting_up():
         from chatapp.cli_render import stream_reply  # torch
         from chatapp.models import load_engine
@@ -433,6 +436,22 @@ def generate(
     stream_reply(
         engine, prompt, settings, console, exact=exact, verbose=verbose, program=compiled, constraint=constraint
     )
+
+
+def _read_prompt() -> str:
+    """`generate -`: the prompt from stdin, for prompts longer than one argument may be (Linux caps one at 128 KiB).
+    A final line break is the shell's (`echo`, a file's last line), not the prompt's."""
+    from chatapp.validation import MAX_PROMPT_BYTES
+
+    stream = getattr(sys.stdin, "buffer", None)
+    data = stream.read(MAX_PROMPT_BYTES + 1) if stream is not None else sys.stdin.read(MAX_PROMPT_BYTES + 1).encode()
+    if len(data) > MAX_PROMPT_BYTES:
+        raise SettingsError(
+            f"the prompt on stdin is more than {MAX_PROMPT_BYTES:,} bytes, more than any model here can read",
+            hint="shorten the prompt",
+        )
+    # Bytes that are not UTF-8 become lone surrogates, which `check_prompt_text` names, as it does for an argument.
+    return data.decode("utf-8", errors="surrogateescape").removesuffix("\n").removesuffix("\r")
 
 
 def _json_schema(value: str) -> Any:
@@ -595,7 +614,7 @@ def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: st
             ) from None
         if config.vocab_size < tokenizer.get_vocab_size():
             raise TrainingError(
-                f"{init}: vocab_size {config.vocab_size} < the tokenizer's {tokenizer.get_vocab_size()}"
+                f"{init}: vocab_size {config.vocab_size} < the tokenizer's {tokenizer.get_vocab_size()}", hint="use a config whose vocab_size is at least the tokenizer's, or another tokenizer"
             )
         model = STTForCausalLM(config).to(resolved)
     try:

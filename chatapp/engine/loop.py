@@ -57,7 +57,7 @@ from chatapp.engine.programs import ProgramRunner
 from chatapp.engine.protocols import ConstraintLike, ForwardOutput, KVCacheLike, ModelLike
 from chatapp.engine.sampling import SamplingParams, sample, sample_with_log_probs
 from chatapp.engine.tools import ForcedToken, ToolMachine
-from chatapp.errors import ChatappError
+from chatapp.errors import ChatappError, user_message
 from chatapp.settings import GenerationSettings
 
 if TYPE_CHECKING:
@@ -590,7 +590,7 @@ class DecodeLoop:
                 try:
                     row.constraint.consume(token)
                 except ChatappError as err:  # a forced token the grammar rejects: the row cannot go on
-                    finish, error = "error", err.message
+                    finish, error = "error", user_message(err).one_line()
             if item.source != "tool":  # the model's tokens and the program's both end turns and open tool calls
                 if token in row.stops:
                     finish = "stop"

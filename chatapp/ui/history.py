@@ -8,17 +8,21 @@ message's content is written once, when it ends, and its pieces dropped.
 A message still marked `streaming` when read back was cut off and is reported as `interrupted`, unless its last
 stored token ends the answer (`answer_finished`: only the status write was lost). WAL mode keeps
 those small frequent commits cheap and lets a second instance read while one writes.
+
+A database that stops taking writes mid-session (made read-only, disk full, locked by another program) never costs
+the conversation: the store goes on in an in-memory copy and says so once (`HistoryStore.on_unsaved`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from chatapp.engine.events import TokenEvent, ToolEvent
 from chatapp.engine.reply import ContentPiece, parts_content
@@ -116,16 +120,34 @@ class Conversation:
     messages: list[StoredMessage]
 
 
-class HistoryStore:
-    """All access to the history database. Used from the UI thread only (sqlite3 connections are per thread)."""
+_T = TypeVar("_T")
 
-    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
+
+def storage_failure(err: sqlite3.Error) -> bool:
+    """Whether `err` is the storage's doing, not the query's: read-only (SQLITE_READONLY), disk full (SQLITE_FULL),
+    locked or busy past the timeout, an I/O error, a file damaged under the app. An integrity or programming error is
+    a bug and is not one of these."""
+    return type(err) in (sqlite3.OperationalError, sqlite3.DatabaseError)
+
+
+class HistoryStore:
+    """All access to the history database. Used from the UI thread only (sqlite3 connections are per thread).
+
+    Every query goes through `_use`: when the database fails under it (`storage_failure`), the store moves to an
+    in-memory copy of what it held, runs the query there, and goes on in memory until it is closed. `unsaved` then
+    says why (a `HistoryError` with its fix), and `on_unsaved`, when set, is called with it once.
+    """
+
+    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time, timeout: float = 5.0) -> None:
         self.path = Path(path)
         self._clock = clock
         self.notice: str | None = None  # set by `open_history` when it moved a damaged database aside
+        self.unsaved: HistoryError | None = None
+        self.on_unsaved: Callable[[HistoryError], None] | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path)
+            # `timeout`: how long a write waits for another instance's transaction before the store goes on in memory.
+            self._db = sqlite3.connect(self.path, timeout=timeout)
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA journal_mode=WAL")
             # NORMAL is durable against a killed process (what we guard against) without an fsync per batch.
@@ -142,49 +164,92 @@ class HistoryStore:
     def close(self) -> None:
         self._db.close()
 
+    def _use(self, query: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run `query` in one transaction, on disk while the database takes it and in memory after it failed."""
+        try:
+            with self._db:
+                return query(self._db)
+        except sqlite3.Error as err:
+            if self.unsaved is not None or not storage_failure(err):
+                raise
+            self._go_on_in_memory(err)
+        with self._db:
+            return query(self._db)
+
+    def _go_on_in_memory(self, err: sqlite3.Error) -> None:
+        """Move to an in-memory copy of the database (its committed rows, so ids go on; an empty one when even
+        reading fails) and say why."""
+        memory = sqlite3.connect(":memory:")
+        memory.row_factory = sqlite3.Row
+        try:
+            self._db.backup(memory)
+        except sqlite3.Error:
+            memory.executescript(_SCHEMA)  # rows it refers to stayed on disk: they cannot be required here
+        else:
+            memory.execute("PRAGMA foreign_keys=ON")
+        with contextlib.suppress(sqlite3.Error):
+            self._db.close()
+        self._db = memory
+        self.unsaved = HistoryError(
+            f"the history database {self.path} cannot be written ({err}); this session is kept in memory only and "
+            "is lost when the app closes",
+            hint="export the conversation now (ctrl+s), then free disk space or fix the file's permissions, or pass "
+            "--db with a writable file next time",
+        )
+        if self.on_unsaved is not None:
+            self.on_unsaved(self.unsaved)
+
     # --- conversations ------------------------------------------------------------------------------------------
     def create_conversation(self, title: str, *, model: str = "", program: str | None = None) -> int:
         now = self._clock()
-        with self._db:
-            cursor = self._db.execute(
+        cursor = self._use(
+            lambda db: db.execute(
                 "INSERT INTO conversations (title, model, program, created, updated) VALUES (?, ?, ?, ?, ?)",
                 (title, model, program, now, now),
             )
+        )
         return int(cursor.lastrowid or 0)
 
     def list_conversations(self) -> list[ConversationSummary]:
-        rows = self._db.execute(
-            """SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS n
-               FROM conversations c ORDER BY c.updated DESC, c.id DESC"""
-        ).fetchall()
+        rows = self._use(
+            lambda db: db.execute(
+                """SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS n
+                   FROM conversations c ORDER BY c.updated DESC, c.id DESC"""
+            ).fetchall()
+        )
         return [self._summary(row) for row in rows]
 
     def rename(self, conversation_id: int, title: str) -> None:
-        with self._db:
-            self._db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
+        self._use(lambda db: db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id)))
 
     def set_program(self, conversation_id: int, program: str | None) -> None:
-        with self._db:
-            self._db.execute("UPDATE conversations SET program = ? WHERE id = ?", (program, conversation_id))
+        self._use(
+            lambda db: db.execute("UPDATE conversations SET program = ? WHERE id = ?", (program, conversation_id))
+        )
 
     def delete(self, conversation_id: int) -> None:
-        with self._db:
-            self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+        self._use(lambda db: db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,)))
 
     def load(self, conversation_id: int) -> Conversation:
-        row = self._db.execute(
+        conversation = self._use(lambda db: self._load(db, conversation_id))
+        if conversation is None:
+            raise KeyError(conversation_id)
+        return conversation
+
+    def _load(self, db: sqlite3.Connection, conversation_id: int) -> Conversation | None:
+        row = db.execute(
             """SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS n
                FROM conversations c WHERE c.id = ?""",
             (conversation_id,),
         ).fetchone()
         if row is None:
-            raise KeyError(conversation_id)
+            return None
         messages = []
-        for m in self._db.execute(
+        for m in db.execute(
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY position", (conversation_id,)
         ).fetchall():
-            tokens = self._tokens(m["id"])
-            content = self._pieces_content(m["id"])
+            tokens = _tokens(db, m["id"])
+            content = _pieces_content(db, m["id"])
             status = m["status"]
             if status == "streaming":
                 status = "complete" if answer_finished(tokens) else "interrupted"
@@ -201,9 +266,11 @@ class HistoryStore:
 
     def recent_prompts(self, limit: int = 200) -> list[str]:
         """The user's last prompts across all conversations, oldest first (seeds the input's up/down history)."""
-        rows = self._db.execute(
-            "SELECT content FROM messages WHERE role = 'user' ORDER BY created DESC, id DESC LIMIT ?", (limit,)
-        ).fetchall()
+        rows = self._use(
+            lambda db: db.execute(
+                "SELECT content FROM messages WHERE role = 'user' ORDER BY created DESC, id DESC LIMIT ?", (limit,)
+            ).fetchall()
+        )
         prompts = [json.loads(row["content"]) for row in reversed(rows)]
         return [p for p in prompts if isinstance(p, str)]
 
@@ -217,17 +284,20 @@ class HistoryStore:
         status: MessageStatus = "complete",
     ) -> int:
         now = self._clock()
-        with self._db:
-            (position,) = self._db.execute(
+
+        def add(db: sqlite3.Connection) -> sqlite3.Cursor:
+            (position,) = db.execute(
                 "SELECT COALESCE(MAX(position) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,)
             ).fetchone()
-            cursor = self._db.execute(
+            cursor = db.execute(
                 "INSERT INTO messages (conversation_id, position, role, content, status, created)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 (conversation_id, position, role, json.dumps(content), status, now),
             )
-            self._touch(conversation_id, now)
-        return int(cursor.lastrowid or 0)
+            db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+            return cursor
+
+        return int(self._use(add).lastrowid or 0)
 
     def append_tokens(
         self,
@@ -238,54 +308,38 @@ class HistoryStore:
     ) -> None:
         """Append a batch of an answer's tokens and the content it added (`Reply.pieces_since`), in one
         transaction."""
-        with self._db:
-            self._db.executemany(
+
+        def append(db: sqlite3.Connection) -> None:
+            db.executemany(
                 "INSERT OR REPLACE INTO tokens VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [_token_row(message_id, first_position + i, event) for i, event in enumerate(events)],
             )
             if pieces:
-                (seq,) = self._db.execute(
+                (seq,) = db.execute(
                     "SELECT COALESCE(MAX(seq) + 1, 0) FROM content_pieces WHERE message_id = ?", (message_id,)
                 ).fetchone()
-                self._db.executemany(
+                db.executemany(
                     "INSERT INTO content_pieces VALUES (?, ?, ?, ?, ?)",
                     [(message_id, seq + i, p.part, p.type, p.text) for i, p in enumerate(pieces)],
                 )
 
+        self._use(append)
+
     def finish_message(self, message_id: int, status: MessageStatus, content: Content | None = None) -> None:
         """Set the message's status; with `content`, write its final content (once) in place of its pieces."""
-        with self._db:
+
+        def finish(db: sqlite3.Connection) -> None:
             if content is not None:
-                self._db.execute("UPDATE messages SET content = ? WHERE id = ?", (json.dumps(content), message_id))
-                self._db.execute("DELETE FROM content_pieces WHERE message_id = ?", (message_id,))
-            self._db.execute("UPDATE messages SET status = ? WHERE id = ?", (status, message_id))
+                db.execute("UPDATE messages SET content = ? WHERE id = ?", (json.dumps(content), message_id))
+                db.execute("DELETE FROM content_pieces WHERE message_id = ?", (message_id,))
+            db.execute("UPDATE messages SET status = ? WHERE id = ?", (status, message_id))
+
+        self._use(finish)
 
     def delete_message(self, message_id: int) -> None:
-        with self._db:
-            self._db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+        self._use(lambda db: db.execute("DELETE FROM messages WHERE id = ?", (message_id,)))
 
     # --- internals ----------------------------------------------------------------------------------------------
-    def _touch(self, conversation_id: int, now: float) -> None:
-        self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
-
-    def _pieces_content(self, message_id: int) -> Content | None:
-        """A message's content rebuilt from its appended pieces (None: it has none, `messages.content` holds it)."""
-        rows = self._db.execute(
-            "SELECT part, type, text FROM content_pieces WHERE message_id = ? ORDER BY seq", (message_id,)
-        ).fetchall()
-        if not rows:
-            return None
-        parts: list[dict[str, str]] = []
-        for row in rows:
-            if row["part"] >= len(parts):
-                parts.append({"type": row["type"], "text": ""})
-            parts[row["part"]]["text"] += row["text"]
-        return parts_content(parts)
-
-    def _tokens(self, message_id: int) -> list[TokenEvent]:
-        rows = self._db.execute("SELECT * FROM tokens WHERE message_id = ? ORDER BY position", (message_id,))
-        return [_token_event(row) for row in rows]
-
     @staticmethod
     def _summary(row: sqlite3.Row) -> ConversationSummary:
         return ConversationSummary(
@@ -297,6 +351,26 @@ class HistoryStore:
             updated=row["updated"],
             messages=row["n"],
         )
+
+
+def _pieces_content(db: sqlite3.Connection, message_id: int) -> Content | None:
+    """A message's content rebuilt from its appended pieces (None: it has none, `messages.content` holds it)."""
+    rows = db.execute(
+        "SELECT part, type, text FROM content_pieces WHERE message_id = ? ORDER BY seq", (message_id,)
+    ).fetchall()
+    if not rows:
+        return None
+    parts: list[dict[str, str]] = []
+    for row in rows:
+        if row["part"] >= len(parts):
+            parts.append({"type": row["type"], "text": ""})
+        parts[row["part"]]["text"] += row["text"]
+    return parts_content(parts)
+
+
+def _tokens(db: sqlite3.Connection, message_id: int) -> list[TokenEvent]:
+    rows = db.execute("SELECT * FROM tokens WHERE message_id = ? ORDER BY position", (message_id,))
+    return [_token_event(row) for row in rows]
 
 
 def _token_row(message_id: int, position: int, event: TokenEvent) -> tuple[Any, ...]:
@@ -358,7 +432,7 @@ def history_problem(path: Path) -> tuple[str, str] | None:
         with path.open("rb") as handle:
             header = handle.read(len(SQLITE_HEADER))
     except OSError as err:
-        raise HistoryError(f"cannot read the history database {path}: {err.strerror}") from None
+        raise HistoryError(f"cannot read the history database {path}: {err.strerror}", hint="pass --db with a readable file, or fix the permissions") from None
     if header != SQLITE_HEADER:
         return "damaged", "it is not an SQLite database"
     try:
