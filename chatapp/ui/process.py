@@ -497,9 +497,15 @@ def _pump(conn: Connection, backend: Any, stream: StepStream) -> None:
 
 
 def _redirect_output(log_path: str) -> None:
-    """Point this process's stdout and stderr (the file descriptors, so C++ and child output follow) at the log."""
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    """Point this process's stdout and stderr (the file descriptors, so C++ and child output follow) at the log.
+
+    A log that cannot be written (read-only or full data directory, a directory in its place) costs the log, not
+    the engine: its output is dropped rather than drawn over the TUI's screen."""
+    try:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        fd = os.open(os.devnull, os.O_WRONLY)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
