@@ -132,6 +132,8 @@ class ChatApp(App[None]):
         if getattr(self.store, "notice", None):
             self.notify(self.store.notice, severity="warning", timeout=15)
         self.store.on_unsaved = self._history_unsaved
+        if (unsaved := getattr(self.store, "unsaved", None)) is not None:  # it could not be written from the start
+            self._history_unsaved(unsaved)
         self._panels = _Panels(
             self.query_one(Transcript),
             self.query_one(RoutingHeatmap),

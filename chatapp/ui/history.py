@@ -146,20 +146,37 @@ class HistoryStore:
         self.on_unsaved: Callable[[HistoryError], None] | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # `timeout`: how long a write waits for another instance's transaction before the store goes on in memory.
-            self._db = sqlite3.connect(self.path, timeout=timeout)
-            self._db.row_factory = sqlite3.Row
-            self._db.execute("PRAGMA journal_mode=WAL")
-            # NORMAL is durable against a killed process (what we guard against) without an fsync per batch.
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA)
-            self._db.commit()
-        except (OSError, sqlite3.Error) as err:
+            self._db = self._open(timeout)
+        except sqlite3.Error as err:
+            if not storage_failure(err):
+                raise HistoryError(
+                    f"cannot open the history database {self.path}: {err}",
+                    hint="pass --db with another file path (a new one is created), or move this one away",
+                ) from None
+            # It cannot be written (read-only, full, locked): the session starts in memory, with what it holds.
+            self._db = _readable(self.path)
+            self._go_on_in_memory(err)
+        except OSError as err:  # its directory cannot be made: more likely a wrong --db than a full disk
             raise HistoryError(
                 f"cannot open the history database {self.path}: {err}",
                 hint="pass --db with a writable file path, or fix the permissions",
             ) from None
+
+    def _open(self, timeout: float) -> sqlite3.Connection:
+        # `timeout`: how long a write waits for another instance's transaction before the store goes on in memory.
+        db = sqlite3.connect(self.path, timeout=timeout)
+        try:
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL is durable against a killed process (what we guard against) without an fsync per batch.
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            db.executescript(_SCHEMA)
+            db.commit()
+        except sqlite3.Error:
+            db.close()
+            raise
+        return db
 
     def close(self) -> None:
         self._db.close()
@@ -184,9 +201,10 @@ class HistoryStore:
         try:
             self._db.backup(memory)
         except sqlite3.Error:
-            memory.executescript(_SCHEMA)  # rows it refers to stayed on disk: they cannot be required here
+            pass  # not even readable: rows the app refers to stayed on disk, so none can be required here
         else:
             memory.execute("PRAGMA foreign_keys=ON")
+        memory.executescript(_SCHEMA)
         with contextlib.suppress(sqlite3.Error):
             self._db.close()
         self._db = memory
@@ -373,6 +391,20 @@ def _tokens(db: sqlite3.Connection, message_id: int) -> list[TokenEvent]:
     return [_token_event(row) for row in rows]
 
 
+def _readable(path: Path) -> sqlite3.Connection:
+    """A read-only connection to what `path` holds, to copy into memory when it cannot be written. A WAL database in
+    a directory that cannot be written is read as immutable (its shared-memory file cannot be made; nobody can be
+    writing it either)."""
+    for flags in ("mode=ro", "mode=ro&immutable=1"):
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?{flags}", uri=True, timeout=0)  # writes waited already
+        try:
+            db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            return db
+        except sqlite3.Error:
+            db.close()
+    return sqlite3.connect(":memory:")
+
+
 def _token_row(message_id: int, position: int, event: TokenEvent) -> tuple[Any, ...]:
     tool = event.tool
     return (
@@ -423,7 +455,7 @@ _COLUMNS = {
 }
 
 
-def history_problem(path: Path) -> tuple[str, str] | None:
+def history_problem(path: Path, *, timeout: float = 5.0) -> tuple[str, str] | None:
     """Why `path` cannot be used as this app's history, without changing it: ("damaged" | "foreign", detail), or
     None when it is fine (missing, empty, or a history database)."""
     try:
@@ -436,7 +468,9 @@ def history_problem(path: Path) -> tuple[str, str] | None:
     if header != SQLITE_HEADER:
         return "damaged", "it is not an SQLite database"
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout)
+    except sqlite3.OperationalError:
+        return None  # it cannot be opened here (permissions, a lock), which is not damage: the store goes on in memory
     except sqlite3.Error as err:
         return "damaged", str(err)
     try:
@@ -452,14 +486,20 @@ def history_problem(path: Path) -> tuple[str, str] | None:
             columns = {row[1] for row in db.execute(f'PRAGMA table_info("{table}")')}
             if missing := sorted(_COLUMNS[table] - columns):
                 return "foreign", f"its table {table!r} has no column {missing[0]!r}"
+    except sqlite3.OperationalError:
+        return None  # read-only without its shared-memory file, or locked: not damage (see above)
     except sqlite3.Error as err:
         return "damaged", str(err)
+    except UnicodeDecodeError:  # SQLite's report on a damaged file quoted bytes that are not text
+        return "damaged", "SQLite's integrity check reports damage it cannot name"
     finally:
         db.close()
     return None
 
 
-def open_history(path: Path, *, clock: Callable[[], float] = time.time, move_aside: bool = True) -> HistoryStore:
+def open_history(
+    path: Path, *, clock: Callable[[], float] = time.time, move_aside: bool = True, timeout: float = 5.0
+) -> HistoryStore:
     """The history store at `path`, never deleting or overwriting what is there.
 
     A directory, or another program's SQLite database, is refused with the fix. A damaged file (not SQLite, failing
@@ -473,7 +513,7 @@ def open_history(path: Path, *, clock: Callable[[], float] = time.time, move_asi
             f"the history database {path} is a directory",
             hint="pass --db with a file path, or move the directory away",
         )
-    problem = history_problem(path)
+    problem = history_problem(path, timeout=timeout)
     notice = None
     if problem is not None:
         kind, detail = problem
@@ -494,6 +534,6 @@ def open_history(path: Path, *, clock: Callable[[], float] = time.time, move_asi
                 hint=f"move {path} away yourself, or pass --db with another file",
             ) from None
         notice = f"the history database {path} was damaged ({detail}); it was moved to {moved} and a new one started"
-    store = HistoryStore(path, clock=clock)
+    store = HistoryStore(path, clock=clock, timeout=timeout)
     store.notice = notice
     return store

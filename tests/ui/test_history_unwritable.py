@@ -14,17 +14,17 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from chatapp.engine.reply import Reply
 from chatapp.settings import data_dir
 from chatapp.ui import ChatApp
-from chatapp.ui.history import HistoryStore
+from chatapp.ui.history import HistoryStore, open_history
 from chatapp.ui.widgets.prompt import PromptInput
 from chatapp.ui.widgets.transcript import AssistantMessage, UserMessage
 from tests.ui.conftest import SIZE, FixedClock, send_and_wait, wait_until
 from tests.ui.scripted import ScriptedBackend, calculator_answer, greeting
-
-pytestmark = pytest.mark.asyncio
 
 ANSWER = Reply.of(greeting()).content
 LONG = " ".join(["a message longer than the pages the database may still take"] * 200)  # ~12 KB: new pages
@@ -104,6 +104,7 @@ async def _two_messages_survive(app: ChatApp, first: str) -> None:
     ],
     ids=["read-only", "disk-full"],
 )
+@pytest.mark.asyncio
 async def test_a_database_that_takes_no_writes_costs_no_message(build_app, tmp_path, file_connections, pragma, reason):
     db = _prepared_db(tmp_path / "history.sqlite3")
     file_connections(pragma)
@@ -115,6 +116,7 @@ async def test_a_database_that_takes_no_writes_costs_no_message(build_app, tmp_p
     assert titles[-1] == "earlier" and (len(titles) == 1 or reason == "database or disk is full")
 
 
+@pytest.mark.asyncio
 async def test_a_locked_database_costs_no_message(tmp_path):
     """Another program holds a write transaction past the store's wait: the session goes on in memory."""
     db = _prepared_db(tmp_path / "history.sqlite3")
@@ -142,7 +144,44 @@ def _mode_bits_hold() -> bool:
     return False
 
 
+@pytest.mark.asyncio
+async def test_a_database_locked_from_the_start_costs_no_message(tmp_path):
+    """Another program holds the database (rollback journal, exclusive lock) as the app starts: the app starts in
+    memory with what the file held, says so at once, and answers."""
+    db = _prepared_db(tmp_path / "history.sqlite3")
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("PRAGMA journal_mode=DELETE")
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        store = open_history(db, clock=FixedClock(), timeout=0.05)
+        assert store.unsaved is not None
+        app = ChatApp(ScriptedBackend([greeting(), greeting()]), store, cursor_blink=False)
+        await _two_messages_survive(app, "hi there")
+        assert "database is locked" in _history_notices(app)[0]
+    finally:
+        other.rollback()
+        other.close()
+    assert [c.title for c in HistoryStore(db).list_conversations()] == ["earlier"]
+
+
 @pytest.mark.skipif(not _mode_bits_hold(), reason="this process writes through mode bits (root's override)")
+@pytest.mark.asyncio
+async def test_a_read_only_history_directory_costs_no_message(build_app, tmp_path):
+    """The database and its directory read-only, as a closed session left them: the app starts in memory."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    db = _prepared_db(folder / "history.sqlite3")
+    db.chmod(0o444)
+    folder.chmod(0o555)
+    try:
+        app = build_app(ScriptedBackend([greeting(), greeting()]), db=db)
+        await _two_messages_survive(app, "hi there")
+    finally:
+        folder.chmod(0o755)
+
+
+@pytest.mark.skipif(not _mode_bits_hold(), reason="this process writes through mode bits (root's override)")
+@pytest.mark.asyncio
 async def test_a_read_only_database_file_costs_no_message(build_app, tmp_path):
     db = _prepared_db(tmp_path / "history.sqlite3")
     for path in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
@@ -152,6 +191,7 @@ async def test_a_read_only_database_file_costs_no_message(build_app, tmp_path):
     await _two_messages_survive(app, "hi there")
 
 
+@pytest.mark.asyncio
 async def test_a_database_that_fails_mid_answer_keeps_the_answer(build_app, tmp_path):
     """The database stops taking writes while an answer streams: every token stays, and the next answer too."""
     backend = ScriptedBackend([greeting(), calculator_answer()])
@@ -174,6 +214,7 @@ async def test_a_database_that_fails_mid_answer_keeps_the_answer(build_app, tmp_
         assert app.store.load(app.conversation_id).messages[1].content == ANSWER
 
 
+@pytest.mark.asyncio
 async def test_an_export_that_cannot_be_written_is_a_notice(build_app, tmp_path):
     """The exports directory cannot be made (a file stands in its place): a notice with its fix, no partial files,
     and the app goes on."""
@@ -189,3 +230,32 @@ async def test_an_export_that_cannot_be_written_is_a_notice(build_app, tmp_path)
         await send_and_wait(pilot, "still here?")
         assert len(_texts(app)) == 4
     assert (data_dir() / "exports").read_text() == "not a directory"
+
+
+@pytest.fixture(scope="module")
+def history_bytes(tmp_path_factory) -> bytes:
+    path = tmp_path_factory.mktemp("history") / "h.sqlite3"
+    store = HistoryStore(path, clock=FixedClock())
+    conversation = store.create_conversation("x")
+    for _ in range(40):
+        store.add_message(conversation, "user", "hello " * 50)
+    store.close()
+    return path.read_bytes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_a_history_damaged_anywhere_is_moved_aside_or_used(tmp_path_factory, history_bytes: bytes, data) -> None:
+    """A real history with bytes changed or cut off: moved aside (the default location) or opened and usable;
+    never a traceback (SQLite's report on some damage quotes bytes that are not UTF-8)."""
+    damaged = bytearray(history_bytes)
+    for _ in range(data.draw(st.integers(1, 20))):
+        damaged[data.draw(st.integers(16, len(damaged) - 1))] = data.draw(st.integers(0, 255))
+    damaged = damaged[: data.draw(st.integers(100, len(damaged)))]
+    path = tmp_path_factory.mktemp("db") / "history.sqlite3"
+    path.write_bytes(bytes(damaged))
+    store = open_history(path)
+    store.list_conversations()
+    store.add_message(store.create_conversation("after"), "user", "still works")
+    assert store.load(store.list_conversations()[0].id) is not None
+    store.close()
