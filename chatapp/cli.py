@@ -45,23 +45,37 @@ class ChatappGroup(TyperGroup):
             raise fail(user_error(err)) from None
 
     def invoke(self, ctx: Context) -> Any:
+        words = [*getattr(ctx, "_protected_args", ()), *ctx.args]  # before the group consumes them
         try:
             return super().invoke(ctx)
         except (ChatappError, *_USAGE_ERRORS) as err:
             if isinstance(err, _NO_ARGS_IS_HELP):
                 raise
-            raise fail(user_error(err)) from None
+            raise fail(user_error(err, command=self._command_named(ctx, words))) from None
+
+    def _command_named(self, ctx: Context, words: list[str]) -> str:
+        """The command path `words` name (`chatapp program show`): Click raises some usage errors (an option
+        without its value) without the context that knows it."""
+        path, command = [ctx.command_path], self
+        for word in words:
+            sub = command.get_command(ctx, word) if hasattr(command, "get_command") else None
+            if sub is None:
+                break
+            path.append(word)
+            command = sub
+        return " ".join(path)
 
 
-def user_error(err: Exception) -> ChatappError:
+def user_error(err: Exception, *, command: str = "chatapp") -> ChatappError:
     """The message and fix for an exception a user caused: a `ChatappError` as it is, a Click usage error as a
-    `SettingsError` (one line and the command's --help, where Click would print its usage box and exit 2)."""
+    `SettingsError` (one line and the --help of its command, or of `command` when Click did not say which, where
+    Click would print its usage box and exit 2)."""
     if isinstance(err, ChatappError):
         return err
     if isinstance(err, _NO_SUCH_OPTION) and not err.option_name.startswith("--"):
         hint = "an argument that starts with '-' goes after --, e.g. `chatapp calc -- '-5+3'`"
     else:
-        command = err.ctx.command_path if getattr(err, "ctx", None) is not None else "chatapp"
+        command = err.ctx.command_path if getattr(err, "ctx", None) is not None else command
         hint = f"see `{command} --help`"
     usage = SettingsError(err.format_message(), hint=hint)
     usage.exit_code = 1

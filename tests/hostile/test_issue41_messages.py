@@ -84,19 +84,22 @@ def _bad_values(param) -> Iterator[str]:
         yield str(kind.max + 1)
 
 
-def _usage_cases() -> Iterator[list[str]]:
+def _usage_cases() -> Iterator[tuple[list[str], list[str]]]:
+    """(the command's words, the arguments) of every usage error the walk makes."""
     for path, command in _commands():
         arguments = _required_arguments(command)
-        yield [*path, *arguments, "--no-such-option"]
+        yield path, [*path, *arguments, "--no-such-option"]
         if arguments:
-            yield path  # a required argument missing
+            yield path, path  # a required argument missing
         for param in command.params:
             if param.param_type_name != "option" or getattr(param, "is_flag", False):
                 continue
             option = param.opts[0]
-            yield [*path, *arguments, option]  # the option without its value
+            yield path, [*path, *arguments, option]  # the option without its value
             for value in _bad_values(param):
-                yield [*path, *arguments, f"{option}={value}"]
+                yield path, [*path, *arguments, f"{option}={value}"]
+    yield [], ["no-such-command"]
+    yield ["program"], ["program", "no-such-command"]
 
 
 USAGE_CASES = list(_usage_cases())
@@ -105,14 +108,15 @@ USAGE_CASES = list(_usage_cases())
 def test_the_walk_covers_every_command_and_typed_option() -> None:
     named = {" ".join(path) for path, _ in _commands()}
     assert {"generate", "batch", "run", "train", "route", "eval", "convert", "calc", "program show"} <= named
-    walked = {" ".join(case) for case in USAGE_CASES}
+    walked = {" ".join(args) for _, args in USAGE_CASES}
     assert "generate x --max-tokens=many" in walked and "batch x --batch-size=0" in walked
 
 
-@pytest.mark.parametrize("args", USAGE_CASES, ids=[" ".join(case) for case in USAGE_CASES])
-def test_every_usage_error_is_one_error_and_its_fix(args: list[str]) -> None:
+@pytest.mark.parametrize(("command", "args"), USAGE_CASES, ids=[" ".join(args) for _, args in USAGE_CASES])
+def test_every_usage_error_is_one_error_and_its_fix(command: list[str], args: list[str]) -> None:
+    """Each names the command whose --help shows what it takes."""
     _, fix = _one_error_and_fix(args)
-    assert "--help" in fix or "--" in fix
+    assert fix.endswith(f"{' '.join(['chatapp', *command])} --help`"), fix
 
 
 # --- values that parse but chatapp refuses --------------------------------------------------------------------------
@@ -158,6 +162,24 @@ GENERATE_CASES = [
 def test_generate_refuses_with_one_error_and_its_fix(args: list[str], message: str) -> None:
     error, _ = _one_error_and_fix(["generate", *args])
     assert message in error
+
+
+ENVIRONMENT_CASES = [
+    ("CHATAPP_THREADS", "abc"),
+    ("CHATAPP_THREADS", "0"),
+    ("CHATAPP_DTYPE", "float7"),
+    ("CHATAPP_COMPILE", "maybe"),
+    ("CHATAPP_DEFAULT_MODEL", "no-such-model"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), ENVIRONMENT_CASES, ids=[f"{n}={v}" for n, v in ENVIRONMENT_CASES])
+@pytest.mark.parametrize("command", [["generate", "hi"], ["batch", "-"]])
+def test_every_bad_environment_setting_is_one_error_and_its_fix(monkeypatch, command, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    model = [] if name == "CHATAPP_DEFAULT_MODEL" else TINY
+    error, _ = _one_error_and_fix([*command, *model], input='{"id": 1, "prompt": "hi"}\n')
+    assert name in error or value in error, error
 
 
 def test_other_commands_refuse_with_one_error_and_its_fix(tmp_path: Path) -> None:
