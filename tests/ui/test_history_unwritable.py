@@ -259,3 +259,39 @@ def test_a_history_damaged_anywhere_is_moved_aside_or_used(tmp_path_factory, his
     store.add_message(store.create_conversation("after"), "user", "still works")
     assert store.load(store.list_conversations()[0].id) is not None
     store.close()
+
+
+WRITES = {
+    "create_conversation": lambda store, ids: store.create_conversation("new"),
+    "add_message": lambda store, ids: store.add_message(ids["conversation"], "user", "typed"),
+    "append_tokens": lambda store, ids: store.append_tokens(ids["answer"], 0, greeting()),
+    "finish_message": lambda store, ids: store.finish_message(ids["answer"], "complete", "Hello"),
+    "rename": lambda store, ids: store.rename(ids["conversation"], "renamed"),
+    "set_program": lambda store, ids: store.set_program(ids["conversation"], "think"),
+    "delete_message": lambda store, ids: store.delete_message(ids["answer"]),
+    "delete": lambda store, ids: store.delete(ids["conversation"]),
+}
+
+
+@pytest.mark.parametrize("write", WRITES, ids=list(WRITES))
+def test_every_write_goes_on_in_memory_and_says_so_once(tmp_path, write: str) -> None:
+    """Whichever write meets the read-only database first, it takes effect (in memory), and so does the next."""
+    store = HistoryStore(tmp_path / "h.sqlite3", clock=FixedClock())
+    told: list[str] = []
+    store.on_unsaved = lambda err: told.append(err.message)
+    conversation = store.create_conversation("first")
+    store.add_message(conversation, "user", "hi")
+    ids = {"conversation": conversation, "answer": store.add_message(conversation, "assistant", "", status="streaming")}
+    store._db.execute("PRAGMA query_only = ON")  # SQLite's read-only state, on the store's own connection
+    WRITES[write](store, ids)
+    store.create_conversation("after")
+    assert len(told) == 1 and "attempt to write a readonly database" in told[0]
+    titles = [c.title for c in store.list_conversations()]
+    assert titles[0] == "after" and ("new" in titles) == (write == "create_conversation")
+    if write != "delete":
+        messages = store.load(conversation).messages
+        assert ("typed" in [m.content for m in messages]) == (write == "add_message")
+        assert (len(messages) == 1) == (write == "delete_message")
+    store.close()
+    on_disk = HistoryStore(tmp_path / "h.sqlite3")
+    assert [c.title for c in on_disk.list_conversations()] == ["first"]  # nothing reached the file after it failed
