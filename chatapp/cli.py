@@ -628,7 +628,8 @@ def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: st
             ) from None
         if config.vocab_size < tokenizer.get_vocab_size():
             raise TrainingError(
-                f"{init}: vocab_size {config.vocab_size} < the tokenizer's {tokenizer.get_vocab_size()}", hint="use a config whose vocab_size is at least the tokenizer's, or another tokenizer"
+                f"{init}: vocab_size {config.vocab_size} < the tokenizer's {tokenizer.get_vocab_size()}",
+                hint="use a config whose vocab_size is at least the tokenizer's, or another tokenizer",
             )
         model = STTForCausalLM(config).to(resolved)
     try:

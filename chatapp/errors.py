@@ -66,6 +66,7 @@ def _one_line(text: str) -> str:
 
 class ModelDirError(ChatappError):
     """A model directory is missing, incomplete or unreadable."""
+
     default_hint = "pass --model with a name `chatapp models` lists, or a complete model directory"
 
 
@@ -95,11 +96,13 @@ class ProgramError(ChatappError):
 
 class ConstraintError(ChatappError):
     """A regex or JSON schema constraint cannot be compiled."""
+
     default_hint = "use a simpler regex or JSON schema"
 
 
 class InputLineError(ChatappError):
     """A JSONL input line is malformed."""
+
     default_hint = "fix that line of the input file"
 
 
@@ -112,16 +115,19 @@ class BatchFileError(ChatappError):
 
 class ToolError(ChatappError):
     """A tool expression was refused (used by the CLI's `calc`)."""
+
     default_hint = 'use numbers, + - * / // %, parentheses and "text".count("x")'
 
 
 class ConversationError(ChatappError):
     """A conversation (list of message dicts) is malformed: unknown role, wrong order, bad content parts."""
+
     default_hint = 'give messages as {"role": "system" | "user" | "assistant", "content": "text"}'
 
 
 class ContextOverflowError(ChatappError):
     """A conversation no longer fits the model's context under the 'error' policy."""
+
     default_hint = "start a new conversation or shorten the prompt"
 
 
@@ -131,11 +137,13 @@ class SettingsError(ChatappError):
 
 class TrainingError(ChatappError):
     """Training cannot start or resume: corpus too small for the window, unusable checkpoint or init config."""
+
     default_hint = "see `chatapp train --help`"
 
 
 class HistoryError(ChatappError):
     """The chat history database cannot be used: a directory, another program's database, unreadable."""
+
     default_hint = "pass --db with a writable file path, or fix the permissions"
 
 

@@ -64,10 +64,14 @@ class GenerationSettings:
         if self.routing_threshold is not None:
             _check_number("routing_threshold", self.routing_threshold)
             if not 0 <= self.routing_threshold <= 1:
-                raise SettingsError(f"routing_threshold must be in [0, 1], got {self.routing_threshold}", hint="use a threshold between 0 and 1, or leave it unset for the model's own")
+                raise SettingsError(
+                    f"routing_threshold must be in [0, 1], got {self.routing_threshold}",
+                    hint="use a threshold between 0 and 1, or leave it unset for the model's own",
+                )
         if self.context_policy not in ("error", "drop_oldest"):
             raise SettingsError(
-                f"context_policy must be 'error' or 'drop_oldest', got {self.context_policy!r}", hint="use 'error' or 'drop_oldest'",
+                f"context_policy must be 'error' or 'drop_oldest', got {self.context_policy!r}",
+                hint="use 'error' or 'drop_oldest'",
             )
 
     def with_(self, **changes: object) -> GenerationSettings:

@@ -42,7 +42,10 @@ def read_input(source: str) -> list[bytes]:
                 f"input file {path} does not exist", hint="pass a .jsonl file, or - for stdin"
             ) from None
         except OSError as err:
-            raise BatchFileError(f"cannot read input file {path}: {err.strerror}", hint="fix the input file's permissions, or pass its contents on stdin (-)") from None
+            raise BatchFileError(
+                f"cannot read input file {path}: {err.strerror}",
+                hint="fix the input file's permissions, or pass its contents on stdin (-)",
+            ) from None
     # Split on "\n" only: a JSON string may legally hold U+2028 and friends, which str.splitlines would break.
     return data.split(b"\n")
 

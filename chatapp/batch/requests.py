@@ -127,7 +127,9 @@ def _json_type(value: object) -> str:
 def _read_int(obj: dict[str, Any], name: str) -> int:
     value = obj[name]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _Invalid(f'"{name}" must be an integer, got {_json_type(value)}', hint=f'write "{name}" as a whole number')
+        raise _Invalid(
+            f'"{name}" must be an integer, got {_json_type(value)}', hint=f'write "{name}" as a whole number'
+        )
     return value
 
 

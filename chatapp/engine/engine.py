@@ -202,7 +202,10 @@ class Engine:
         from chatapp.trie.constraint import Constraint
 
         if (regex is None) == (json_schema is None):
-            raise SettingsError("a constraint needs exactly one of a regex or a JSON schema", hint="pass either a regex or a JSON schema")
+            raise SettingsError(
+                "a constraint needs exactly one of a regex or a JSON schema",
+                hint="pass either a regex or a JSON schema",
+            )
         end = self.chat_format.assistant_end_id
         if regex is not None:
             return Constraint.regex(regex, self.constraint_vocab, end)

@@ -136,10 +136,16 @@ def read(directory: Path, device: torch.device | None = None) -> nn.Module:
             pass
         state = load_file(str(directory / WEIGHTS_FILE))
     except (OSError, ValueError, SafetensorError, ChatappError) as err:
-        raise ServedFormatError(f"cannot read the stored weights in {directory}: {err}", hint="it is rebuilt from the model: run the command again") from None
+        raise ServedFormatError(
+            f"cannot read the stored weights in {directory}: {err}",
+            hint="it is rebuilt from the model: run the command again",
+        ) from None
     try:
         if layout["format_version"] != FORMAT_VERSION:
-            raise ServedFormatError(f"{directory} holds format {layout['format_version']}, not {FORMAT_VERSION}", hint="it is rebuilt from the model: run the command again")
+            raise ServedFormatError(
+                f"{directory} holds format {layout['format_version']}, not {FORMAT_VERSION}",
+                hint="it is rebuilt from the model: run the command again",
+            )
         model = STTForCausalLM.empty(STTConfig.from_dict(layout["config"]))
         with on_meta():
             if layout["fused"]:
@@ -158,7 +164,10 @@ def read(directory: Path, device: torch.device | None = None) -> nn.Module:
     except ServedFormatError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as err:
-        raise ServedFormatError(f"the stored weights in {directory} do not describe a model: {err}", hint="it is rebuilt from the model: run the command again") from None
+        raise ServedFormatError(
+            f"the stored weights in {directory} do not describe a model: {err}",
+            hint="it is rebuilt from the model: run the command again",
+        ) from None
     model.weight_format = layout["weight_format"]
     if device is not None and device.type != "cpu":
         model.to(device)

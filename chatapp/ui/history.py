@@ -464,7 +464,10 @@ def history_problem(path: Path, *, timeout: float = 5.0) -> tuple[str, str] | No
         with path.open("rb") as handle:
             header = handle.read(len(SQLITE_HEADER))
     except OSError as err:
-        raise HistoryError(f"cannot read the history database {path}: {err.strerror}", hint="pass --db with a readable file, or fix the permissions") from None
+        raise HistoryError(
+            f"cannot read the history database {path}: {err.strerror}",
+            hint="pass --db with a readable file, or fix the permissions",
+        ) from None
     if header != SQLITE_HEADER:
         return "damaged", "it is not an SQLite database"
     try:

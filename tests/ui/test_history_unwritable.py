@@ -85,7 +85,12 @@ async def _two_messages_survive(app: ChatApp, first: str) -> None:
         assert "cannot be written" in notice and "\nfix: " in notice
         assert "history not saved" in app.sub_title
         await send_and_wait(pilot, "and a second one")
-        assert _texts(app) == [("user", first), ("assistant", ANSWER), ("user", "and a second one"), ("assistant", ANSWER)]
+        assert _texts(app) == [
+            ("user", first),
+            ("assistant", ANSWER),
+            ("user", "and a second one"),
+            ("assistant", ANSWER),
+        ]
         assert len(_history_notices(app)) == 1  # said once, not per write
         # The conversation goes on in memory: what the history screen and an export read holds all of it.
         stored = app.store.load(app.conversation_id)
