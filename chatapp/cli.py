@@ -457,8 +457,16 @@ def _read_prompt() -> str:
     A final line break is the shell's (`echo`, a file's last line), not the prompt's."""
     from chatapp.validation import MAX_PROMPT_BYTES
 
+    unreadable = "pipe the prompt into `chatapp generate -`, or pass it as an argument"
+    if sys.stdin is None:  # started with stdin closed
+        raise SettingsError("`generate -` reads the prompt from stdin, which is closed", hint=unreadable)
+    if sys.stdin.isatty():
+        err_console.print("reading the prompt: end it with ctrl+d on a line of its own", markup=False)
     stream = getattr(sys.stdin, "buffer", None)
-    data = stream.read(MAX_PROMPT_BYTES + 1) if stream is not None else sys.stdin.read(MAX_PROMPT_BYTES + 1).encode()
+    try:
+        data = stream.read(MAX_PROMPT_BYTES + 1) if stream else sys.stdin.read(MAX_PROMPT_BYTES + 1).encode()
+    except OSError as err:  # stdin is a directory, or a device that fails
+        raise SettingsError(f"cannot read the prompt from stdin: {err.strerror or err}", hint=unreadable) from None
     if len(data) > MAX_PROMPT_BYTES:
         raise SettingsError(
             f"the prompt on stdin is more than {MAX_PROMPT_BYTES:,} bytes, more than any model here can read",

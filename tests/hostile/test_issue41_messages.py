@@ -297,6 +297,26 @@ def test_an_empty_prompt_on_stdin_is_refused(stdin: bytes) -> None:
     assert error.startswith("the prompt is") and "generate" in fix
 
 
+def test_a_stream_that_never_ends_is_read_only_to_the_bound(monkeypatch) -> None:
+    """Memory is bounded: what stdin holds past the bound is not read, and the prompt is refused with its fix."""
+    monkeypatch.setattr("chatapp.validation.MAX_PROMPT_BYTES", 1000)
+    error, fix = _one_error_and_fix(["generate", "-", *TINY], input=b"x" * 5000)
+    assert "more than 1,000 bytes" in error and fix == "shorten the prompt"
+
+
+def test_a_closed_stdin_is_named() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "chatapp.cli", "generate", "-", *TINY],
+        env=env, capture_output=True, timeout=120,
+        preexec_fn=lambda: os.close(0),
+    )  # fmt: skip
+    stderr = done.stderr.decode()
+    assert done.returncode == 1 and "Traceback" not in stderr, stderr
+    assert re.search(r"^error: .*stdin, which is closed$", stderr, re.MULTILINE), stderr
+    assert re.search(r"^fix: ", stderr, re.MULTILINE), stderr
+
+
 def test_a_prompt_on_stdin_that_is_not_utf8_is_named() -> None:
     error, fix = _one_error_and_fix(["generate", "-", *TINY], input=b"caf\xe9 au lait")
     assert "the byte 0xe9, which is not UTF-8" in error and "UTF-8" in fix
