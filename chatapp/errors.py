@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 
 class ChatappError(Exception):
-    """Base class for user-caused errors. `str(err)` is the whole message shown to the user.
+    """Base class for user-caused errors. `str(err)` is the whole message shown to the user, its fix included.
 
     `hint` is the fix. Every raise site passes one (tests/hostile/test_issue41_messages.py checks); a subclass's
     `default_hint` stands in only where a hint is forwarded from another error that had none.
@@ -23,7 +23,10 @@ class ChatappError(Exception):
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         self.message = message
         self.hint = hint
-        super().__init__(message if hint is None else f"{message}\n  fix: {hint}")
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return user_message(self).text()
 
     def __reduce__(self):
         # Errors cross a process boundary (the TUI's engine process): keep the subclass and every field, which
@@ -50,8 +53,8 @@ class UserMessage:
         return f"{self.error}; fix: {self.fix}"
 
     def text(self) -> str:
-        """Both as two lines, for a notice."""
-        return f"{self.error}\nfix: {self.fix}"
+        """Both as two lines, for a notice (and `str()` of the error)."""
+        return f"{self.error}\n  fix: {self.fix}"
 
 
 def user_message(err: ChatappError) -> UserMessage:

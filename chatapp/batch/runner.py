@@ -194,6 +194,14 @@ class _Run:
         self._settle(line, closes_line=sample is None)
 
 
+_UNFINISHED_ROW = user_message(
+    ChatappError(
+        "generation ended before this row finished",
+        hint="run that line again in a new batch (this is a chatapp bug: please report it)",
+    )
+).one_line()
+
+
 class RowGenerator:
     """Streams chunks of rows through the engine and hands back each row's reply as soon as it finishes."""
 
@@ -254,7 +262,7 @@ class RowGenerator:
         for index in sorted(active):
             reply = replies[index]
             reply.finish_reason = "error"
-            reply.error = "generation ended before this row finished"
+            reply.error = _UNFINISHED_ROW
             yield index, reply
 
 

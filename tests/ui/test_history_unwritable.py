@@ -82,7 +82,7 @@ async def _two_messages_survive(app: ChatApp, first: str) -> None:
         await send_and_wait(pilot, first)
         assert _texts(app) == [("user", first), ("assistant", ANSWER)]
         (notice,) = _history_notices(app)
-        assert "cannot be written" in notice and "\nfix: " in notice
+        assert "cannot be written" in notice and "\n  fix: " in notice
         assert "history not saved" in app.sub_title
         await send_and_wait(pilot, "and a second one")
         assert _texts(app) == [
@@ -231,7 +231,7 @@ async def test_an_export_that_cannot_be_written_is_a_notice(build_app, tmp_path)
         await pilot.press("ctrl+s")
         await pilot.pause()
         (notice,) = [n.message for n in app._notifications if n.title == "Not exported"]
-        assert str(data_dir() / "exports") in notice and "\nfix: " in notice
+        assert str(data_dir() / "exports") in notice and "\n  fix: " in notice
         await send_and_wait(pilot, "still here?")
         assert len(_texts(app)) == 4
     assert (data_dir() / "exports").read_text() == "not a directory"
