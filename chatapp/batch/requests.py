@@ -196,10 +196,8 @@ def _parse_object(line: int, obj: dict[str, Any], defaults: BatchDefaults, reque
     samples = _read_int(obj, "samples") if "samples" in obj else defaults.samples
     if not 1 <= samples <= MAX_SAMPLES:
         shown = samples if len(str(samples)) <= 30 else f"a {len(str(samples))}-digit number"
-        raise _Invalid(
-            f'"samples" must be between 1 and {MAX_SAMPLES}, got {shown}', hint="split the line into several lines"
-            if samples > MAX_SAMPLES else 'ask for at least 1 sample, or leave "samples" out for the default'
-        )
+        fix = "split the line into several lines" if samples > MAX_SAMPLES else "ask for 1 or more samples"
+        raise _Invalid(f'"samples" must be between 1 and {MAX_SAMPLES}, got {shown}', hint=fix)
 
     regex = _read_str(obj, "regex")
     json_schema = obj.get("json_schema")
