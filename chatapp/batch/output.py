@@ -173,9 +173,12 @@ class FileSink:
         try:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as err:
+            missing = isinstance(err, FileNotFoundError | NotADirectoryError)
             raise BatchFileError(
                 f"cannot open {path} for writing: {err.strerror}",
-                hint="fix the permissions of the output's directory, or choose another output file",
+                hint=f"create {path.parent} first, or choose another output file"
+                if missing
+                else "fix the permissions of the output's directory, or choose another output file",
             ) from None
 
     def write(self, record: dict[str, Any]) -> None:
