@@ -129,7 +129,10 @@ def test_arbitrary_text_never_raises(text: str) -> None:
 
 
 _valid_lines = st.fixed_dictionaries(
-    {"id": st.one_of(st.integers(), st.text(min_size=1, max_size=8)), "prompt": st.text(max_size=20)},
+    {
+        "id": st.one_of(st.integers(), st.text(min_size=1, max_size=8)),
+        "prompt": st.text(min_size=1, max_size=20).filter(str.strip),  # an empty prompt is an error
+    },
     optional={
         "samples": st.integers(1, 8),
         "temperature": st.floats(0, 4, allow_nan=False),

@@ -215,6 +215,8 @@ BAD_LINES = [
     '{"id": 1}',
     '{"id": 1, "prompt": "x", "messages": []}',
     '{"id": 1, "prompt": 5}',
+    '{"id": 1, "prompt": ""}',
+    '{"id": 1, "prompt": " \\n\\t"}',
     '{"id": 1, "messages": "hi"}',
     '{"id": 1, "messages": [5]}',
     '{"id": 1, "prompt": "x", "max_tokens": 0}',
