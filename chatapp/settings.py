@@ -62,7 +62,7 @@ class GenerationSettings:
         if not 0 < self.top_p <= 1:
             raise SettingsError(f"top_p must be in (0, 1], got {self.top_p}", hint="use 1.0 to disable top-p")
         if self.routing_threshold is not None:
-            _check_number("routing_threshold", self.routing_threshold)
+            _check_number("routing_threshold", self.routing_threshold, hint="use a threshold between 0 and 1")
             if not 0 <= self.routing_threshold <= 1:
                 raise SettingsError(
                     f"routing_threshold must be in [0, 1], got {self.routing_threshold}",

@@ -349,19 +349,55 @@ def _error_classes(trees: dict[Path, ast.Module]) -> set[str]:
     return names
 
 
+def _called(node: ast.Call) -> str | None:
+    return getattr(node.func, "id", getattr(node.func, "attr", None))
+
+
+def _forwards_hint(keyword: ast.keyword) -> bool:
+    return keyword.arg == "hint" and isinstance(keyword.value, ast.Name) and keyword.value.id == "hint"
+
+
+def _factories(tree: ast.Module, classes: set[str]) -> set[str]:
+    """Functions of a module that build an error with the `hint` their caller passes (`hint=hint`), such as the
+    program compiler's `self.error(...)`: their calls are raise sites too."""
+    found = set()
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef) or function.name == "__init__":
+            continue
+        if not any(arg.arg == "hint" for arg in (*function.args.args, *function.args.kwonlyargs)):
+            continue
+        for node in ast.walk(function):
+            if (
+                isinstance(node, ast.Call)
+                and _called(node) in classes
+                and any(_forwards_hint(k) for k in node.keywords)
+            ):
+                found.add(function.name)
+    return found
+
+
 def test_every_chatapp_error_is_raised_with_its_fix() -> None:
     trees = _sources()
     classes = _error_classes(trees)
     assert {"SettingsError", "ModelDirError", "GGUFError", "ServedFormatError"} <= classes
     missing = []
     for path, tree in trees.items():
+        builders = classes | _factories(tree, classes)
         for node in ast.walk(tree):
-            if not isinstance(node, ast.Call):
-                continue
-            name = getattr(node.func, "id", getattr(node.func, "attr", None))
-            if name in classes and not any(keyword.arg in ("hint", None) for keyword in node.keywords):
-                missing.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}(...)")
+            if isinstance(node, ast.Call) and _called(node) in builders:
+                if not any(keyword.arg in ("hint", None) for keyword in node.keywords):
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno} {_called(node)}(...)")
+            elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Name) and node.exc.id in classes:
+                missing.append(f"{path.relative_to(ROOT)}:{node.lineno} raise {node.exc.id}")  # no message either
     assert not missing, "raised without hint=:\n" + "\n".join(missing)
+
+
+def test_the_raise_site_check_sees_factories() -> None:
+    """The compiler's `self.error(...)` and the settings checks count as raise sites (the check is not vacuous)."""
+    trees = _sources()
+    classes = _error_classes(trees)
+    assert "error" in _factories(trees[ROOT / "chatapp" / "ttfa" / "compiler.py"], classes)
+    assert {"_check_int", "_check_number"} <= _factories(trees[ROOT / "chatapp" / "settings.py"], classes)
 
 
 def test_an_error_forwarded_without_a_fix_still_shows_one() -> None:
