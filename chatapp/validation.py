@@ -164,11 +164,18 @@ MAX_PROMPT_BYTES = 64 << 20
 """Most bytes read as one prompt from a stream (`generate -`): far above what any context here holds (8,192 tokens of
 at most a few hundred characters each), and a bound on the memory a stream that never ends can take."""
 
+def blank(text: str) -> str | None:
+    """What is wrong with a prompt that says nothing ("empty", "only white space (N characters)"), or None: the one
+    rule `generate` and batch lines share."""
+    if text.strip():
+        return None
+    return "empty" if not text else f"only white space ({len(text):,} characters)"
+
+
 def check_prompt_text(prompt: str) -> None:
     """A prompt a user gave: Unicode text (`check_text`) with something in it besides white space."""
     check_text("the prompt", prompt)
-    if not prompt.strip():
-        what = "empty" if not prompt else f"only white space ({len(prompt):,} characters)"
+    if (what := blank(prompt)) is not None:
         raise SettingsError(
             f"the prompt is {what}",
             hint='write what the model should answer, e.g. `chatapp generate "Say hi"`, or pipe it into `generate -`',

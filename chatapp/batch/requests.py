@@ -18,6 +18,7 @@ from chatapp.errors import ChatappError, InputLineError, user_message
 from chatapp.settings import GenerationSettings
 from chatapp.validation import (
     MAX_SAMPLES,
+    blank,
     check_regex_source,
     check_schema_source,
     find_lone_surrogate,
@@ -191,11 +192,8 @@ def _parse_object(line: int, obj: dict[str, Any], defaults: BatchDefaults, reque
             hint='give exactly one of "prompt" (a string) or "messages" (a chat message array)',
         )
     prompt = _read_str(obj, "prompt") if has_prompt else None
-    if prompt is not None and not prompt.strip():
-        raise _Invalid(
-            '"prompt" is empty' if not prompt else '"prompt" is only white space',
-            hint="write what the model should answer",
-        )
+    if prompt is not None and (what := blank(prompt)) is not None:
+        raise _Invalid(f'"prompt" is {what}', hint="write what the model should answer")
     messages = _read_messages(obj) if has_messages else None
 
     samples = _read_int(obj, "samples") if "samples" in obj else defaults.samples
