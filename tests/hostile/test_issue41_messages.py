@@ -1,10 +1,10 @@
 """Issue 41, row 10 and the smaller points: every bad value gets one `error:` line and one `fix:` line and exit 1;
 batch error records carry their fix; `generate -` reads the prompt from stdin; an empty prompt is refused.
 
-The walk over what the CLI can print has three parts: every option of every command (read from the command tree,
-so a new option is walked as soon as it exists) given a value of the wrong type, out of its range, or unknown;
-a table of values that parse but are refused by chatapp's own checks; and every place in chatapp/ that builds a
-`ChatappError`, which must pass its fix (`hint=`).
+The walk over what the CLI can print: every option of every command (read from the command tree, so a new option
+is walked as soon as it exists) given a value of the wrong type, out of its range, or none, and unknown options and
+commands; tables of values that parse but chatapp refuses (settings, environment variables, paths); every kind of
+bad batch line; and every place in chatapp/ that builds a `ChatappError`, which must pass its fix (`hint=`).
 """
 
 from __future__ import annotations
