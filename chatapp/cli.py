@@ -484,8 +484,15 @@ def _json_schema(value: str) -> Any:
     from chatapp.errors import ConstraintError
 
     text = value
-    if not value.lstrip().startswith(("{", "[")) and Path(value).expanduser().is_file():
-        text = Path(value).expanduser().read_text(encoding="utf-8")
+    path = Path(value).expanduser()
+    if not value.lstrip().startswith(("{", "[")) and path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            problem = "is not UTF-8 text" if isinstance(err, UnicodeDecodeError) else f"cannot be read: {err.strerror}"
+            raise ConstraintError(
+                f"the --json-schema file {path} {problem}", hint="pass a JSON Schema file (UTF-8 JSON) or inline JSON"
+            ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:

@@ -153,6 +153,7 @@ GENERATE_CASES = [
     (["a\udcffb", *TINY], "the prompt holds the byte 0xff, which is not UTF-8"),
     (["hi", *TINY, "--regex", "a", "--json-schema", "{}"], "--regex and --json-schema both constrain the reply"),
     (["hi", *TINY, "--json-schema", "{nope"], "--json-schema is not valid JSON"),
+    (["hi", *TINY, "--json-schema", sys.executable], "is not UTF-8 text"),
     (["hi", "--model", "/nowhere/at/all"], "/nowhere/at/all"),
     (["hi", *TINY, "--device", "toaster"], "toaster"),
 ]
