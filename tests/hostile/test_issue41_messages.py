@@ -183,6 +183,16 @@ def test_every_bad_environment_setting_is_one_error_and_its_fix(monkeypatch, com
     assert name in error or value in error, error
 
 
+@pytest.mark.parametrize("name", ["model.gguf", "model.bin"])
+def test_a_gguf_file_as_the_model_points_at_convert(tmp_path: Path, name: str) -> None:
+    """A GGUF file (named so, or by its magic bytes) given as --model: the fix is `chatapp convert`."""
+    gguf = tmp_path / name
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    for command in (["generate", "hi"], ["batch", "-"], ["run", "--in-process"]):
+        error, fix = _one_error_and_fix([*command, "--model", str(gguf)], input="")
+        assert "is a GGUF file" in error and f"chatapp convert {gguf} DIR" in fix, (command, error, fix)
+
+
 def test_other_commands_refuse_with_one_error_and_its_fix(tmp_path: Path) -> None:
     (tmp_path / "out.jsonl").write_text('{"id": 1}\n')
     (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
