@@ -16,7 +16,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from chatapp import __version__
-from chatapp.errors import ChatappError, ModelDirError, SettingsError
+from chatapp.errors import ChatappError, ModelDirError, SettingsError, user_message
 
 # The Click that parses: typer 0.2x's own copy, Click itself before it (importing Click beside typer's copy would
 # cost `chatapp --help` a tenth of its time for exceptions that are never raised).
@@ -45,23 +45,37 @@ class ChatappGroup(TyperGroup):
             raise fail(user_error(err)) from None
 
     def invoke(self, ctx: Context) -> Any:
+        words = [*getattr(ctx, "_protected_args", ()), *ctx.args]  # before the group consumes them
         try:
             return super().invoke(ctx)
         except (ChatappError, *_USAGE_ERRORS) as err:
             if isinstance(err, _NO_ARGS_IS_HELP):
                 raise
-            raise fail(user_error(err)) from None
+            raise fail(user_error(err, command=self._command_named(ctx, words))) from None
+
+    def _command_named(self, ctx: Context, words: list[str]) -> str:
+        """The command path `words` name (`chatapp program show`): Click raises some usage errors (an option
+        without its value) without the context that knows it."""
+        path, command = [ctx.command_path], self
+        for word in words:
+            sub = command.get_command(ctx, word) if hasattr(command, "get_command") else None
+            if sub is None:
+                break
+            path.append(word)
+            command = sub
+        return " ".join(path)
 
 
-def user_error(err: Exception) -> ChatappError:
+def user_error(err: Exception, *, command: str = "chatapp") -> ChatappError:
     """The message and fix for an exception a user caused: a `ChatappError` as it is, a Click usage error as a
-    `SettingsError` (one line and the command's --help, where Click would print its usage box and exit 2)."""
+    `SettingsError` (one line and the --help of its command, or of `command` when Click did not say which, where
+    Click would print its usage box and exit 2)."""
     if isinstance(err, ChatappError):
         return err
     if isinstance(err, _NO_SUCH_OPTION) and not err.option_name.startswith("--"):
         hint = "an argument that starts with '-' goes after --, e.g. `chatapp calc -- '-5+3'`"
     else:
-        command = err.ctx.command_path if getattr(err, "ctx", None) is not None else "chatapp"
+        command = err.ctx.command_path if getattr(err, "ctx", None) is not None else command
         hint = f"see `{command} --help`"
     usage = SettingsError(err.format_message(), hint=hint)
     usage.exit_code = 1
@@ -80,11 +94,11 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def fail(err: ChatappError) -> typer.Exit:
-    """Print a user-caused error and return the Exit to raise."""
+    """Print a user-caused error as its `error:` line and its `fix:` line, and return the Exit to raise."""
+    shown = user_message(err)
     # Messages quote user input (expressions, paths) that may contain "[...]": escape it so Rich prints it as-is.
-    err_console.print(f"[bold red]error:[/] {escape(err.message)}", markup=True, soft_wrap=True)
-    if err.hint:
-        err_console.print(f"[bold]fix:[/] {escape(err.hint)}", markup=True, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(shown.error)}", markup=True, soft_wrap=True)
+    err_console.print(f"[bold]fix:[/] {escape(shown.fix)}", markup=True, soft_wrap=True)
     return typer.Exit(code=err.exit_code)
 
 
@@ -398,7 +412,9 @@ def run(
 
 @app.command()
 def generate(
-    prompt: Annotated[str, typer.Argument(help="The prompt to answer, sent as one user turn.")],
+    prompt: Annotated[
+        str, typer.Argument(help="The prompt to answer, sent as one user turn; - reads it from stdin (any length).")
+    ],
     model: ModelOption = None,
     temperature: TemperatureOption = 0.0,
     top_k: TopKOption = 0,
@@ -426,15 +442,16 @@ def generate(
     a file it writes exactly the reply's text (timing and errors go to stderr)."""
     from chatapp.lifecycle import starting_up
     from chatapp.settings import GenerationSettings
-    from chatapp.validation import check_prompt_fits, check_text
+    from chatapp.validation import check_prompt_fits, check_prompt_text
 
-    check_text("the prompt", prompt)
     settings = GenerationSettings(
         temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=logprobs
     )
     if regex is not None and json_schema is not None:
         raise SettingsError("--regex and --json-schema both constrain the reply", hint="pass one of them")
     schema = _json_schema(json_schema) if json_schema is not None else None
+    prompt = _read_prompt() if prompt == "-" else prompt
+    check_prompt_text(prompt)
     with starting_up():
         from chatapp.cli_render import stream_reply  # torch
         from chatapp.models import load_engine
@@ -455,6 +472,30 @@ def generate(
     )
 
 
+def _read_prompt() -> str:
+    """`generate -`: the prompt from stdin, for prompts longer than one argument may be (Linux caps one at 128 KiB).
+    A final line break is the shell's (`echo`, a file's last line), not the prompt's."""
+    from chatapp.validation import MAX_PROMPT_BYTES
+
+    unreadable = "pipe the prompt into `chatapp generate -`, or pass it as an argument"
+    if sys.stdin is None:  # started with stdin closed
+        raise SettingsError("`generate -` reads the prompt from stdin, which is closed", hint=unreadable)
+    if sys.stdin.isatty():
+        err_console.print("reading the prompt: end it with ctrl+d on a line of its own", markup=False)
+    stream = getattr(sys.stdin, "buffer", None)
+    try:
+        data = stream.read(MAX_PROMPT_BYTES + 1) if stream else sys.stdin.read(MAX_PROMPT_BYTES + 1).encode()
+    except OSError as err:  # stdin is a directory, or a device that fails
+        raise SettingsError(f"cannot read the prompt from stdin: {err.strerror or err}", hint=unreadable) from None
+    if len(data) > MAX_PROMPT_BYTES:
+        raise SettingsError(
+            f"the prompt on stdin is more than {MAX_PROMPT_BYTES:,} bytes, more than any model here can read",
+            hint="shorten the prompt",
+        )
+    # Bytes that are not UTF-8 become lone surrogates, which `check_prompt_text` names, as it does for an argument.
+    return data.decode("utf-8", errors="surrogateescape").removesuffix("\n").removesuffix("\r")
+
+
 def _json_schema(value: str) -> Any:
     """A `--json-schema` value: inline JSON, or the path of a file holding it."""
     import json
@@ -463,8 +504,15 @@ def _json_schema(value: str) -> Any:
     from chatapp.errors import ConstraintError
 
     text = value
-    if not value.lstrip().startswith(("{", "[")) and Path(value).expanduser().is_file():
-        text = Path(value).expanduser().read_text(encoding="utf-8")
+    path = Path(value).expanduser()
+    if not value.lstrip().startswith(("{", "[")) and path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            problem = "is not UTF-8 text" if isinstance(err, UnicodeDecodeError) else f"cannot be read: {err.strerror}"
+            raise ConstraintError(
+                f"the --json-schema file {path} {problem}", hint="pass a JSON Schema file (UTF-8 JSON) or inline JSON"
+            ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
@@ -622,7 +670,8 @@ def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: st
             ) from None
         if config.vocab_size < tokenizer.get_vocab_size():
             raise TrainingError(
-                f"{init}: vocab_size {config.vocab_size} < the tokenizer's {tokenizer.get_vocab_size()}"
+                f"{init}: vocab_size {config.vocab_size} < the tokenizer's {tokenizer.get_vocab_size()}",
+                hint="use a config whose vocab_size is at least the tokenizer's, or another tokenizer",
             )
         model = STTForCausalLM(config).to(resolved)
     try:

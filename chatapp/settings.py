@@ -55,7 +55,9 @@ class GenerationSettings:
         _check_number("temperature", self.temperature, hint="use 0 for greedy decoding")
         _check_int("top_k", self.top_k, 0, MAX_TOP_K, hint="use 0 to disable top-k")
         _check_number("top_p", self.top_p, hint="use 1.0 to disable top-p")
-        _check_int("max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS)
+        _check_int(
+            "max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS, hint=f"use a count between 1 and {MAX_MAX_TOKENS:,}"
+        )
         _check_int("seed", self.seed, 0, MAX_SEED, hint="use a seed between 0 and 2**63-1")
         check_logprobs(self.logprobs)
         if self.temperature < 0:
@@ -63,9 +65,12 @@ class GenerationSettings:
         if not 0 < self.top_p <= 1:
             raise SettingsError(f"top_p must be in (0, 1], got {self.top_p}", hint="use 1.0 to disable top-p")
         if self.routing_threshold is not None:
-            _check_number("routing_threshold", self.routing_threshold)
+            _check_number("routing_threshold", self.routing_threshold, hint="use a threshold between 0 and 1")
             if not 0 <= self.routing_threshold <= 1:
-                raise SettingsError(f"routing_threshold must be in [0, 1], got {self.routing_threshold}")
+                raise SettingsError(
+                    f"routing_threshold must be in [0, 1], got {self.routing_threshold}",
+                    hint="use a threshold between 0 and 1, or leave it unset for the model's own",
+                )
         if self.routing_level is not None and (not isinstance(self.routing_level, str) or not self.routing_level):
             raise SettingsError(
                 f"routing_level must be a level's name, got {self.routing_level!r}",
@@ -74,6 +79,7 @@ class GenerationSettings:
         if self.context_policy not in ("error", "drop_oldest"):
             raise SettingsError(
                 f"context_policy must be 'error' or 'drop_oldest', got {self.context_policy!r}",
+                hint="use 'error' or 'drop_oldest'",
             )
 
     def with_(self, **changes: object) -> GenerationSettings:

@@ -160,6 +160,28 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
 
 
+MAX_PROMPT_BYTES = 64 << 20
+"""Most bytes read as one prompt from a stream (`generate -`): far above what any context here holds (8,192 tokens of
+at most a few hundred characters each), and a bound on the memory a stream that never ends can take."""
+
+def blank(text: str) -> str | None:
+    """What is wrong with a prompt that says nothing ("empty", "only white space (N characters)"), or None: the one
+    rule `generate` and batch lines share."""
+    if text.strip():
+        return None
+    return "empty" if not text else f"only white space ({len(text):,} characters)"
+
+
+def check_prompt_text(prompt: str) -> None:
+    """A prompt a user gave: Unicode text (`check_text`) with something in it besides white space."""
+    check_text("the prompt", prompt)
+    if (what := blank(prompt)) is not None:
+        raise SettingsError(
+            f"the prompt is {what}",
+            hint='write what the model should answer, e.g. `chatapp generate "Say hi"`, or pipe it into `generate -`',
+        )
+
+
 def check_prompt_chars(chars: int, context_size: int, chars_per_token: int) -> None:
     """Reject a prompt too long for the context before tokenizing it (tokenizing a long run without spaces is
     quadratic: a 1 MB word takes minutes)."""
@@ -203,8 +225,3 @@ def check_output_dir(path: str | Path, what: str) -> Path:
     if not parent.is_dir():
         raise BatchFileError(f"cannot create the {what} {target}: {parent} is not a directory", hint="pick another path")
     return target
-
-
-def describe(err: ChatappError) -> str:
-    """One line for a record: the message and its fix."""
-    return str(err).replace("\n  fix: ", "; fix: ")

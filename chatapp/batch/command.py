@@ -42,8 +42,13 @@ def read_input(source: str) -> list[bytes]:
             raise BatchFileError(
                 f"input file {path} does not exist", hint="pass a .jsonl file, or - for stdin"
             ) from None
+        except IsADirectoryError:
+            raise BatchFileError(f"the input {path} is a directory", hint="pass a .jsonl file, or - for stdin") from None
         except OSError as err:
-            raise BatchFileError(f"cannot read input file {path}: {err.strerror}") from None
+            raise BatchFileError(
+                f"cannot read input file {path}: {err.strerror}",
+                hint="fix the input file's permissions, or pass its contents on stdin (-)",
+            ) from None
     # Split on "\n" only: a JSON string may legally hold U+2028 and friends, which str.splitlines would break.
     return data.split(b"\n")
 
@@ -57,6 +62,10 @@ def open_output(target: str, *, resume: bool, fsync: bool, input_source: str) ->
     path = Path(target).expanduser()
     if input_source != STDIO and path.resolve() == Path(input_source).expanduser().resolve():
         raise BatchFileError(f"the output {path} is the input file", hint="write the records to another file")
+    if path.is_dir():
+        raise BatchFileError(
+            f"the output {path} is a directory", hint=f"name a file for the records, e.g. -o {path / 'records.jsonl'}"
+        )
     if resume:
         existing = scan_output(path)
     elif path.exists() and path.stat().st_size > 0:

@@ -133,7 +133,9 @@ def scan_output(path: Path) -> ExistingOutput:
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise BatchFileError(f"cannot read {path}: {err.strerror}") from None
+        raise BatchFileError(
+            f"cannot read {path}: {err.strerror}", hint="fix the permissions of the output file, or choose another"
+        ) from None
     keep = data.rfind(b"\n") + 1  # 0 when there is no complete line at all
     existing = _parse_existing(path, data[:keep])
     tail = data[keep:]
@@ -171,7 +173,13 @@ class FileSink:
         try:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as err:
-            raise BatchFileError(f"cannot open {path} for writing: {err.strerror}") from None
+            missing = isinstance(err, FileNotFoundError | NotADirectoryError)
+            raise BatchFileError(
+                f"cannot open {path} for writing: {err.strerror}",
+                hint=f"create {path.parent} first, or choose another output file"
+                if missing
+                else "fix the permissions of the output's directory, or choose another output file",
+            ) from None
 
     def write(self, record: dict[str, Any]) -> None:
         data = memoryview(encode_record(record))

@@ -14,10 +14,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from chatapp.errors import ChatappError
+from chatapp.errors import ChatappError, InputLineError, user_message
 from chatapp.settings import GenerationSettings
 from chatapp.validation import (
     MAX_SAMPLES,
+    blank,
     check_regex_source,
     check_schema_source,
     find_lone_surrogate,
@@ -81,23 +82,28 @@ def id_key(request_id: RequestId) -> str:
     return json.dumps(request_id)
 
 
-class _Invalid(Exception):
-    """A validation failure inside this module; becomes a `LineError`."""
+class _Invalid(InputLineError):
+    """A validation failure inside this module; becomes a `LineError` (its message and fix on one line)."""
+
+
+_ID_HINT = 'give each line an "id": a non-empty string or an integer, used by no other line'
+_MESSAGES_HINT = 'write "messages" as [{"role": "user", "content": "..."}, ...]'
+_LINE_HINT = 'write each line as one JSON object, e.g. {"id": 1, "prompt": "Hi"}'
 
 
 def _reject_constant(name: str) -> float:
     # json.loads accepts NaN and Infinity by default; they are not JSON and no setting accepts them.
-    raise _Invalid(f"{name} is not valid JSON")
+    raise _Invalid(f"{name} is not valid JSON", hint="write a number, or leave the field out for the default")
 
 
 def _read_id(obj: dict[str, Any]) -> RequestId:
     if "id" not in obj:
-        raise _Invalid('missing required field "id"')
+        raise _Invalid('missing required field "id"', hint=_ID_HINT)
     value = obj["id"]
     if isinstance(value, bool) or not isinstance(value, str | int):
-        raise _Invalid(f'"id" must be a string or an integer, got {_json_type(value)}')
+        raise _Invalid(f'"id" must be a string or an integer, got {_json_type(value)}', hint=_ID_HINT)
     if isinstance(value, str) and not value:
-        raise _Invalid('"id" must not be empty')
+        raise _Invalid('"id" must not be empty', hint=_ID_HINT)
     return value
 
 
@@ -122,17 +128,19 @@ def _json_type(value: object) -> str:
 def _read_int(obj: dict[str, Any], name: str) -> int:
     value = obj[name]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _Invalid(f'"{name}" must be an integer, got {_json_type(value)}')
+        raise _Invalid(
+            f'"{name}" must be an integer, got {_json_type(value)}', hint=f'write "{name}" as a whole number'
+        )
     return value
 
 
 def _read_float(obj: dict[str, Any], name: str) -> float:
     value = obj[name]
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _Invalid(f'"{name}" must be a number, got {_json_type(value)}')
+        raise _Invalid(f'"{name}" must be a number, got {_json_type(value)}', hint=f'write "{name}" as a number')
     # A literal like 1e999 parses to infinity, which no setting accepts.
     if not math.isfinite(value):
-        raise _Invalid(f'"{name}" must be a finite number, got {value}')
+        raise _Invalid(f'"{name}" must be a finite number, got {value}', hint=f'write "{name}" as a finite number')
     return float(value)
 
 
@@ -141,7 +149,7 @@ def _read_str(obj: dict[str, Any], name: str) -> str | None:
         return None
     value = obj[name]
     if not isinstance(value, str):
-        raise _Invalid(f'"{name}" must be a string, got {_json_type(value)}')
+        raise _Invalid(f'"{name}" must be a string, got {_json_type(value)}', hint=f'write "{name}" as a JSON string')
     return value
 
 
@@ -149,10 +157,10 @@ def _read_messages(obj: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     """Shape checks only; roles, order and content parts are checked by the chat format when rendering."""
     value = obj["messages"]
     if not isinstance(value, list) or not value:
-        raise _Invalid('"messages" must be a non-empty array of message objects')
+        raise _Invalid('"messages" must be a non-empty array of message objects', hint=_MESSAGES_HINT)
     for index, message in enumerate(value):
         if not isinstance(message, dict):
-            raise _Invalid(f'"messages"[{index}] must be an object, got {_json_type(message)}')
+            raise _Invalid(f'"messages"[{index}] must be an object, got {_json_type(message)}', hint=_MESSAGES_HINT)
     return tuple(value)
 
 
@@ -167,38 +175,50 @@ def _read_settings(obj: dict[str, Any], defaults: GenerationSettings) -> Generat
     try:
         return defaults.with_(**changes)
     except ChatappError as err:  # SettingsError: a value out of range
-        raise _Invalid(err.message) from None
+        raise _Invalid(err.message, hint=err.hint) from None
 
 
 def _parse_object(line: int, obj: dict[str, Any], defaults: BatchDefaults, request_id: RequestId) -> LineRequest:
     unknown = sorted(set(obj) - KNOWN_FIELDS)
     if unknown:
         names = ", ".join(f'"{name}"' for name in unknown)
-        raise _Invalid(f"unknown field(s) {names}; known fields: {', '.join(sorted(KNOWN_FIELDS))}")
+        raise _Invalid(
+            f"unknown field(s) {names}", hint=f"remove them; the known fields are {', '.join(sorted(KNOWN_FIELDS))}"
+        )
     has_prompt, has_messages = "prompt" in obj, "messages" in obj
     if has_prompt == has_messages:
-        raise _Invalid('give exactly one of "prompt" (a string) or "messages" (a chat message array)')
+        raise _Invalid(
+            'the line has both "prompt" and "messages"' if has_prompt else 'the line has no "prompt" or "messages"',
+            hint='give exactly one of "prompt" (a string) or "messages" (a chat message array)',
+        )
     prompt = _read_str(obj, "prompt") if has_prompt else None
+    if prompt is not None and (what := blank(prompt)) is not None:
+        raise _Invalid(f'"prompt" is {what}', hint="write what the model should answer")
     messages = _read_messages(obj) if has_messages else None
 
     samples = _read_int(obj, "samples") if "samples" in obj else defaults.samples
     if not 1 <= samples <= MAX_SAMPLES:
         shown = samples if len(str(samples)) <= 30 else f"a {len(str(samples))}-digit number"
-        raise _Invalid(f'"samples" must be between 1 and {MAX_SAMPLES}, got {shown}')
+        fix = "split the line into several lines" if samples > MAX_SAMPLES else "ask for 1 or more samples"
+        raise _Invalid(f'"samples" must be between 1 and {MAX_SAMPLES}, got {shown}', hint=fix)
 
     regex = _read_str(obj, "regex")
     json_schema = obj.get("json_schema")
     if json_schema is not None and not isinstance(json_schema, dict):
-        raise _Invalid(f'"json_schema" must be an object (a JSON Schema), got {_json_type(json_schema)}')
+        raise _Invalid(
+            f'"json_schema" must be an object (a JSON Schema), got {_json_type(json_schema)}',
+            hint='write the schema itself, e.g. {"type": "object"}',
+        )
     if regex is not None and json_schema is not None:
-        raise _Invalid('give at most one of "regex" or "json_schema"')
+        raise _Invalid('the line has both "regex" and "json_schema"', hint="keep one of them")
     try:  # size limits before anything compiles: a huge pattern fails here, in microseconds
         if regex is not None:
             check_regex_source(regex)
         if json_schema is not None:
             check_schema_source(json_schema)
     except ChatappError as err:
-        raise _Invalid(f'"{"regex" if regex is not None else "json_schema"}": {err.message}') from None
+        field_name = "regex" if regex is not None else "json_schema"
+        raise _Invalid(f'"{field_name}": {err.message}', hint=err.hint) from None
 
     program = _read_str(obj, "program") if "program" in obj else defaults.program
     return LineRequest(
@@ -221,8 +241,8 @@ def _check_unicode(obj: dict[str, Any]) -> None:
         index = find_lone_surrogate(text)
         if index is not None:
             raise _Invalid(
-                f"a string holds the lone surrogate \\u{ord(text[index]):04x}, which is not a Unicode character; "
-                "escape characters outside the BMP as surrogate pairs"
+                f"a string holds the lone surrogate \\u{ord(text[index]):04x}, which is not a Unicode character",
+                hint="escape characters outside the BMP as surrogate pairs",
             )
 
 
@@ -234,20 +254,22 @@ def parse_line(line: int, text: str | bytes, defaults: BatchDefaults) -> LineReq
             try:
                 text = text.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise _Invalid(f"not valid UTF-8 (byte {err.start + 1})") from None
+                raise _Invalid(f"not valid UTF-8 (byte {err.start + 1})", hint="save the input file as UTF-8") from None
         try:
             obj = json.loads(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as err:
-            raise _Invalid(f"invalid JSON: {err.msg} (column {err.colno})") from None
+            raise _Invalid(f"invalid JSON: {err.msg} (column {err.colno})", hint=_LINE_HINT) from None
         except RecursionError:
-            raise _Invalid("invalid JSON: arrays or objects nested too deeply for this reader") from None
+            raise _Invalid(
+                "invalid JSON: arrays or objects nested too deeply for this reader", hint="nest less deeply"
+            ) from None
         if not isinstance(obj, dict):
-            raise _Invalid(f"each line must be a JSON object, got {_json_type(obj)}")
+            raise _Invalid(f"each line must be a JSON object, got {_json_type(obj)}", hint=_LINE_HINT)
         _check_unicode(obj)
         request_id = _read_id(obj)
         return _parse_object(line, obj, defaults, request_id)
     except _Invalid as err:
-        return LineError(line=line, id=request_id, error=str(err))
+        return LineError(line=line, id=request_id, error=user_message(err).one_line())
 
 
 def parse_lines(lines: Iterable[str | bytes], defaults: BatchDefaults) -> Iterator[LineRequest | LineError]:
@@ -271,7 +293,10 @@ def parse_lines(lines: Iterable[str | bytes], defaults: BatchDefaults) -> Iterat
         key = id_key(parsed.id)
         if key in first_line_of:
             first = first_line_of[key]
-            yield LineError(line=number, id=parsed.id, error=f"duplicate id {key} (first used on line {first})")
+            duplicate = InputLineError(
+                f"duplicate id {key} (first used on line {first})", hint="give every line its own id"
+            )
+            yield LineError(line=number, id=parsed.id, error=user_message(duplicate).one_line())
             continue
         first_line_of[key] = number
         yield parsed

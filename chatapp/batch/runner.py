@@ -25,7 +25,7 @@ from chatapp.batch.records import row_record
 from chatapp.batch.requests import BatchDefaults, LineError, LineRequest, RequestId, parse_lines
 from chatapp.engine.events import Step
 from chatapp.engine.reply import Reply
-from chatapp.errors import ChatappError
+from chatapp.errors import ChatappError, user_message
 from chatapp.settings import GenerationSettings
 
 _MASK64 = 2**64 - 1
@@ -194,8 +194,12 @@ class _Run:
         self._settle(line, closes_line=sample is None)
 
 
-def _error_message(err: ChatappError) -> str:
-    return str(err).replace("\n  fix: ", "; fix: ")
+_UNFINISHED_ROW = user_message(
+    ChatappError(
+        "generation ended before this row finished",
+        hint="run that line again in a new batch (this is a chatapp bug: please report it)",
+    )
+).one_line()
 
 
 class RowGenerator:
@@ -258,7 +262,7 @@ class RowGenerator:
         for index in sorted(active):
             reply = replies[index]
             reply.finish_reason = "error"
-            reply.error = "generation ended before this row finished"
+            reply.error = _UNFINISHED_ROW
             yield index, reply
 
 
@@ -326,7 +330,7 @@ def run_batch(
                 try:
                     prepared = _prepare_jobs(preparer, item, pending[item.line])
                 except ChatappError as err:
-                    run.error(item.line, item.id, _error_message(err))
+                    run.error(item.line, item.id, user_message(err).one_line())
                 else:
                     yield from prepared
 
@@ -336,7 +340,7 @@ def run_batch(
         while chunk := list(islice(queue, max(1, options.batch_size))):
             for job, outcome in generator.run(chunk):
                 if isinstance(outcome, ChatappError):
-                    run.error(job.request.line, job.request.id, _error_message(outcome), sample=job.sample)
+                    run.error(job.request.line, job.request.id, user_message(outcome).one_line(), sample=job.sample)
                 else:
                     run.result(job, outcome)
     finally:

@@ -50,11 +50,17 @@ def parse_messages(messages: Sequence[Mapping[str, Any]]) -> list[Turn]:
     starting with a user. Errors name the message at fault so a bad JSONL line or history entry is easy to fix.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ConversationError(f"a conversation must be a list of messages, got {type(messages).__name__}")
+        raise ConversationError(
+            f"a conversation must be a list of messages, got {type(messages).__name__}",
+            hint='give a list of {"role": ..., "content": ...} messages',
+        )
     turns: list[Turn] = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ConversationError(f"message {index} must be a dict with 'role' and 'content', got {message!r:.80}")
+            raise ConversationError(
+                f"message {index} must be a dict with 'role' and 'content', got {message!r:.80}",
+                hint='give each message as {"role": ..., "content": ...}',
+            )
         role = message.get("role")
         if role not in ("system", "user", "assistant"):
             raise ConversationError(f"message {index} has role {role!r}", hint="use 'system', 'user' or 'assistant'")
@@ -80,7 +86,10 @@ def _parse_content(index: int, role: str, content: object) -> tuple[Part, ...]:
         return (Part("text", content),)
     if role != "assistant" or not isinstance(content, list):
         allowed = "a string or a list of parts" if role == "assistant" else "a string"
-        raise ConversationError(f"message {index} ({role}) content must be {allowed}, got {type(content).__name__}")
+        raise ConversationError(
+            f"message {index} ({role}) content must be {allowed}, got {type(content).__name__}",
+            hint="give the content as text",
+        )
     parts = []
     for part_index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
@@ -88,7 +97,7 @@ def _parse_content(index: int, role: str, content: object) -> tuple[Part, ...]:
         if kind not in PART_TYPES or not isinstance(text, str):
             raise ConversationError(
                 f"message {index} part {part_index} must be {{'type': one of {', '.join(PART_TYPES)}, "
-                f"'text': str}}, got {part!r:.80}"
+                f"'text': str}}, got {part!r:.80}", hint="give each part as {\"type\": \"text\", \"text\": ...}"
             )
         parts.append(Part(kind, text))
     return tuple(parts)
@@ -98,7 +107,9 @@ def _drop_trailing_assistant(turns: list[Turn]) -> list[Turn]:
     if turns and turns[-1].role == "assistant":
         turns = turns[:-1]
     if not turns or turns[-1].role != "user":
-        raise ConversationError("a conversation to complete must contain a user message")
+        raise ConversationError(
+            "a conversation to complete must contain a user message", hint="end the conversation with a user message"
+        )
     return turns
 
 

@@ -114,6 +114,8 @@ def _merge_system(turns: list[Turn]) -> list[Turn]:
     if not turns or turns[0].role != "system":
         return turns
     if len(turns) == 1:
-        raise ConversationError("a system message must be followed by a user message")
+        raise ConversationError(
+            "a system message must be followed by a user message", hint="add a user message after the system message"
+        )
     system, user, *rest = turns
     return [Turn("user", (Part("text", f"{system.text}\n\n{user.text}"),)), *rest]

@@ -115,7 +115,10 @@ class TemplateChatFormat(TokenizerText):
         )
         ids = [self.tokenizer.token_to_id(name) for name in names]
         if markers is not None and None in ids:
-            raise ModelDirError(f"{source}: the tool marker {names[ids.index(None)]!r} is not a token of the tokenizer")
+            raise ModelDirError(
+                f"{source}: the tool marker {names[ids.index(None)]!r} is not a token of the tokenizer",
+                hint="use the tokenizer the model was converted with, or fix the model's tool markers",
+            )
         self.tool_markers = markers
         self.supports_tools = markers is not None
         self.python_start_id, self.python_end_id, self.output_start_id, self.output_end_id = ids or (None,) * 4
@@ -272,7 +275,10 @@ class TemplateChatFormat(TokenizerText):
                 **self._variables,
             )
         except jinja2.TemplateError as err:  # includes the template's own raise_exception(...)
-            raise ConversationError(f"the {self._source} refused the conversation: {err}") from None
+            raise ConversationError(
+                f"the {self._source} refused the conversation: {err}",
+                hint="change the conversation as the template asks (roles, order)",
+            ) from None
 
     def _segments(self, turns: list[Turn], *, add_generation_prompt: bool) -> list[_Segment] | None:
         """Split the rendered conversation into template text and verbatim message contents, or None when the
@@ -316,7 +322,10 @@ class TemplateChatFormat(TokenizerText):
 def _tool_markers(value: object, source: Path) -> ToolMarkers:
     fields = ("call_start", "call_end", "output_end")
     if not isinstance(value, Mapping) or any(not isinstance(value.get(k), str) for k in fields):
-        raise ModelDirError(f"{source}: {TOOL_MARKERS_KEY!r} must be an object with string fields {', '.join(fields)}")
+        raise ModelDirError(
+            f"{source}: {TOOL_MARKERS_KEY!r} must be an object with string fields {', '.join(fields)}",
+            hint="fix that entry of the model's config, or convert the model again",
+        )
     opener = value.get("output_start")
     return ToolMarkers(
         value["call_start"], value["call_end"], opener if isinstance(opener, str) else None, value["output_end"]
@@ -363,7 +372,10 @@ def _compile_template(template: str, source: str) -> Any:
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as err:
-        raise ModelDirError(f"the {source} is not valid Jinja: {err} (line {err.lineno})") from None
+        raise ModelDirError(
+            f"the {source} is not valid Jinja: {err} (line {err.lineno})",
+            hint="fix the chat template, or convert the model again",
+        ) from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -374,7 +386,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ModelDirError(f"cannot read {path}: {err}", hint="restore the file from the checkpoint") from None
     if not isinstance(data, dict):
-        raise ModelDirError(f"{path} must hold a JSON object")
+        raise ModelDirError(f"{path} must hold a JSON object", hint="fix the file, or convert the model again")
     return data
 
 

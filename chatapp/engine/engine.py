@@ -136,7 +136,7 @@ class Engine:
         Input errors raise here, before the first step. Closing the returned generator frees everything.
         """
         if num_samples < 1:
-            raise SettingsError(f"num_samples must be >= 1, got {num_samples}")
+            raise SettingsError(f"num_samples must be >= 1, got {num_samples}", hint="ask for at least one sample")
         prompt_ids = [self._prompt_ids(p) for p in prompts]
         per_prompt = self._settings_per_prompt(settings, len(prompt_ids))
         if programs is not None:
@@ -197,7 +197,7 @@ class Engine:
         """Feed `segment` into a one-row `cache` that already holds `seen` tokens, and stream the answer. The
         cache is the caller's: it is grown in place and never compacted (chat sessions keep it between turns)."""
         if not segment:
-            raise ConversationError("a turn has no tokens to feed")
+            raise ConversationError("a turn has no tokens to feed", hint="give the turn some text")
         self._check_fits(0, seen, len(segment))
         row = self._new_row(0, request.settings, request.constraint, seen=seen)
         programs = None if request.program is None else [request.program]
@@ -225,7 +225,10 @@ class Engine:
         from chatapp.trie.constraint import Constraint
 
         if (regex is None) == (json_schema is None):
-            raise SettingsError("a constraint needs exactly one of a regex or a JSON schema")
+            raise SettingsError(
+                "a constraint needs exactly one of a regex or a JSON schema",
+                hint="pass either a regex or a JSON schema",
+            )
         end = self.chat_format.assistant_end_id
         if regex is not None:
             return Constraint.regex(regex, self.constraint_vocab, end)

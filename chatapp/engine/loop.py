@@ -57,7 +57,7 @@ from chatapp.engine.programs import ProgramRunner
 from chatapp.engine.protocols import ConstraintLike, ForwardOutput, KVCacheLike, ModelLike
 from chatapp.engine.sampling import SamplingParams, sample, sample_with_log_probs
 from chatapp.engine.tools import ForcedToken, ToolMachine
-from chatapp.errors import ChatappError, SettingsError
+from chatapp.errors import ChatappError, ContextOverflowError, SettingsError, user_message
 from chatapp.settings import GenerationSettings
 from chatapp.stt.config import routing_level, routing_levels
 
@@ -602,7 +602,7 @@ class DecodeLoop:
                 try:
                     row.constraint.consume(token)
                 except ChatappError as err:  # a forced token the grammar rejects: the row cannot go on
-                    finish, error = "error", err.message
+                    finish, error = "error", user_message(err).one_line()
             if item.source != "tool":  # the model's tokens and the program's both end turns and open tool calls
                 if token in row.stops:
                     finish = "stop"
@@ -628,7 +628,12 @@ class DecodeLoop:
             queued = row.tools is not None and bool(row.tools.queue)
             if row.seen >= self.context_size:
                 finish = "context"
-                error = f"the context is full ({self.context_size} tokens); the reply was cut here"
+                error = user_message(
+                    ContextOverflowError(
+                        f"the context is full ({self.context_size} tokens); the reply was cut here",
+                        hint="shorten the prompt (or the conversation) to leave the reply room",
+                    )
+                ).one_line()
             elif host.program is not None and host.program.halted[slot]:
                 finish = "program"
             elif not queued and row.sampled >= row.settings.max_tokens:

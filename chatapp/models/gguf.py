@@ -138,7 +138,10 @@ def _config(reader: Any, path: Path, arch: str, has_output: bool) -> dict[str, A
     heads = int(need("attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     if heads <= 0 or kv_heads <= 0 or hidden % heads or heads % kv_heads:
-        raise GGUFError(f"{path}: inconsistent attention shape (hidden {hidden}, heads {heads}, kv heads {kv_heads})")
+        raise GGUFError(
+            f"{path}: inconsistent attention shape (hidden {hidden}, heads {heads}, kv heads {kv_heads})",
+            hint="the file is damaged or not a supported model: download it again",
+        )
     tokens = _field(reader, "tokenizer.ggml.tokens")
     vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     return {
@@ -295,7 +298,10 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> GGUFModel:
         hf = _hf_name(tensor.name)
         if hf is None:
             if tensor.name == "rope_freqs.weight":  # llama 3.1 long-context scaling: not supported
-                raise GGUFError(f"{path} uses rope frequency scaling (rope_freqs), which chatapp does not support")
+                raise GGUFError(
+                    f"{path} uses rope frequency scaling (rope_freqs), which chatapp does not support",
+                    hint="convert a model without rope scaling (Llama 3.0, Qwen2, SmolLM2)",
+                )
             continue
         values = _dequantize(tensor, path)
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
@@ -324,7 +330,8 @@ def _tokenizer(reader: Any, path: Path, config: dict[str, Any]) -> GGUFTokenizer
         ) from None
     if built.size > config["vocab_size"]:
         raise GGUFError(
-            f"{path}: the tokenizer has {built.size} tokens, more than the model's vocabulary of {config['vocab_size']}"
+            f"{path}: the tokenizer has {built.size} tokens, more than the model's vocabulary of {config['vocab_size']}",
+            hint="the file is damaged or not a supported model: download it again",
         )
     return built
 
@@ -348,7 +355,8 @@ def convert_gguf(source: str | Path, target: str | Path, progress: Progress | No
     missing = [k for k in missing if not any(part in k for part in ROUTER_PARTS)]  # fresh routers are expected
     if missing or unexpected:
         raise GGUFError(
-            f"{source}: tensors do not match the architecture (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            f"{source}: tensors do not match the architecture (missing {missing[:3]}, unexpected {unexpected[:3]})",
+            hint="the file is damaged or not a supported model: download it again",
         )
     target.mkdir(parents=True, exist_ok=True)
     save_model(model, target)

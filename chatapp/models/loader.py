@@ -503,6 +503,11 @@ def check_model_dir(model_dir: Path, hint: str | None = None) -> None:
             hint=hint or "pass the path of a directory holding config.json, model.safetensors and tokenizer.json",
         )
     if not model_dir.is_dir():
+        if _is_gguf_file(model_dir):
+            raise ModelDirError(
+                f"{model_dir} is a GGUF file, not a model directory",
+                hint=f"convert it once with `chatapp convert {model_dir} DIR`, then pass --model DIR",
+            )
         raise ModelDirError(
             f"{model_dir} is a file, not a model directory", hint=hint or "pass the model's directory, not a file"
         )
@@ -517,6 +522,13 @@ def check_model_dir(model_dir: Path, hint: str | None = None) -> None:
             f"{model_dir} has no tokenizer.json",
             hint=hint or "copy tokenizer.json from the checkpoint (chatapp reads the fast-tokenizer file only)",
         )
+
+
+def _is_gguf_file(path: Path) -> bool:
+    """A regular file named .gguf or starting with GGUF's magic (a FIFO is never opened: that would block)."""
+    from chatapp.models.gguf import is_gguf
+
+    return path.is_file() and (path.suffix.lower() == ".gguf" or is_gguf(path))
 
 
 def _read_config(model_dir: Path, hint: str | None) -> dict[str, Any]:

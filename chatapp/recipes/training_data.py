@@ -89,7 +89,10 @@ def load_sequences(path: str | Path, tokenizer: Tokenizer, chat_format: AnyChatF
 def split_heldout(sequences: list[Sequence], fraction: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
     """(train, held-out): a seeded `fraction` of the sequences (at least one, never all) held out."""
     if len(sequences) < 2:
-        raise TrainingError("the corpus needs at least two conversations or documents to hold one out for evaluation")
+        raise TrainingError(
+            "the corpus needs at least two conversations or documents to hold one out for evaluation",
+            hint="add more conversations or documents, or pass --eval-corpus",
+        )
     order = list(range(len(sequences)))
     random.Random(seed).shuffle(order)
     count = min(max(1, round(fraction * len(sequences))), len(sequences) - 1)

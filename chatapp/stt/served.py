@@ -306,16 +306,25 @@ def read(directory: Path, device: torch.device | None = None) -> nn.Module:
         layout = json.loads(read_regular_bytes(directory / LAYOUT_FILE, 64 << 20))
         if not isinstance(layout, dict) or layout.get("format_version") != FORMAT_VERSION:
             found = layout.get("format_version") if isinstance(layout, dict) else None
-            raise ServedFormatError(f"{directory} holds format {found}, not {FORMAT_VERSION}")
+            raise ServedFormatError(
+                f"{directory} holds format {found}, not {FORMAT_VERSION}",
+                hint="it is rebuilt from the model: run the command again",
+            )
         with open_regular(weights) as fh:
             header = check_sums(fh, layout.get("checksums"), weights)
         if header.get("__metadata__", {}).get(_LAYOUT_CRC) != str(_layout_crc(layout)):
-            raise ServedFormatError(f"{directory / LAYOUT_FILE} is damaged: it does not match its checksum")
+            raise ServedFormatError(
+                f"{directory / LAYOUT_FILE} is damaged: it does not match its checksum",
+                hint="it is rebuilt from the model: run the command again",
+            )
         state = load_file(str(weights))
     except ServedFormatError:
         raise
     except (OSError, ValueError, SafetensorError, ChatappError) as err:
-        raise ServedFormatError(f"cannot read the stored weights in {directory}: {err}") from None
+        raise ServedFormatError(
+            f"cannot read the stored weights in {directory}: {err}",
+            hint="it is rebuilt from the model: run the command again",
+        ) from None
     try:
         model = STTForCausalLM.empty(STTConfig.from_dict(layout["config"]))
         with on_meta():
@@ -335,7 +344,10 @@ def read(directory: Path, device: torch.device | None = None) -> nn.Module:
     except ServedFormatError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as err:
-        raise ServedFormatError(f"the stored weights in {directory} do not describe a model: {err}") from None
+        raise ServedFormatError(
+            f"the stored weights in {directory} do not describe a model: {err}",
+            hint="it is rebuilt from the model: run the command again",
+        ) from None
     model.weight_format = layout["weight_format"]
     if device is not None and device.type != "cpu":
         model.to(device)

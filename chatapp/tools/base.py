@@ -169,7 +169,7 @@ class ToolRegistry:
         """Add a tool. Names must be unique, and so must (start marker, prefix) pairs, or a call would be
         ambiguous."""
         if tool.name in self._by_name:
-            raise ToolError(f"a tool named {tool.name!r} is already registered")
+            raise ToolError(f"a tool named {tool.name!r} is already registered", hint="give the tool another name")
         prefix = getattr(tool, "prefix", None)
         for other in self._by_name.values():
             if other.start_marker == tool.start_marker and getattr(other, "prefix", None) == prefix:

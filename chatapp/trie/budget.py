@@ -64,7 +64,7 @@ class _Meter:
         if self._ticks & 63:
             return
         if self.budget.cancel is not None and self.budget.cancel.is_set():
-            raise CompileCancelled(f"compiling {self.source} was cancelled")
+            raise CompileCancelled(f"compiling {self.source} was cancelled", hint="set the constraint again")
         if time.thread_time() > self.deadline:
             raise ConstraintError(
                 f"{self.source} took more than {self.budget.seconds:g} s of CPU time to compile (the limit)",

@@ -135,7 +135,10 @@ class Constraint:
     def consume(self, token: int) -> None:
         """Advance by one token (sampled or forced). `ConstraintError` if the token is not allowed here."""
         if self._ended:
-            raise ConstraintError(f"token {token} arrived after the end token; the constrained output is finished")
+            raise ConstraintError(
+                f"token {token} arrived after the end token; the constrained output is finished",
+                hint="end the constrained output at its end token",
+            )
         if token == self.end_token:
             if not self.is_accepting():
                 raise ConstraintError(

@@ -82,7 +82,10 @@ def _count(schema: dict[str, Any], key: str, where: str) -> int | None:
         return None
     value = schema[key]
     if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < 0:
-        raise ConstraintError(f"JSON schema at {where}: {key} must be a non-negative integer, got {json_literal(value)}")
+        raise ConstraintError(
+            f"JSON schema at {where}: {key} must be a non-negative integer, got {json_literal(value)}",
+            hint="use a whole number of 0 or more",
+        )
     if value > MAX_COUNT:
         raise ConstraintError(
             f"JSON schema at {where}: {key} is {int(value):,}, more than the limit of {MAX_COUNT:,}",
@@ -99,7 +102,10 @@ class _SchemaCompiler:
                 hint="give it a type, enum or const",
             )
         if not isinstance(schema, dict):
-            raise ConstraintError(f"JSON schema at {where} must be an object, got {json_literal(schema)}")
+            raise ConstraintError(
+                f"JSON schema at {where} must be an object, got {json_literal(schema)}",
+                hint="write each (sub)schema as a JSON object",
+            )
         if "const" in schema:
             self._check_keywords(schema, where, {"const"})
             return regex_literal(json_literal(schema["const"]))
@@ -107,14 +113,19 @@ class _SchemaCompiler:
             self._check_keywords(schema, where, {"enum", "type"})
             values = schema["enum"]
             if not isinstance(values, list) or not values:
-                raise ConstraintError(f"JSON schema at {where}: enum must be a non-empty list")
+                raise ConstraintError(
+                    f"JSON schema at {where}: enum must be a non-empty list",
+                    hint='list the allowed values, e.g. "enum": ["a", "b"]',
+                )
             return _alternatives([regex_literal(json_literal(v)) for v in values])
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 self._check_keywords(schema, where, {key})
                 options = schema[key]
                 if not isinstance(options, list) or not options:
-                    raise ConstraintError(f"JSON schema at {where}: {key} must be a non-empty list")
+                    raise ConstraintError(
+                        f"JSON schema at {where}: {key} must be a non-empty list", hint="list the alternative schemas"
+                    )
                 return _alternatives([self.compile(s, f"{where}/{key}/{i}") for i, s in enumerate(options)])
         kind = schema.get("type")
         if kind is None:
@@ -122,7 +133,10 @@ class _SchemaCompiler:
         kinds = kind if isinstance(kind, list) else [kind]
         unknown = [k for k in kinds if not isinstance(k, str) or k not in _KEYWORDS_BY_TYPE]
         if unknown:
-            raise ConstraintError(f"JSON schema at {where}: unsupported type {unknown[0]!r}")
+            raise ConstraintError(
+                f"JSON schema at {where}: unsupported type {unknown[0]!r}",
+                hint="use string, number, integer, boolean, null, object or array",
+            )
         allowed = {"type"}.union(*(_KEYWORDS_BY_TYPE[k] for k in kinds))
         self._check_keywords(schema, where, allowed)
         return _alternatives([self._typed(k, schema, where) for k in kinds])
@@ -152,14 +166,23 @@ class _SchemaCompiler:
             )
         properties = schema.get("properties", {})
         if not isinstance(properties, dict):
-            raise ConstraintError(f"JSON schema at {where}: properties must be an object")
+            raise ConstraintError(
+                f"JSON schema at {where}: properties must be an object",
+                hint='write properties as {"name": schema, ...}',
+            )
         required_list = schema.get("required", [])
         if not isinstance(required_list, list) or not all(isinstance(name, str) for name in required_list):
-            raise ConstraintError(f"JSON schema at {where}: required must be a list of property names")
+            raise ConstraintError(
+                f"JSON schema at {where}: required must be a list of property names",
+                hint='write required as ["name", ...]',
+            )
         required = set(required_list)
         missing = sorted(required - set(properties))
         if missing:
-            raise ConstraintError(f"JSON schema at {where}: required key {missing[0]!r} is not in properties")
+            raise ConstraintError(
+                f"JSON schema at {where}: required key {missing[0]!r} is not in properties",
+                hint="add it to properties, or drop it from required",
+            )
         members = [
             (
                 regex_literal(json_literal(name) + KEY_SEPARATOR) + self.compile(sub, f"{where}/properties/{name}"),
@@ -176,7 +199,9 @@ class _SchemaCompiler:
         low = _count(schema, "minItems", where) or 0
         high = _count(schema, "maxItems", where)
         if high is not None and high < low:
-            raise ConstraintError(f"JSON schema at {where}: maxItems is below minItems")
+            raise ConstraintError(
+                f"JSON schema at {where}: maxItems is below minItems", hint="make maxItems at least minItems"
+            )
         sep = regex_literal(ITEM_SEPARATOR)
         if high == 0:
             return r"\[\]"
@@ -193,7 +218,9 @@ def _repeat(unit: str, schema: dict[str, Any], low_key: str, high_key: str, wher
     low = _count(schema, low_key, where) or 0
     high = _count(schema, high_key, where)
     if high is not None and high < low:
-        raise ConstraintError(f"JSON schema at {where}: {high_key} is below {low_key}")
+        raise ConstraintError(
+            f"JSON schema at {where}: {high_key} is below {low_key}", hint="make the upper bound at least the lower one"
+        )
     if low == 0 and high is None:
         return unit + "*"
     return f"{unit}{{{low},{'' if high is None else high}}}"

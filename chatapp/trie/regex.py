@@ -257,7 +257,9 @@ def _compile_plain(pattern: str) -> ByteDFA:
     try:
         fsm = parsed.to_fsm()
     except interegular.Unsupported as err:
-        raise ConstraintError(f"regex {shown} is not supported: {err}") from None
+        raise ConstraintError(
+            f"regex {shown} is not supported: {err}", hint="write the regex without lookaround or backreferences"
+        ) from None
     transitions, accepting, start = _ByteTableBuilder(fsm).build()
     dfa = finish_dfa(transitions, accepting, start, source=f"regex {pattern!r}")
     if dfa.start == DEAD:

@@ -72,7 +72,7 @@ class _Compiler:
         """Stop the compile if it was cancelled or has used up its time (called between zones and tokenizations)."""
         name = self.source.file or self.source.name
         if self.budget.cancel is not None and self.budget.cancel.is_set():
-            raise ProgramCancelled(f"compiling program {name} was cancelled")
+            raise ProgramCancelled(f"compiling program {name} was cancelled", hint="load the program again")
         if time.thread_time() > self.deadline:
             raise self.error(
                 f"the program took more than {self.budget.seconds:g} s of CPU time to compile (the limit)",

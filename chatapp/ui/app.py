@@ -27,7 +27,7 @@ from textual.worker import Worker, WorkerCancelled, WorkerFailed, get_current_wo
 
 from chatapp.engine.events import Step, TokenEvent
 from chatapp.engine.reply import Reply
-from chatapp.errors import ChatappError
+from chatapp.errors import ChatappError, HistoryError, user_message
 from chatapp.settings import config_dir, data_dir, history_db_path
 from chatapp.tools.parts import content_text
 from chatapp.ui.backend import ChatBackend, StepStream
@@ -131,6 +131,9 @@ class ChatApp(App[None]):
     def on_mount(self) -> None:
         if getattr(self.store, "notice", None):
             self.notify(self.store.notice, severity="warning", timeout=15)
+        self.store.on_unsaved = self._history_unsaved
+        if (unsaved := getattr(self.store, "unsaved", None)) is not None:  # it could not be written from the start
+            self._history_unsaved(unsaved)
         self._panels = _Panels(
             self.query_one(Transcript),
             self.query_one(RoutingHeatmap),
@@ -186,10 +189,17 @@ class ChatApp(App[None]):
         )
 
     def _sub_title(self) -> str:
+        unsaved = " · history not saved" if getattr(self.store, "unsaved", None) is not None else ""
         if self.loading:
-            return f"{self.model_name} · loading the model…"
+            return f"{self.model_name} · loading the model…{unsaved}"
         program = self.backend.program
-        return f"{self.backend.info.name} · program: {program.name if program else 'none'}"
+        return f"{self.backend.info.name} · program: {program.name if program else 'none'}{unsaved}"
+
+    def _history_unsaved(self, err: HistoryError) -> None:
+        """The history database stopped taking writes: the conversation goes on in memory (the store's copy), and
+        the user is told at once and, in the header, for as long as it lasts."""
+        self.notify(user_message(err).text(), title="History not saved", severity="error", timeout=30)
+        self.sub_title = self._sub_title()
 
     @property
     def transcript(self) -> Transcript:
@@ -299,7 +309,7 @@ class ChatApp(App[None]):
         try:
             return open_stream()
         except ChatappError as err:
-            self.notify(str(err), title="Cannot answer", severity="error")
+            self.notify(user_message(err).text(), title="Cannot answer", severity="error")
             return None
 
     def _ensure_conversation(self, first_message: str) -> None:
@@ -360,7 +370,7 @@ class ChatApp(App[None]):
                     # process has a few steps in flight); an in-process stream simply ends here.
                     self.backend.cancel(stream)
         except ChatappError as err:
-            outcome, error = "error", str(err)
+            outcome, error = "error", user_message(err).one_line()
         finally:
             stream.close()  # a no-op once exhausted; frees the engine's batch otherwise
             self.post_message(GenerationEnded(generation, outcome, error))
@@ -472,7 +482,9 @@ class ChatApp(App[None]):
         try:
             self.backend.new_session(history or [])
         except ChatappError as err:
-            self.notify(str(err), title="Cannot start the conversation", severity="error", timeout=15)
+            self.notify(
+                user_message(err).text(), title="Cannot start the conversation", severity="error", timeout=15
+            )
             return False
         return True
 
@@ -609,9 +621,13 @@ class ChatApp(App[None]):
         if self.conversation_id is None:
             self.notify("Nothing to export yet.", severity="warning")
             return
-        markdown, data = export_conversation(
-            self.store.load(self.conversation_id), data_dir() / "exports", now=self.clock()
-        )
+        try:
+            markdown, data = export_conversation(
+                self.store.load(self.conversation_id), data_dir() / "exports", now=self.clock()
+            )
+        except ChatappError as err:  # the conversation stays on screen and in the history: only the files failed
+            self.notify(user_message(err).text(), title="Not exported", severity="error", timeout=15)
+            return
         self.notify(f"Exported to {markdown} and {data.name}.")
 
     def action_copy_answer(self) -> None:
@@ -657,7 +673,7 @@ class ChatApp(App[None]):
             for step in stream:
                 unrouted.extend(event for event in step.tokens if event.row == 0)
         except ChatappError as err:
-            self.call_from_thread(self.notify, str(err), title="Cannot compare", severity="error")
+            self.call_from_thread(self.notify, user_message(err).text(), title="Cannot compare", severity="error")
             return
         finally:
             stream.close()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
 from pathlib import Path
 from typing import Any
 
+from chatapp.errors import DataDirError
 from chatapp.tools.parts import MARKDOWN_WRAP, content_text
 from chatapp.ui.history import Conversation, StoredMessage
 
@@ -55,11 +57,22 @@ def _slug(title: str) -> str:
 
 
 def export_conversation(conversation: Conversation, directory: Path, *, now: float) -> tuple[Path, Path]:
-    """Write `<slug>-<time>.md` and `.json` into `directory`; returns both paths."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write `<slug>-<time>.md` and `.json` into `directory`; returns both paths. A directory that cannot be
+    written (read-only, disk full, a file in its place) is a `DataDirError`, and no half-written export is left."""
     stem = f"{_slug(conversation.summary.title)}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}"
     markdown = directory / f"{stem}.md"
     data = directory / f"{stem}.json"
-    markdown.write_text(to_markdown(conversation), encoding="utf-8")
-    data.write_text(json.dumps(to_json(conversation), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    new = [path for path in (markdown, data) if not path.exists()]  # the ones to remove again if this fails
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(to_markdown(conversation), encoding="utf-8")
+        data.write_text(json.dumps(to_json(conversation), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    except OSError as err:
+        for path in new:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        raise DataDirError(
+            f"cannot export the conversation to {directory}: {err.strerror or err}",
+            hint=f"free disk space or make {directory} writable, or set CHATAPP_HOME to a writable directory",
+        ) from None
     return markdown, data

@@ -8,17 +8,21 @@ message's content is written once, when it ends, and its pieces dropped.
 A message still marked `streaming` when read back was cut off and is reported as `interrupted`, unless its last
 stored token ends the answer (`answer_finished`: only the status write was lost). WAL mode keeps
 those small frequent commits cheap and lets a second instance read while one writes.
+
+A database that stops taking writes mid-session (made read-only, disk full, locked by another program) never costs
+the conversation: the store goes on in an in-memory copy and says so once (`HistoryStore.on_unsaved`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from chatapp.engine.events import TokenEvent, ToolEvent
 from chatapp.engine.reply import ContentPiece, parts_content
@@ -116,75 +120,154 @@ class Conversation:
     messages: list[StoredMessage]
 
 
-class HistoryStore:
-    """All access to the history database. Used from the UI thread only (sqlite3 connections are per thread)."""
+_T = TypeVar("_T")
 
-    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
+
+def storage_failure(err: sqlite3.Error) -> bool:
+    """Whether `err` is the storage's doing, not the query's: read-only (SQLITE_READONLY), disk full (SQLITE_FULL),
+    locked or busy past the timeout, an I/O error, a file damaged under the app. An integrity or programming error is
+    a bug and is not one of these."""
+    return type(err) in (sqlite3.OperationalError, sqlite3.DatabaseError)
+
+
+class HistoryStore:
+    """All access to the history database. Used from the UI thread only (sqlite3 connections are per thread).
+
+    Every query goes through `_use`: when the database fails under it (`storage_failure`), the store moves to an
+    in-memory copy of what it held, runs the query there, and goes on in memory until it is closed. `unsaved` then
+    says why (a `HistoryError` with its fix), and `on_unsaved`, when set, is called with it once.
+    """
+
+    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time, timeout: float = 5.0) -> None:
         self.path = Path(path)
         self._clock = clock
         self.notice: str | None = None  # set by `open_history` when it moved a damaged database aside
+        self.unsaved: HistoryError | None = None
+        self.on_unsaved: Callable[[HistoryError], None] | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path)
-            self._db.row_factory = sqlite3.Row
-            self._db.execute("PRAGMA journal_mode=WAL")
-            # NORMAL is durable against a killed process (what we guard against) without an fsync per batch.
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA)
-            self._db.commit()
-        except (OSError, sqlite3.Error) as err:
+            self._db = self._open(timeout)
+        except sqlite3.Error as err:
+            if not storage_failure(err):
+                raise HistoryError(
+                    f"cannot open the history database {self.path}: {err}",
+                    hint="pass --db with another file path (a new one is created), or move this one away",
+                ) from None
+            # It cannot be written (read-only, full, locked): the session starts in memory, with what it holds.
+            self._db = _readable(self.path)
+            self._go_on_in_memory(err)
+        except OSError as err:  # its directory cannot be made: more likely a wrong --db than a full disk
             raise HistoryError(
                 f"cannot open the history database {self.path}: {err}",
                 hint="pass --db with a writable file path, or fix the permissions",
             ) from None
 
+    def _open(self, timeout: float) -> sqlite3.Connection:
+        # `timeout`: how long a write waits for another instance's transaction before the store goes on in memory.
+        db = sqlite3.connect(self.path, timeout=timeout)
+        try:
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL is durable against a killed process (what we guard against) without an fsync per batch.
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            db.executescript(_SCHEMA)
+            db.commit()
+        except sqlite3.Error:
+            db.close()
+            raise
+        return db
+
     def close(self) -> None:
         self._db.close()
+
+    def _use(self, query: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run `query` in one transaction, on disk while the database takes it and in memory after it failed."""
+        try:
+            with self._db:
+                return query(self._db)
+        except sqlite3.Error as err:
+            if self.unsaved is not None or not storage_failure(err):
+                raise
+            self._go_on_in_memory(err)
+        with self._db:
+            return query(self._db)
+
+    def _go_on_in_memory(self, err: sqlite3.Error) -> None:
+        """Move to an in-memory copy of the database (its committed rows, so ids go on; an empty one when even
+        reading fails) and say why."""
+        memory = sqlite3.connect(":memory:")
+        memory.row_factory = sqlite3.Row
+        try:
+            self._db.backup(memory)
+        except sqlite3.Error:
+            pass  # not even readable: rows the app refers to stayed on disk, so none can be required here
+        else:
+            memory.execute("PRAGMA foreign_keys=ON")
+        memory.executescript(_SCHEMA)
+        with contextlib.suppress(sqlite3.Error):
+            self._db.close()
+        self._db = memory
+        self.unsaved = HistoryError(
+            f"the history database {self.path} cannot be written ({err}); this session is kept in memory only and "
+            "is lost when the app closes",
+            hint="export the conversation now (ctrl+s), then free disk space or fix the file's permissions, or pass "
+            "--db with a writable file next time",
+        )
+        if self.on_unsaved is not None:
+            self.on_unsaved(self.unsaved)
 
     # --- conversations ------------------------------------------------------------------------------------------
     def create_conversation(self, title: str, *, model: str = "", program: str | None = None) -> int:
         now = self._clock()
-        with self._db:
-            cursor = self._db.execute(
+        cursor = self._use(
+            lambda db: db.execute(
                 "INSERT INTO conversations (title, model, program, created, updated) VALUES (?, ?, ?, ?, ?)",
                 (title, model, program, now, now),
             )
+        )
         return int(cursor.lastrowid or 0)
 
     def list_conversations(self) -> list[ConversationSummary]:
-        rows = self._db.execute(
-            """SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS n
-               FROM conversations c ORDER BY c.updated DESC, c.id DESC"""
-        ).fetchall()
+        rows = self._use(
+            lambda db: db.execute(
+                """SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS n
+                   FROM conversations c ORDER BY c.updated DESC, c.id DESC"""
+            ).fetchall()
+        )
         return [self._summary(row) for row in rows]
 
     def rename(self, conversation_id: int, title: str) -> None:
-        with self._db:
-            self._db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
+        self._use(lambda db: db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id)))
 
     def set_program(self, conversation_id: int, program: str | None) -> None:
-        with self._db:
-            self._db.execute("UPDATE conversations SET program = ? WHERE id = ?", (program, conversation_id))
+        self._use(
+            lambda db: db.execute("UPDATE conversations SET program = ? WHERE id = ?", (program, conversation_id))
+        )
 
     def delete(self, conversation_id: int) -> None:
-        with self._db:
-            self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+        self._use(lambda db: db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,)))
 
     def load(self, conversation_id: int) -> Conversation:
-        row = self._db.execute(
+        conversation = self._use(lambda db: self._load(db, conversation_id))
+        if conversation is None:
+            raise KeyError(conversation_id)
+        return conversation
+
+    def _load(self, db: sqlite3.Connection, conversation_id: int) -> Conversation | None:
+        row = db.execute(
             """SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS n
                FROM conversations c WHERE c.id = ?""",
             (conversation_id,),
         ).fetchone()
         if row is None:
-            raise KeyError(conversation_id)
+            return None
         messages = []
-        for m in self._db.execute(
+        for m in db.execute(
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY position", (conversation_id,)
         ).fetchall():
-            tokens = self._tokens(m["id"])
-            content = self._pieces_content(m["id"])
+            tokens = _tokens(db, m["id"])
+            content = _pieces_content(db, m["id"])
             status = m["status"]
             if status == "streaming":
                 status = "complete" if answer_finished(tokens) else "interrupted"
@@ -201,9 +284,11 @@ class HistoryStore:
 
     def recent_prompts(self, limit: int = 200) -> list[str]:
         """The user's last prompts across all conversations, oldest first (seeds the input's up/down history)."""
-        rows = self._db.execute(
-            "SELECT content FROM messages WHERE role = 'user' ORDER BY created DESC, id DESC LIMIT ?", (limit,)
-        ).fetchall()
+        rows = self._use(
+            lambda db: db.execute(
+                "SELECT content FROM messages WHERE role = 'user' ORDER BY created DESC, id DESC LIMIT ?", (limit,)
+            ).fetchall()
+        )
         prompts = [json.loads(row["content"]) for row in reversed(rows)]
         return [p for p in prompts if isinstance(p, str)]
 
@@ -217,17 +302,20 @@ class HistoryStore:
         status: MessageStatus = "complete",
     ) -> int:
         now = self._clock()
-        with self._db:
-            (position,) = self._db.execute(
+
+        def add(db: sqlite3.Connection) -> sqlite3.Cursor:
+            (position,) = db.execute(
                 "SELECT COALESCE(MAX(position) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,)
             ).fetchone()
-            cursor = self._db.execute(
+            cursor = db.execute(
                 "INSERT INTO messages (conversation_id, position, role, content, status, created)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 (conversation_id, position, role, json.dumps(content), status, now),
             )
-            self._touch(conversation_id, now)
-        return int(cursor.lastrowid or 0)
+            db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+            return cursor
+
+        return int(self._use(add).lastrowid or 0)
 
     def append_tokens(
         self,
@@ -238,54 +326,38 @@ class HistoryStore:
     ) -> None:
         """Append a batch of an answer's tokens and the content it added (`Reply.pieces_since`), in one
         transaction."""
-        with self._db:
-            self._db.executemany(
+
+        def append(db: sqlite3.Connection) -> None:
+            db.executemany(
                 "INSERT OR REPLACE INTO tokens VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [_token_row(message_id, first_position + i, event) for i, event in enumerate(events)],
             )
             if pieces:
-                (seq,) = self._db.execute(
+                (seq,) = db.execute(
                     "SELECT COALESCE(MAX(seq) + 1, 0) FROM content_pieces WHERE message_id = ?", (message_id,)
                 ).fetchone()
-                self._db.executemany(
+                db.executemany(
                     "INSERT INTO content_pieces VALUES (?, ?, ?, ?, ?)",
                     [(message_id, seq + i, p.part, p.type, p.text) for i, p in enumerate(pieces)],
                 )
 
+        self._use(append)
+
     def finish_message(self, message_id: int, status: MessageStatus, content: Content | None = None) -> None:
         """Set the message's status; with `content`, write its final content (once) in place of its pieces."""
-        with self._db:
+
+        def finish(db: sqlite3.Connection) -> None:
             if content is not None:
-                self._db.execute("UPDATE messages SET content = ? WHERE id = ?", (json.dumps(content), message_id))
-                self._db.execute("DELETE FROM content_pieces WHERE message_id = ?", (message_id,))
-            self._db.execute("UPDATE messages SET status = ? WHERE id = ?", (status, message_id))
+                db.execute("UPDATE messages SET content = ? WHERE id = ?", (json.dumps(content), message_id))
+                db.execute("DELETE FROM content_pieces WHERE message_id = ?", (message_id,))
+            db.execute("UPDATE messages SET status = ? WHERE id = ?", (status, message_id))
+
+        self._use(finish)
 
     def delete_message(self, message_id: int) -> None:
-        with self._db:
-            self._db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+        self._use(lambda db: db.execute("DELETE FROM messages WHERE id = ?", (message_id,)))
 
     # --- internals ----------------------------------------------------------------------------------------------
-    def _touch(self, conversation_id: int, now: float) -> None:
-        self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
-
-    def _pieces_content(self, message_id: int) -> Content | None:
-        """A message's content rebuilt from its appended pieces (None: it has none, `messages.content` holds it)."""
-        rows = self._db.execute(
-            "SELECT part, type, text FROM content_pieces WHERE message_id = ? ORDER BY seq", (message_id,)
-        ).fetchall()
-        if not rows:
-            return None
-        parts: list[dict[str, str]] = []
-        for row in rows:
-            if row["part"] >= len(parts):
-                parts.append({"type": row["type"], "text": ""})
-            parts[row["part"]]["text"] += row["text"]
-        return parts_content(parts)
-
-    def _tokens(self, message_id: int) -> list[TokenEvent]:
-        rows = self._db.execute("SELECT * FROM tokens WHERE message_id = ? ORDER BY position", (message_id,))
-        return [_token_event(row) for row in rows]
-
     @staticmethod
     def _summary(row: sqlite3.Row) -> ConversationSummary:
         return ConversationSummary(
@@ -297,6 +369,40 @@ class HistoryStore:
             updated=row["updated"],
             messages=row["n"],
         )
+
+
+def _pieces_content(db: sqlite3.Connection, message_id: int) -> Content | None:
+    """A message's content rebuilt from its appended pieces (None: it has none, `messages.content` holds it)."""
+    rows = db.execute(
+        "SELECT part, type, text FROM content_pieces WHERE message_id = ? ORDER BY seq", (message_id,)
+    ).fetchall()
+    if not rows:
+        return None
+    parts: list[dict[str, str]] = []
+    for row in rows:
+        if row["part"] >= len(parts):
+            parts.append({"type": row["type"], "text": ""})
+        parts[row["part"]]["text"] += row["text"]
+    return parts_content(parts)
+
+
+def _tokens(db: sqlite3.Connection, message_id: int) -> list[TokenEvent]:
+    rows = db.execute("SELECT * FROM tokens WHERE message_id = ? ORDER BY position", (message_id,))
+    return [_token_event(row) for row in rows]
+
+
+def _readable(path: Path) -> sqlite3.Connection:
+    """A read-only connection to what `path` holds, to copy into memory when it cannot be written. A WAL database in
+    a directory that cannot be written is read as immutable (its shared-memory file cannot be made; nobody can be
+    writing it either)."""
+    for flags in ("mode=ro", "mode=ro&immutable=1"):
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?{flags}", uri=True, timeout=0)  # writes waited already
+        try:
+            db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            return db
+        except sqlite3.Error:
+            db.close()
+    return sqlite3.connect(":memory:")
 
 
 def _token_row(message_id: int, position: int, event: TokenEvent) -> tuple[Any, ...]:
@@ -349,7 +455,7 @@ _COLUMNS = {
 }
 
 
-def history_problem(path: Path) -> tuple[str, str] | None:
+def history_problem(path: Path, *, timeout: float = 5.0) -> tuple[str, str] | None:
     """Why `path` cannot be used as this app's history, without changing it: ("damaged" | "foreign", detail), or
     None when it is fine (missing, empty, or a history database)."""
     try:
@@ -358,11 +464,16 @@ def history_problem(path: Path) -> tuple[str, str] | None:
         with path.open("rb") as handle:
             header = handle.read(len(SQLITE_HEADER))
     except OSError as err:
-        raise HistoryError(f"cannot read the history database {path}: {err.strerror}") from None
+        raise HistoryError(
+            f"cannot read the history database {path}: {err.strerror}",
+            hint="pass --db with a readable file, or fix the permissions",
+        ) from None
     if header != SQLITE_HEADER:
         return "damaged", "it is not an SQLite database"
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout)
+    except sqlite3.OperationalError:
+        return None  # it cannot be opened here (permissions, a lock), which is not damage: the store goes on in memory
     except sqlite3.Error as err:
         return "damaged", str(err)
     try:
@@ -378,14 +489,20 @@ def history_problem(path: Path) -> tuple[str, str] | None:
             columns = {row[1] for row in db.execute(f'PRAGMA table_info("{table}")')}
             if missing := sorted(_COLUMNS[table] - columns):
                 return "foreign", f"its table {table!r} has no column {missing[0]!r}"
+    except sqlite3.OperationalError:
+        return None  # read-only without its shared-memory file, or locked: not damage (see above)
     except sqlite3.Error as err:
         return "damaged", str(err)
+    except UnicodeDecodeError:  # SQLite's report on a damaged file quoted bytes that are not text
+        return "damaged", "SQLite's integrity check reports damage it cannot name"
     finally:
         db.close()
     return None
 
 
-def open_history(path: Path, *, clock: Callable[[], float] = time.time, move_aside: bool = True) -> HistoryStore:
+def open_history(
+    path: Path, *, clock: Callable[[], float] = time.time, move_aside: bool = True, timeout: float = 5.0
+) -> HistoryStore:
     """The history store at `path`, never deleting or overwriting what is there.
 
     A directory, or another program's SQLite database, is refused with the fix. A damaged file (not SQLite, failing
@@ -399,7 +516,7 @@ def open_history(path: Path, *, clock: Callable[[], float] = time.time, move_asi
             f"the history database {path} is a directory",
             hint="pass --db with a file path, or move the directory away",
         )
-    problem = history_problem(path)
+    problem = history_problem(path, timeout=timeout)
     notice = None
     if problem is not None:
         kind, detail = problem
@@ -420,6 +537,6 @@ def open_history(path: Path, *, clock: Callable[[], float] = time.time, move_asi
                 hint=f"move {path} away yourself, or pass --db with another file",
             ) from None
         notice = f"the history database {path} was damaged ({detail}); it was moved to {moved} and a new one started"
-    store = HistoryStore(path, clock=clock)
+    store = HistoryStore(path, clock=clock, timeout=timeout)
     store.notice = notice
     return store

@@ -120,7 +120,9 @@ class ProcessBackend(BackendState):
             if self._start_error is not None:
                 raise self._start_error
             if self._closed:
-                raise ChatappError("the engine process was closed before the model was loaded")
+                raise ChatappError(
+                    "the engine process was closed before the model was loaded", hint="start the app again"
+                )
             now = time.monotonic()
             if now >= self._deadline:
                 self._fail_start(
@@ -394,7 +396,15 @@ def serve(
         conn.send(("error", err))
         return
     except Exception as err:  # anything else is reported as a model-directory problem
-        conn.send(("error", ModelDirError(f"cannot load {model_dir}: {type(err).__name__}: {err}")))
+        conn.send(
+            (
+                "error",
+                ModelDirError(
+                    f"cannot load {model_dir}: {type(err).__name__}: {err}",
+                    hint="check the model directory (`chatapp generate --model DIR hi` shows the same error in full)",
+                ),
+            )
+        )
         return
     conn.send(("ok", (backend.info, backend.settings, tuple(backend.builtin_programs()), backend.program)))
     # Work the first replies would otherwise wait for, done while the user writes: the tool grammar's index
@@ -418,7 +428,15 @@ def serve(
         if method == "cancel":  # arrived after the stream had already ended: nothing left to stop
             continue
         if method not in _GENERATING | _CALLS:
-            conn.send(("error", ChatappError(f"unknown engine request {method!r}")))
+            conn.send(
+                (
+                    "error",
+                    ChatappError(
+                        f"unknown engine request {method!r}",
+                        hint="this is a chatapp bug: please report it with the engine log (F1 shows its path)",
+                    ),
+                )
+            )
             continue
         try:
             if method == "switch_program":
@@ -429,7 +447,15 @@ def serve(
             conn.send(("error", err))
             continue
         except Exception as err:  # an engine bug refuses this call; it does not stop the process
-            conn.send(("error", ChatappError(f"the engine failed: {type(err).__name__}: {err}")))
+            conn.send(
+                (
+                    "error",
+                    ChatappError(
+                        f"the engine failed: {type(err).__name__}: {err}",
+                        hint="this is a chatapp bug: please report it with the engine log (F1 shows its path)",
+                    ),
+                )
+            )
             continue
         if method in _CALLS:
             conn.send(("ok", result))
@@ -507,7 +533,15 @@ def _pump(conn: Connection, backend: Any, stream: StepStream) -> None:
         return
     except Exception as err:  # an engine bug ends this answer, not the process or the app
         flush()
-        conn.send(("error", ChatappError(f"the engine failed: {type(err).__name__}: {err}")))
+        conn.send(
+            (
+                "error",
+                ChatappError(
+                    f"the engine failed: {type(err).__name__}: {err}",
+                    hint="this is a chatapp bug: please report it with the engine log (F1 shows its path)",
+                ),
+            )
+        )
         return
     finally:
         stream.close()
@@ -516,9 +550,15 @@ def _pump(conn: Connection, backend: Any, stream: StepStream) -> None:
 
 
 def _redirect_output(log_path: str) -> None:
-    """Point this process's stdout and stderr (the file descriptors, so C++ and child output follow) at the log."""
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    """Point this process's stdout and stderr (the file descriptors, so C++ and child output follow) at the log.
+
+    A log that cannot be written (read-only or full data directory, a directory in its place) costs the log, not
+    the engine: its output is dropped rather than drawn over the TUI's screen."""
+    try:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        fd = os.open(os.devnull, os.O_WRONLY)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)

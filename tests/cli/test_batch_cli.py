@@ -338,5 +338,9 @@ def test_a_bad_logprobs_value_is_an_error_record(model_dir: Path) -> None:
     result = _batch(model_dir, "-", input=stdin)
     assert result.exit_code == 1
     (record,) = _records(result.stdout)
-    assert record == {"id": "x", "line": 1, "error": "logprobs must be between 0 and 20, got 50"}
+    assert record == {
+        "id": "x",
+        "line": 1,
+        "error": "logprobs must be between 0 and 20, got 50; fix: use 0 for none, or up to 20 alternatives per token",
+    }
     assert "Traceback" not in result.output

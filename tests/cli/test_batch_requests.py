@@ -85,7 +85,7 @@ def test_line_fields_override_the_defaults() -> None:
         ('{"id": 1, "prompt": "a", "logprobs": "5"}', 1, '"logprobs" must be an integer, got a string'),
         ('{"id": 1, "prompt": "a", "regex": ["x"]}', 1, '"regex" must be a string'),
         ('{"id": 1, "prompt": "a", "json_schema": "obj"}', 1, '"json_schema" must be an object'),
-        ('{"id": 1, "prompt": "a", "regex": "x", "json_schema": {}}', 1, 'at most one of "regex" or "json_schema"'),
+        ('{"id": 1, "prompt": "a", "regex": "x", "json_schema": {}}', 1, 'both "regex" and "json_schema"'),
     ],
 )
 def test_each_kind_of_bad_line_is_an_error_with_its_reason(text: str, expected_id: object, reason: str) -> None:
@@ -120,7 +120,7 @@ def test_a_repeated_id_is_an_error_on_the_later_line() -> None:
     assert isinstance(second, LineRequest)
     assert isinstance(third, LineError)
     assert third.id == 1
-    assert third.error == "duplicate id 1 (first used on line 1)"
+    assert third.error == "duplicate id 1 (first used on line 1); fix: give every line its own id"
 
 
 @given(st.text(max_size=60))
@@ -129,7 +129,10 @@ def test_arbitrary_text_never_raises(text: str) -> None:
 
 
 _valid_lines = st.fixed_dictionaries(
-    {"id": st.one_of(st.integers(), st.text(min_size=1, max_size=8)), "prompt": st.text(max_size=20)},
+    {
+        "id": st.one_of(st.integers(), st.text(min_size=1, max_size=8)),
+        "prompt": st.text(min_size=1, max_size=20).filter(str.strip),  # an empty prompt is an error
+    },
     optional={
         "samples": st.integers(1, 8),
         "temperature": st.floats(0, 4, allow_nan=False),

@@ -230,7 +230,15 @@ def test_resume_skips_done_samples_and_repeats_no_known_error() -> None:
     # Pretend the run was killed after line 0 and one sample of line 2 were written, and the error record.
     kept = {(k, s) for k, s in done if k == "0" or (k == "2" and s == 1)}
     existing = ExistingOutput(
-        done=kept, errors={(4, None, "invalid JSON: Expecting property name enclosed in double quotes (column 2)")}
+        done=kept,
+        errors={
+            (
+                4,
+                None,
+                "invalid JSON: Expecting property name enclosed in double quotes (column 2); "
+                'fix: write each line as one JSON object, e.g. {"id": 1, "prompt": "Hi"}',
+            )
+        },
     )
     rest, summary = _run(lines, existing=existing)
     assert sorted((r["id"], r["sample"]) for r in rest) == [(1, 0), (1, 1), (2, 0), (2, 2)]

@@ -235,6 +235,19 @@ def test_the_engine_process_output_goes_to_the_log_appended(tmp_path: Path) -> N
     assert set(lines[1:]) == {"from python stdout", "from python stderr", "from fd 2 (C++ code writes here)"}
 
 
+def test_an_engine_log_that_cannot_be_written_costs_only_the_log(tmp_path: Path, capfd) -> None:
+    """A directory where the log should be: the engine runs on, its output dropped, none of it on the terminal."""
+    log = tmp_path / "engine.log"
+    log.mkdir()
+    child = multiprocessing.get_context("spawn").Process(target=_print_everywhere, args=(str(log),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert list(log.iterdir()) == []
+    shown = capfd.readouterr()
+    assert "from" not in shown.out + shown.err  # the terminal the TUI draws on got none of it
+
+
 @pytest.mark.asyncio
 async def test_the_app_on_an_engine_process(routed_model_dir: Path, local: EngineBackend, tmp_path: Path) -> None:
     """`chatapp run`'s default: make_app spawns the engine process; the TUI shows what the engine generates."""

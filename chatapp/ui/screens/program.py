@@ -99,7 +99,10 @@ class ProgramScreen(ModalScreen[ProgramChoice | None]):
             self.post_message(self.Compiled(cancel, None, err))
             return
         except Exception as err:  # a bug: reported in the dialog rather than leaving it "compiling" for ever
-            failure = ChatappError(f"loading {name_or_path} failed: {type(err).__name__}: {err}")
+            failure = ChatappError(
+                f"loading {name_or_path} failed: {type(err).__name__}: {err}",
+                hint="this is a chatapp bug: please report it; pick another program meanwhile",
+            )
             self.post_message(self.Compiled(cancel, None, failure))
             return
         self.post_message(self.Compiled(cancel, program, None))

@@ -16,7 +16,7 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
-from chatapp.errors import ChatappError, SettingsError
+from chatapp.errors import ChatappError, SettingsError, user_message
 from chatapp.settings import GenerationSettings
 from chatapp.ui.backend import ChatBackend
 from chatapp.ui.screens import match_cursor_blink
@@ -153,7 +153,7 @@ class SettingsScreen(ModalScreen[SettingsChoice | None]):
 
     def show_error(self, err: ChatappError) -> None:
         error = self.query_one("#error", Static)
-        error.update(str(err))
+        error.update(user_message(err).text())
         error.display = True
 
     @on(Button.Pressed, "#cancel")
