@@ -54,8 +54,14 @@ _FUSED = (".qkv_proj", ".gate_up_proj", ".kv_proj")  # the last: an STT layer's 
 ALIGNMENT = 64
 _PAD = "__padding__."
 _SAFETENSORS_DTYPES = {
-    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8",
-    torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
 }
 LAYOUT_FILE = "layout.json"
 # What an entry was built from: its sources' stamp and content digest (`ServedEntry`), rewritten when a load finds
@@ -308,14 +314,14 @@ def read(directory: Path, device: torch.device | None = None) -> nn.Module:
             found = layout.get("format_version") if isinstance(layout, dict) else None
             raise ServedFormatError(
                 f"{directory} holds format {found}, not {FORMAT_VERSION}",
-                hint="it is rebuilt from the model: run the command again",
+                hint=REBUILT,
             )
         with open_regular(weights) as fh:
             header = check_sums(fh, layout.get("checksums"), weights)
         if header.get("__metadata__", {}).get(_LAYOUT_CRC) != str(_layout_crc(layout)):
             raise ServedFormatError(
                 f"{directory / LAYOUT_FILE} is damaged: it does not match its checksum",
-                hint="it is rebuilt from the model: run the command again",
+                hint=REBUILT,
             )
         state = load_file(str(weights))
     except ServedFormatError:
@@ -376,8 +382,11 @@ def write_aligned_safetensors(
             offset += gap
         tensor = state[name].detach().contiguous().cpu()
         size = tensor.numel() * tensor.element_size()
-        entries[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                         "data_offsets": [offset, offset + size]}
+        entries[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         chunks.append((name, tensor))
         offset += size
     header = json.dumps(entries, separators=(",", ":")).encode()
@@ -394,6 +403,10 @@ def write_aligned_safetensors(
     return {"algorithm": "crc32", "header": zlib.crc32(header), "tensors": sums}
 
 
+# What a damaged stored model's error says to do: loading rebuilds it from its source model (`served_model`).
+REBUILT = "it is rebuilt from the model: run the command again"
+
+
 def check_sums(fh: Any, checksums: Any, path: Path) -> dict[str, Any]:
     """Check the safetensors file open as `fh` (at `path`, for the message) against the `checksums` that
     `write_aligned_safetensors` returned, and return its header; `ServedFormatError` naming the file and the
@@ -402,25 +415,27 @@ def check_sums(fh: Any, checksums: Any, path: Path) -> dict[str, Any]:
     The file is memory-mapped for the check, and the pages already checked are handed back as it goes, so it
     adds no resident memory; what it costs is one CRC-32 pass (measured in the module docstring)."""
     if not isinstance(checksums, dict) or checksums.get("algorithm") != "crc32":
-        raise ServedFormatError(f"{path} has no checksums to check it against")
+        raise ServedFormatError(f"{path} has no checksums to check it against", hint=REBUILT)
     size = os.fstat(fh.fileno()).st_size
     if size < 8:
-        raise ServedFormatError(f"{path} is damaged: it is {size} bytes long")
+        raise ServedFormatError(f"{path} is damaged: it is {size} bytes long", hint=REBUILT)
     with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         view = memoryview(mapped)
         try:
             length = int.from_bytes(view[:8], "little")
             if 8 + length > size or zlib.crc32(view[: 8 + length]) != checksums.get("header"):
-                raise ServedFormatError(f"{path} is damaged: its header does not match its checksum")
+                raise ServedFormatError(f"{path} is damaged: its header does not match its checksum", hint=REBUILT)
             header = json.loads(bytes(view[8 : 8 + length]))
             stored = {name for name in header if name != "__metadata__" and not name.startswith(_PAD)}
             if set(checksums["tensors"]) != stored:
-                raise ServedFormatError(f"{path} is damaged: its checksums do not cover its tensors")
+                raise ServedFormatError(f"{path} is damaged: its checksums do not cover its tensors", hint=REBUILT)
             base, released = 8 + length, 0
             for name, expected in checksums["tensors"].items():
                 start, end = (base + offset for offset in header[name]["data_offsets"])
                 if end > size:
-                    raise ServedFormatError(f"{path} is damaged: tensor {name} ends past the end of the file")
+                    raise ServedFormatError(
+                        f"{path} is damaged: tensor {name} ends past the end of the file", hint=REBUILT
+                    )
                 crc = 0
                 for low in range(start, end, _RELEASE_BYTES):
                     high = min(end, low + _RELEASE_BYTES)
@@ -430,9 +445,13 @@ def check_sums(fh: Any, checksums: Any, path: Path) -> dict[str, Any]:
                         mapped.madvise(mmap.MADV_DONTNEED, released, upto - released)
                         released = upto
                 if crc != expected:
-                    raise ServedFormatError(f"{path} is damaged: tensor {name} does not match its checksum")
+                    raise ServedFormatError(
+                        f"{path} is damaged: tensor {name} does not match its checksum", hint=REBUILT
+                    )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise ServedFormatError(f"{path} is damaged: its checksums do not describe it ({err})") from None
+            raise ServedFormatError(
+                f"{path} is damaged: its checksums do not describe it ({err})", hint=REBUILT
+            ) from None
         finally:
             view.release()
     return header
@@ -478,7 +497,7 @@ def _empty_module(name: str, spec: dict[str, Any], state: dict[str, torch.Tensor
     for key, tensor in state.items():
         if not key.startswith(prefix):
             continue
-        local = key[len(prefix):]
+        local = key[len(prefix) :]
         if "." in local:  # a child module's tensor (LowRankLinear's `base`): built with the child's own entry
             children.setdefault(local.split(".", 1)[0], {})
             continue
