@@ -498,18 +498,22 @@ def _check_finite(model_dir: Path, model: STTForCausalLM, hint: str | None) -> N
             )
 
 
-def check_model_dir(model_dir: Path, hint: str | None = None) -> None:
-    """Raise `ModelDirError` unless `model_dir` has a readable config.json, weights and tokenizer.json."""
+def check_model_dir(model_dir: Path, hint: str | None = None) -> dict[str, Any]:
+    """Raise `ModelDirError` unless `model_dir` has a readable config.json, weights and tokenizer.json; its config."""
     if not model_dir.exists():
         raise ModelDirError(
             f"model directory {model_dir} does not exist",
             hint=hint or "pass the path of a directory holding config.json, model.safetensors and tokenizer.json",
         )
     if not model_dir.is_dir():
+        from chatapp.models.gguf import is_gguf
+
+        if hint is None and (is_gguf(model_dir) or model_dir.suffix.lower() == ".gguf"):
+            hint = f"convert it to a model directory first: `chatapp convert {model_dir} OUTDIR`, then pass OUTDIR"
         raise ModelDirError(
             f"{model_dir} is a file, not a model directory", hint=hint or "pass the model's directory, not a file"
         )
-    _read_config(model_dir, hint)
+    config = _read_config(model_dir, hint)
     if not _weight_files(model_dir):
         raise ModelDirError(
             f"{model_dir} has no weights: model.safetensors is missing",
@@ -520,6 +524,7 @@ def check_model_dir(model_dir: Path, hint: str | None = None) -> None:
             f"{model_dir} has no tokenizer.json",
             hint=hint or "copy tokenizer.json from the checkpoint (chatapp reads the fast-tokenizer file only)",
         )
+    return config
 
 
 def _read_config(model_dir: Path, hint: str | None) -> dict[str, Any]:
