@@ -115,6 +115,7 @@ def data_dir() -> Path:
 
 
 ROUTED_SUBDIR = "routed"
+LOCKS_SUBDIR = "locks"
 
 
 def routed_models_dir() -> Path:
@@ -157,7 +158,7 @@ def locks_dir() -> Path:
     from chatapp.errors import DataDirError
     from chatapp.store import check_writable_dir
 
-    path = data_dir() / "locks"
+    path = data_dir() / LOCKS_SUBDIR
     try:
         return check_writable_dir(path, "lock directory")
     except DataDirError as err:
@@ -165,12 +166,14 @@ def locks_dir() -> Path:
 
 
 def clean_data_dir() -> None:
-    """Remove the staging that killed processes left in the data directory (`chatapp.store.clean_stale`); run at
-    every start, cheap (two directory listings), never fails."""
-    from chatapp.store import clean_stale
+    """Remove the staging and the lock files that killed processes left in the data directory
+    (`chatapp.store.clean_stale`, `chatapp.store.clean_locks`); run at every start, cheap (a few directory
+    listings), never fails."""
+    from chatapp.store import clean_locks, clean_stale
 
     for sub in ("models", "compiled", "served", ROUTED_SUBDIR):
         clean_stale(data_dir() / sub, legacy=True)
+    clean_locks(data_dir() / LOCKS_SUBDIR)  # those of writers killed before they finished
 
 
 def engine_log_path() -> Path:

@@ -274,6 +274,33 @@ def clean_stale(
     return removed
 
 
+def clean_locks(locks: str | Path) -> list[Path]:
+    """Remove the lock files in `locks` that no process holds: those of writers killed before they finished
+    (kill -9 skips `target_lock`'s removal). Safe against a writer taking one meanwhile: it checks that the path
+    still names the file it locked (`_locked_fd`). Never raises. Returns what was removed."""
+    removed = []
+    try:
+        entries = [entry for entry in os.scandir(locks) if entry.name.endswith(_LOCK)]
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            fd = os.open(entry.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held, now = os.fstat(fd), os.stat(entry.path)
+            if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError:  # held by a live writer (BlockingIOError), or gone meanwhile
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
 # ------------------------------------------------------------------------------------------------------ reading
 def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
     """Call `write(tmp)` for a temporary file beside `path`, then rename it over `path`: a reader (or a run resumed

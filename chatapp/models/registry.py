@@ -108,7 +108,7 @@ def new_routed_copy(model: str, source: Path) -> Path:
     registered name, else its directory's name), numbered `NAME-routed-2`, ... when taken."""
     from chatapp.settings import routed_models_dir
 
-    base = f"{model if is_registered(model) else source.name}-routed"
+    base = f"{model if is_registered(model) else source.resolve().name}-routed"
     root = routed_models_dir()
     candidate, number = root / base, 1
     while candidate.exists() or candidate.is_symlink():
