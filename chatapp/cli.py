@@ -528,8 +528,6 @@ def convert(
     # killed conversion leaves no half directory (and its staging is removed by the next run). OUT_DIR may be new,
     # empty, or an earlier output of chatapp's (its stamp); never a directory of the user's own files.
     target = Path(out_dir).expanduser()
-    locks = locks_dir()
-    store.clean_stale(target.parent, target.name, locks=locks)
     try:
         check_model_output(target, "output directory")
     except DataDirError:
@@ -539,6 +537,7 @@ def convert(
                 hint=f"remove {target} and run the same `chatapp convert` again",
             ) from None
         raise
+    locks = locks_dir()
     source_path = Path(source).expanduser()
     gguf = is_gguf(source_path)
     if not gguf and source_path.suffix.lower() == ".gguf" and source_path.is_file():

@@ -7,9 +7,10 @@ no target or a whole one; a completeness stamp inside it says so. Writers of one
 a dead process (kill -9, power loss) and is removed by `clean_stale`. The lock file lies beside a target inside the
 app's own directories; a target the user named (`chatapp convert`, `chatapp route --out`) passes `locks`, a
 directory of the app's, so nothing but the output itself appears where the user pointed. A lock file is removed
-by the writer that holds it as it finishes (`target_lock`). `check_output` is the rule for a user-named output: a
-new or empty directory, or one chatapp wrote itself (its stamp), never a directory of the user's own files. Reads go through `open_regular`, which opens
-non-blocking and refuses anything but a regular file, so a FIFO or a device in the store never hangs a reader.
+by the writer that holds it as it finishes (`target_lock`), and one a killed writer left by `clean_locks`.
+`check_output` is the rule for a user-named output: a new or empty directory, or one chatapp wrote itself (its
+stamp), never a directory of the user's own files. Reads go through `open_regular`, which opens non-blocking and
+refuses anything but a regular file, so a FIFO or a device in the store never hangs a reader.
 
 This module is a leaf: it imports only `chatapp.errors` and the standard library.
 """
