@@ -645,13 +645,21 @@ def train(
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from chatapp import store
+    from chatapp.models.registry import check_model_output, check_not_builtin
     from chatapp.recipes.training_data import check_corpus_path, load_sequences, split_heldout, token_stream
     from chatapp.stt.io import copy_tokenizer_files
-    from chatapp.training.loop import TrainConfig, init_distributed
+    from chatapp.training.loop import TrainConfig, init_distributed, latest_checkpoint
     from chatapp.training.loop import train as run_training
-    from chatapp.validation import check_output_dir
 
-    check_output_dir(out, "--out directory")
+    # --out: new, empty, or an earlier run's (its checkpoints, or the stamp a finished run leaves), which this run
+    # continues (--resume) or writes again; never a directory of the user's own files, never a built-in model.
+    target = Path(out).expanduser()
+    if target.is_dir() and (store.is_complete(target) or latest_checkpoint(target) is not None):
+        check_not_builtin(target, "--out directory")
+        store.check_writable_dir(target, "--out directory", create=False)
+    else:
+        check_model_output(target, "--out directory")
     for path in (corpus, eval_corpus):
         if path is not None:
             check_corpus_path(path)
@@ -704,6 +712,7 @@ def train(
         )
     if dist_info.is_main:
         copy_tokenizer_files(tokenizer_dir, Path(out))
+        store.write_stamp(out)  # a finished run's: the next `chatapp train --out` here may write it again
         typer.echo(f"saved the trained model to {out}")
 
 

@@ -132,6 +132,11 @@ def is_complete(target: str | Path) -> bool:
         return False
 
 
+def write_stamp(directory: str | Path) -> None:
+    """Put the completeness stamp in `directory`, once everything else in it is written (`is_complete`)."""
+    (Path(directory) / STAMP).write_text(json.dumps({"format": STAMP_FORMAT}) + "\n", encoding="utf-8")
+
+
 def check_output(target: str | Path, what: str) -> Path:
     """`target` as a directory a command may write its output to, checked before any work and creating nothing:
     a new path whose nearest existing ancestor is writable, an empty directory, or a directory chatapp wrote itself
@@ -185,7 +190,7 @@ def staged_dir(
         try:
             yield staging
             if stamp:
-                (staging / STAMP).write_text(json.dumps({"format": STAMP_FORMAT}) + "\n", encoding="utf-8")
+                write_stamp(staging)
             os.chmod(staging, 0o755)  # mkdtemp makes it private; a model directory is not
             _replace_dir(staging, target)
         except BaseException:

@@ -131,17 +131,22 @@ def is_builtin(path: Path) -> bool:
     return any(resolved == root or root in resolved.parents for root in roots)
 
 
+def check_not_builtin(target: Path, what: str) -> None:
+    """`ModelDirError` when the output `target` is a built-in model (`is_builtin`)."""
+    if is_builtin(target):
+        raise ModelDirError(
+            f"the {what} {target} is a model built into chatapp, which is never rewritten",
+            hint="give a new directory for the output",
+        )
+
+
 def check_model_output(target: str | Path, what: str) -> Path:
     """`target` as the directory a command writes a model to (`store.check_output`: new, empty, or chatapp's own
     earlier output), and never a built-in model: checked before any work."""
     from chatapp.store import check_output
 
     path = Path(target).expanduser()
-    if is_builtin(path):
-        raise ModelDirError(
-            f"the {what} {path} is a model built into chatapp, which is never rewritten",
-            hint="give a new directory for the output",
-        )
+    check_not_builtin(path, what)
     return check_output(path, what)
 
 

@@ -60,7 +60,7 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
                     yield number, raw.decode("utf-8").rstrip("\r\n")
                 except UnicodeDecodeError as err:
                     raise InputLineError(
-                        f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start + 1})",
+                        f"{path}:{number}: not valid UTF-8 ({err.reason} at byte {err.start + 1} of the line)",
                         hint="save the corpus as UTF-8 text",
                     ) from None
     except OSError as err:

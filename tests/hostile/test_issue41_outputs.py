@@ -114,6 +114,19 @@ def test_1_an_output_chatapp_wrote_is_replaced_and_an_empty_directory_is_used(tm
     assert _litter(tmp_path) == [] and _locks() == []
 
 
+def test_1_train_refuses_the_users_directory_and_a_built_in_model_and_takes_its_own(tmp_path: Path, no_work):
+    corpus = tmp_path / "missing.txt"  # checked after the output: its error shows the output was accepted
+    mine = tmp_path / "d"
+    mine.mkdir()
+    (mine / "config.json").write_text("my own model's config")
+    train = ["train", str(corpus), "--model", "tiny", "--out"]
+    _refused([*train, str(mine)], f"{mine} already exists", "new (or empty)")
+    assert (mine / "config.json").read_text() == "my own model's config"
+    _refused([*train, str(tiny_model_dir())], "built into chatapp")
+    store.write_stamp(mine)  # what a finished `chatapp train` leaves: its own output, written again
+    _refused([*train, str(mine)], "does not exist")
+
+
 # 2 ------------------------------------------------------------------------------------------------------------------
 def test_2_routing_a_built_in_model_writes_a_named_copy_and_leaves_the_package_alone(tmp_path: Path) -> None:
     from chatapp.settings import routed_models_dir
@@ -374,7 +387,7 @@ def test_eval_reads_no_more_of_the_corpus_than_it_evaluates(tmp_path: Path) -> N
     args = ["eval", str(corpus), "--model", "tiny", "--max-batches", "1", "--batch-size", "1", "--seq-len", "32"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    _refused(["eval", str(corpus), "--model", "tiny", "--max-batches", "1000"], f"{corpus}:9: not UTF-8")
+    _refused(["eval", str(corpus), "--model", "tiny", "--max-batches", "1000"], f"{corpus}:9: not valid UTF-8")
 
 
 def test_generate_with_a_gguf_file_points_at_convert(tmp_path: Path) -> None:
