@@ -135,7 +135,7 @@ def check_not_builtin(target: Path, what: str) -> None:
     """`ModelDirError` when the output `target` is a built-in model (`is_builtin`)."""
     if is_builtin(target):
         raise ModelDirError(
-            f"the {what} {target} is a model built into chatapp, which is never rewritten",
+            f"the {what} {target} is part of chatapp itself (a built-in model or its package), never rewritten",
             hint="give a new directory for the output",
         )
 
@@ -152,8 +152,8 @@ def check_model_output(target: str | Path, what: str) -> Path:
 
 def repair_hint(name_or_path: str | Path | None, model_dir: Path) -> str | None:
     """The fix for damaged files in `model_dir`, by what made them: shipped in the package (reinstall / rebuild),
-    prepared by chatapp into the data directory (remove it: the next run prepares it again), written by `chatapp
-    convert` (convert again), or the user's own (None: the caller names the file to restore)."""
+    prepared by chatapp into the data directory (remove it: the next run prepares it again), written by a chatapp
+    command (run it again), or the user's own (None: the caller names the file to restore)."""
     from chatapp.models.smollm2 import prepared_dir
     from chatapp.store import is_complete
 
@@ -163,7 +163,7 @@ def repair_hint(name_or_path: str | Path | None, model_dir: Path) -> str | None:
     if name == "default" or _same_dir(model_dir, prepared_dir()):
         return f"remove {model_dir} and run again: chatapp prepares the default model again"
     if is_complete(model_dir):
-        return f"{model_dir} was written by `chatapp convert`: remove it and run the same `chatapp convert` again"
+        return f"{model_dir} was written by `chatapp convert`, `route` or `train`: remove it and run that command again"
     return None
 
 

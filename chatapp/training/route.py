@@ -106,7 +106,7 @@ class RouteOptions:
         for name, value, low, high in (
             ("--max-layers", self.max_layers, 1, None),
             ("--answer-tokens", self.answer_tokens, 8, context),
-            ("--epochs", self.epochs, 1, None),
+            ("epochs", self.epochs, 1, None),  # not a command-line option: the API's
             ("--seed", self.seed, 0, MAX_SEED),
             ("--tune-steps", self.tune.steps, 0, None),
         ):
@@ -706,9 +706,9 @@ def fold_cutoff(router: CausalRouter, cutoff: float) -> None:
 def write_routed(routed: Routed, source: Path, target: Path, locks: Path | None = None) -> None:
     """The routed model in `target` (the source's other files copied along), through the store: built beside it
     and renamed into place, so an interrupted write leaves the previous model as it was (`locks`: where the target's
-    lock file goes, `store.lock_path`). A fine-tune's adapters join
-    those the source had merged (`stt.io.MERGED_ADAPTERS_NAME`, which int4 keeps apart from the rounded weights):
-    two low-rank updates of one module are one of the summed rank, [B1 B2] [A1; A2]."""
+    lock file goes, `store.lock_path`). A fine-tune's adapters join those the source had merged
+    (`stt.io.MERGED_ADAPTERS_NAME`, which int4 keeps apart from the rounded weights): two low-rank updates of one
+    module are one of the summed rank, [B1 B2] [A1; A2]."""
     adapters = combine_adapters(load_merged_adapters(source), routed.adapters)
     with store.staged_dir(target, what="routed model directory", locks=locks) as staging:
         for path in source.iterdir():

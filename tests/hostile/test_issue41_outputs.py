@@ -122,7 +122,7 @@ def test_1_train_refuses_the_users_directory_and_a_built_in_model_and_takes_its_
     train = ["train", str(corpus), "--model", "tiny", "--out"]
     _refused([*train, str(mine)], f"{mine} already exists", "new (or empty)")
     assert (mine / "config.json").read_text() == "my own model's config"
-    _refused([*train, str(tiny_model_dir())], "built into chatapp")
+    _refused([*train, str(tiny_model_dir())], "part of chatapp itself")
     store.write_stamp(mine)  # what a finished `chatapp train` leaves: its own output, written again
     _refused([*train, str(mine)], "does not exist")
 
@@ -149,13 +149,13 @@ def test_2_routing_a_built_in_model_writes_a_named_copy_and_leaves_the_package_a
 def test_2_a_built_in_model_is_never_an_output(tmp_path: Path, no_work) -> None:
     from chatapp.models.smollm2 import prepared_dir
 
-    _refused(["route", "tiny", "--out", str(tiny_model_dir())], "built into chatapp", "fix: give a new directory")
-    _refused(["convert", str(tiny_model_dir()), str(tiny_model_dir() / "inside")], "built into chatapp")
+    _refused(["route", "tiny", "--out", str(tiny_model_dir())], "part of chatapp itself", "fix: give a new directory")
+    _refused(["convert", str(tiny_model_dir()), str(tiny_model_dir() / "inside")], "part of chatapp itself")
     # The prepared default model carries chatapp's stamp, and is still not replaceable by an output.
     prepared = prepared_dir()
     with store.staged_dir(prepared) as staging:
         (staging / "config.json").write_text("{}")
-    _refused(["route", "tiny", "--out", str(prepared), "--layers", "3"], "built into chatapp")
+    _refused(["route", "tiny", "--out", str(prepared), "--layers", "3"], "part of chatapp itself")
     assert (prepared / "config.json").read_text() == "{}"
 
 
