@@ -801,8 +801,8 @@ def route(
     layer_count, context = config.get("num_hidden_layers"), config.get("max_position_embeddings")
     if isinstance(layer_count, int) and isinstance(context, int):  # else loading names what is wrong with it
         options.check(layer_count, context)
-    target = Path(out).expanduser() if out else new_routed_copy(model, source)
-    check_model_output(target, "--out directory" if out else "routed copy")
+    target = Path(out).expanduser() if out is not None else new_routed_copy(model, source)
+    check_model_output(target, "--out directory" if out is not None else "routed copy")
     locks = locks_dir()
 
     from chatapp.recipes.smollm2.data import route_dialogues
@@ -813,7 +813,7 @@ def route(
     routed = fit_routing(loaded, options, log, cache_dir=data_dir() / "routing-data")
     write_routed(routed, source, target, locks)
     typer.echo(f"{routed.report.summary()}\nwrote {target}")
-    if not out:
+    if out is None:
         typer.echo(f"a routed copy of {model}: run it with --model {target.name} (`chatapp models` lists it)")
 
 

@@ -146,7 +146,7 @@ def check_output(target: str | Path, what: str) -> Path:
         raise DataDirError(f"the {what} {target} is a dangling symbolic link", hint="remove it or pick another path")
     if target.exists() and not target.is_dir():
         raise DataDirError(
-            f"the {what} {target} already exists and is not a directory", hint=f"remove {target} or pick another path"
+            f"the {what} {target} already exists and is not a directory", hint="give a new (or empty) directory"
         )
     check_writable_dir(target.parent, f"parent directory of the {what}", create=False)
     if target.is_dir():

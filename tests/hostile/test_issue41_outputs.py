@@ -127,6 +127,15 @@ def test_1_train_refuses_the_users_directory_and_a_built_in_model_and_takes_its_
     _refused([*train, str(mine)], "does not exist")
 
 
+def test_1_odd_outputs_are_refused_without_harmful_advice(tmp_path: Path, monkeypatch, no_work) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("precious")
+    _refused(["route", "tiny", "--out", "", "--layers", "3"], "already exists")  # "" is the current directory
+    out = _refused(["route", "tiny", "--out", os.devnull, "--layers", "3"], "is not a directory")
+    assert "remove" not in out
+    assert (tmp_path / "notes.txt").read_text() == "precious"
+
+
 # 2 ------------------------------------------------------------------------------------------------------------------
 def test_2_routing_a_built_in_model_writes_a_named_copy_and_leaves_the_package_alone(tmp_path: Path) -> None:
     from chatapp.settings import routed_models_dir
