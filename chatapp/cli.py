@@ -591,23 +591,28 @@ def convert(
     from pathlib import Path
 
     from chatapp import store
+    from chatapp.errors import DataDirError
     from chatapp.models.gguf import GGUFError, convert_gguf, is_gguf
+    from chatapp.models.registry import check_model_output
+    from chatapp.settings import locks_dir
     from chatapp.stt import STTForCausalLM
     from chatapp.stt.io import convert_qwen2
 
     # Everything is checked before the source is read (a GGUF takes seconds to dequantize): the output, then the
     # source's kind. The model is written through the store: staged beside OUT_DIR and renamed into place, so a
-    # killed conversion leaves no half directory (and its staging is removed by the next run).
+    # killed conversion leaves no half directory (and its staging is removed by the next run). OUT_DIR may be new,
+    # empty, or an earlier output of chatapp's (its stamp); never a directory of the user's own files.
     target = Path(out_dir).expanduser()
-    store.clean_stale(target.parent, target.name)
-    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
-        if target.is_dir() and not store.is_complete(target) and _only_partial_files(target):
+    try:
+        check_model_output(target, "output directory")
+    except DataDirError:
+        if _only_partial_files(target):
             raise ModelDirError(
                 f"{target} holds only the temporary files of an interrupted conversion",
                 hint=f"remove {target} and run the same `chatapp convert` again",
-            )
-        raise ModelDirError(f"{target} already exists", hint="give a new (or empty) directory for the model")
-    store.check_writable_dir(target.parent, "directory the model is written in")
+            ) from None
+        raise
+    locks = locks_dir()
     source_path = Path(source).expanduser()
     gguf = is_gguf(source_path)
     if not gguf and source_path.suffix.lower() == ".gguf" and source_path.is_file():
@@ -616,7 +621,7 @@ def convert(
             hint="pass a llama.cpp .gguf model file (the download may be incomplete or an HTML page), "
             "or a Qwen2 model directory",
         )
-    with store.staged_dir(target, what="output directory") as staging:
+    with store.staged_dir(target, what="output directory", locks=locks) as staging:
         if gguf:
             from rich.progress import Progress
 
@@ -631,8 +636,13 @@ def convert(
 
 
 def _only_partial_files(directory) -> bool:
-    """Whether `directory` holds nothing but an earlier version's temporary files (`.NAME.XXXX.tmp`)."""
-    return all(path.name.startswith(".") and path.name.endswith(".tmp") for path in directory.iterdir())
+    """Whether `directory` is a directory holding nothing but an earlier version's temporary files
+    (`.NAME.XXXX.tmp`)."""
+    try:
+        names = [path.name for path in directory.iterdir()]
+    except OSError:
+        return False
+    return bool(names) and all(name.startswith(".") and name.endswith(".tmp") for name in names)
 
 
 def _training_inputs(model_dir: str | None, init: str | None, tokenizer_path: str | None, device: str | None):
@@ -711,13 +721,24 @@ def train(
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from chatapp.recipes.training_data import load_sequences, split_heldout, token_stream
+    from chatapp import store
+    from chatapp.models.registry import check_model_output, check_not_builtin
+    from chatapp.recipes.training_data import check_corpus_path, load_sequences, split_heldout, token_stream
     from chatapp.stt.io import copy_tokenizer_files
-    from chatapp.training.loop import TrainConfig, init_distributed
+    from chatapp.training.loop import TrainConfig, init_distributed, latest_checkpoint
     from chatapp.training.loop import train as run_training
-    from chatapp.validation import check_output_dir
 
-    check_output_dir(out, "--out directory")
+    # --out: new, empty, or an earlier run's (its checkpoints, or the stamp a finished run leaves), which this run
+    # continues (--resume) or writes again; never a directory of the user's own files, never a built-in model.
+    target = Path(out).expanduser()
+    if target.is_dir() and (store.is_complete(target) or latest_checkpoint(target) is not None):
+        check_not_builtin(target, "--out directory")
+        store.check_writable_dir(target, "--out directory", create=False)
+    else:
+        check_model_output(target, "--out directory")
+    for path in (corpus, eval_corpus):
+        if path is not None:
+            check_corpus_path(path)
     dist_info = init_distributed()
     if dist_info.world_size > 1 and device is None:
         device = f"cuda:{dist_info.local_rank}" if torch.cuda.is_available() else "cpu"
@@ -767,27 +788,30 @@ def train(
         )
     if dist_info.is_main:
         copy_tokenizer_files(tokenizer_dir, Path(out))
+        store.write_stamp(out)  # a finished run's: the next `chatapp train --out` here may write it again
         typer.echo(f"saved the trained model to {out}")
 
 
 def _layer_list(value: str | None) -> list[int] | None:
-    """`--layers`: a comma-separated list of layer indices, or None."""
+    """`--layers`: a comma-separated list of layer indices, or None (whether each exists is `RouteOptions.check`)."""
     if value is None:
         return None
     try:
-        layers = list(dict.fromkeys(int(part) for part in value.split(",") if part.strip()))
+        return list(dict.fromkeys(int(part) for part in value.split(",") if part.strip()))
     except ValueError:
         raise typer.BadParameter(f"{value!r} is not a comma-separated list of layer numbers (e.g. 3,4,5)") from None
-    if not layers:
-        raise typer.BadParameter("give at least one layer number (e.g. 3,4,5)")
-    return layers
 
 
 @app.command()
 def route(
     model: Annotated[str, typer.Argument(help="The model to route: a name (default, tiny) or a model directory.")],
     out: Annotated[
-        str | None, typer.Option("--out", help="Write the routed model here (default: replace MODEL's own files).")
+        str | None,
+        typer.Option(
+            "--out",
+            help="Write the routed model here: a new or empty directory, or one chatapp wrote (default: a new routed "
+            "copy MODEL-routed in the data directory, listed by `chatapp models`).",
+        ),
     ] = None,
     layers: Annotated[
         str | None,
@@ -808,6 +832,7 @@ def route(
         typer.Option(
             "--prompts",
             min=8,
+            max=4096,  # every conversation's layer inputs are cached for the fit: bounded memory
             help="Self-distilled conversations to fit and measure on (a quarter of them three turns).",
         ),
     ] = 96,
@@ -825,50 +850,49 @@ def route(
 ) -> None:
     """Fit the STT routing of a model and calibrate one cutoff per layer on held-out perplexity and a copy probe
     (minutes on a CPU, the weights frozen; --tune-steps fine-tunes them to the routing too). Works on any model
-    directory, e.g. one `chatapp convert` wrote."""
+    directory, e.g. one `chatapp convert` wrote; the model itself is never rewritten unless --out names it."""
+    from dataclasses import replace
     from pathlib import Path
 
     from chatapp.models import load_model, resolve_model
-    from chatapp.stt.config import SKIP_MODES
+    from chatapp.models.loader import check_model_dir
+    from chatapp.models.registry import check_model_output, new_routed_copy
+    from chatapp.settings import data_dir, locks_dir
     from chatapp.training.route import RouteOptions, write_routed
     from chatapp.training.route import route as fit_routing
-
-    if skip_mode not in SKIP_MODES:
-        raise typer.BadParameter(f"{skip_mode!r}: use one of {', '.join(SKIP_MODES)}", param_hint="--skip-mode")
-    chosen = _layer_list(layers)
-    source = resolve_model(model)
-    target = Path(out).expanduser() if out else source
-    if out:
-        from chatapp.validation import check_output_dir
-
-        check_output_dir(out, "--out directory")
-    loaded = load_model(source, dtype="float32")  # the fit reads the model's own activations, not a lossy format's
-    if chosen is not None and (bad := [i for i in chosen if i >= loaded.model.config.num_hidden_layers]):
-        raise typer.BadParameter(
-            f"layers {bad} do not exist: {source} has layers 0-{loaded.model.config.num_hidden_layers - 1}",
-            param_hint="--layers",
-        )
-    from chatapp.recipes.smollm2.data import route_dialogues
     from chatapp.training.tune import TuneOptions
 
+    # Every option, the model directory and the output are checked before the model loads (and the fit's minutes).
     options = RouteOptions(
-        layers=chosen,
+        layers=_layer_list(layers),
         max_layers=max_layers,
         skip_mode=skip_mode,
         budget=budget,
         answer_tokens=answer_tokens,
         seed=seed,
-        dialogues=route_dialogues(prompts, seed, tools=loaded.chat_format.supports_tools),
         tune=TuneOptions(steps=tune_steps),
     )
-    from chatapp.settings import data_dir
+    source = resolve_model(model)
+    config = check_model_dir(source)
+    layer_count, context = config.get("num_hidden_layers"), config.get("max_position_embeddings")
+    if isinstance(layer_count, int) and isinstance(context, int):  # else loading names what is wrong with it
+        options.check(layer_count, context)
+    target = Path(out).expanduser() if out is not None else new_routed_copy(model, source)
+    check_model_output(target, "--out directory" if out is not None else "routed copy")
+    locks = locks_dir()
 
+    from chatapp.recipes.smollm2.data import route_dialogues
+
+    loaded = load_model(source, dtype="float32")  # the fit reads the model's own activations, not a lossy format's
+    options = replace(options, dialogues=route_dialogues(prompts, seed, tools=loaded.chat_format.supports_tools))
     log = lambda line: err_console.print(f"[dim]{line}[/dim]")  # noqa: E731
     # The replies the fit learns from are written by the model as it is served (its default format).
     speaker = load_model(source)
     routed = fit_routing(loaded, options, log, cache_dir=data_dir() / "routing-data", speaker=speaker)
-    write_routed(routed, source, target)
+    write_routed(routed, source, target, locks)
     typer.echo(f"{routed.report.summary()}\nwrote {target}")
+    if out is None:
+        typer.echo(f"a routed copy of {model}: run it with --model {target.name} (`chatapp models` lists it)")
 
 
 @app.command(name="eval")
@@ -904,9 +928,11 @@ def eval_model(
     from chatapp.errors import TrainingError
     from chatapp.models import load_engine, resolve_model
     from chatapp.recipes.heldout import held_out_for
-    from chatapp.recipes.training_data import load_sequences, token_stream
+    from chatapp.recipes.training_data import check_corpus_path, load_sequences, token_stream
     from chatapp.training.evaluation import conversation_batches, evaluate
 
+    if corpus is not None:
+        check_corpus_path(corpus)
     model_dir = resolve_model(model)
     # The model's own held-out set, found before the model loads: a model no recipe made fails at once.
     held_out = held_out_for(model_dir) if corpus is None or tasks else None
@@ -917,7 +943,9 @@ def eval_model(
         batches = conversation_batches(held_out.conversations(count), engine.chat_format, batch_size)
         data = held_out.description
     else:
-        stream = token_stream(load_sequences(corpus, engine.tokenizer, engine.chat_format))
+        # The first --max-batches windows are all that is evaluated: no more of the corpus is read (or held).
+        enough = max_batches * batch_size * seq_len
+        stream = token_stream(load_sequences(corpus, engine.tokenizer, engine.chat_format, enough_tokens=enough))
         if stream.num_windows(seq_len) < 1:
             raise TrainingError(f"{corpus} has {len(stream)} tokens, fewer than one window", hint="lower --seq-len")
         batches = stream.batches(batch_size, seq_len)

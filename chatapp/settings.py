@@ -159,6 +159,16 @@ def data_dir() -> Path:
     return Path(base) / "chatapp"
 
 
+ROUTED_SUBDIR = "routed"
+LOCKS_SUBDIR = "locks"
+
+
+def routed_models_dir() -> Path:
+    """Where `chatapp route` puts the routed copy of a model when no --out is given (a built-in model is never
+    rewritten in place); `chatapp models` lists what is there, and `--model NAME` names it."""
+    return data_dir() / ROUTED_SUBDIR
+
+
 def data_dir_hint() -> str:
     """How to point chatapp at another data directory."""
     if _home_override() is not None:
@@ -187,13 +197,28 @@ def data_dir_problem() -> str | None:
     return writable_dir_problem(data_dir(), "data directory")
 
 
-def clean_data_dir() -> None:
-    """Remove the staging that killed processes left in the data directory (`chatapp.store.clean_stale`); run at
-    every start, cheap (two directory listings), never fails."""
-    from chatapp.store import clean_stale
+def locks_dir() -> Path:
+    """Where the lock files of the outputs a user names (`chatapp convert`, `chatapp route --out`) live, so that
+    none is left beside the output (`chatapp.store.lock_path`); checked and created before such a command works."""
+    from chatapp.errors import DataDirError
+    from chatapp.store import check_writable_dir
 
-    for sub in ("models", "compiled", "served"):
+    path = data_dir() / LOCKS_SUBDIR
+    try:
+        return check_writable_dir(path, "lock directory")
+    except DataDirError as err:
+        raise DataDirError(err.message, hint=data_dir_hint()) from None
+
+
+def clean_data_dir() -> None:
+    """Remove the staging and the lock files that killed processes left in the data directory
+    (`chatapp.store.clean_stale`, `chatapp.store.clean_locks`); run at every start, cheap (a few directory
+    listings), never fails."""
+    from chatapp.store import clean_locks, clean_stale
+
+    for sub in ("models", "compiled", "served", ROUTED_SUBDIR):
         clean_stale(data_dir() / sub, legacy=True)
+    clean_locks(data_dir() / LOCKS_SUBDIR)  # those of writers killed before they finished
 
 
 def engine_log_path() -> Path:

@@ -3,9 +3,14 @@ stored served formats) is written here, and read back through the checks here.
 
 A target (a directory) is built in a staging directory beside it and renamed into place, so a reader sees either
 no target or a whole one; a completeness stamp inside it says so. Writers of one target take a lock on a lock file
-beside it (`fcntl.flock`): a second writer waits, and a staging directory whose target lock is free belongs to a
-dead process (kill -9, power loss) and is removed by `clean_stale`. Reads go through `open_regular`, which opens
-non-blocking and refuses anything but a regular file, so a FIFO or a device in the store never hangs a reader.
+(`fcntl.flock`): a second writer waits, and a staging (or set-aside) directory whose target lock is free belongs to
+a dead process (kill -9, power loss) and is removed by `clean_stale`. The lock file lies beside a target inside the
+app's own directories; a target the user named (`chatapp convert`, `chatapp route --out`) passes `locks`, a
+directory of the app's, so nothing but the output itself appears where the user pointed. A lock file is removed
+by the writer that holds it as it finishes (`target_lock`), and one a killed writer left by `clean_locks`.
+`check_output` is the rule for a user-named output: a new or empty directory, or one chatapp wrote itself (its
+stamp), never a directory of the user's own files. Reads go through `open_regular`, which opens non-blocking and
+refuses anything but a regular file, so a FIFO or a device in the store never hangs a reader.
 
 This module is a leaf: it imports only `chatapp.errors` and the standard library.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -43,16 +49,21 @@ _held_guard = threading.Lock()
 _live: set[Path] = set()  # this process's staging directories being written
 
 
-def lock_path(target: Path) -> Path:
-    """The lock file of `target`: beside it, hidden."""
-    return target.parent / f".{target.name}{_LOCK}"
+def lock_path(target: Path, locks: Path | None = None) -> Path:
+    """The lock file of `target`: beside it, hidden; or in the directory `locks`, named by a hash of the target's
+    resolved path (so that `out`, `./out` and a symlink to it share one lock)."""
+    if locks is None:
+        return target.parent / f".{target.name}{_LOCK}"
+    digest = hashlib.sha256(os.fsencode(Path(target).expanduser().resolve())).hexdigest()[:32]
+    return locks / f"{digest}{_LOCK}"
 
 
 @contextlib.contextmanager
-def target_lock(target: str | Path, *, blocking: bool = True) -> Iterator[bool]:
+def target_lock(target: str | Path, *, blocking: bool = True, locks: Path | None = None) -> Iterator[bool]:
     """Hold the lock of `target` (yields True), waiting for another writer unless `blocking` is False (then yields
-    False at once when another process or thread holds it). Re-entrant within a thread."""
-    path = lock_path(Path(target))
+    False at once when another process or thread holds it). Re-entrant within a thread. `locks`: the directory
+    of the lock file (`lock_path`), created if missing."""
+    path = lock_path(Path(target), locks)
     key = (path, threading.get_ident())
     with _held_guard:
         entry = _held.get(key)
@@ -65,15 +76,13 @@ def target_lock(target: str | Path, *, blocking: bool = True) -> Iterator[bool]:
             with _held_guard:
                 entry[1] -= 1
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    if locks is not None:
+        locks.mkdir(parents=True, exist_ok=True)
+    fd = _locked_fd(path, blocking)
+    if fd is None:
+        yield False
+        return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            fd = -1
-            yield False
-            return
         with _held_guard:
             _held[key] = entry = [fd, 1]
         try:
@@ -84,8 +93,34 @@ def target_lock(target: str | Path, *, blocking: bool = True) -> Iterator[bool]:
                 if entry[1] == 0:
                     del _held[key]
     finally:
-        if fd >= 0:
-            os.close(fd)  # releases the flock
+        # Unlinked while still held: a waiter that then gets the lock of the unlinked file sees that the path no
+        # longer names it (`_locked_fd`) and locks the path's new file instead, so no two writers ever both hold one.
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)  # releases the flock
+
+
+def _locked_fd(path: Path, blocking: bool) -> int | None:
+    """An open descriptor of the lock file `path`, flock-ed exclusively, that `path` still names; None when
+    `blocking` is False and another holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            now = None
+        held = os.fstat(fd)
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+        os.close(fd)  # the holder before us removed this file as it finished: lock the path's new one
 
 
 def is_complete(target: str | Path) -> bool:
@@ -97,26 +132,65 @@ def is_complete(target: str | Path) -> bool:
         return False
 
 
+def write_stamp(directory: str | Path) -> None:
+    """Put the completeness stamp in `directory`, once everything else in it is written (`is_complete`)."""
+    (Path(directory) / STAMP).write_text(json.dumps({"format": STAMP_FORMAT}) + "\n", encoding="utf-8")
+
+
+def check_output(target: str | Path, what: str) -> Path:
+    """`target` as a directory a command may write its output to, checked before any work and creating nothing:
+    a new path whose nearest existing ancestor is writable, an empty directory, or a directory chatapp wrote itself
+    (its stamp: `is_complete`) that can be replaced. A directory of anything else is the user's, and refused."""
+    target = Path(target).expanduser()
+    if target.is_symlink() and not target.exists():
+        raise DataDirError(f"the {what} {target} is a dangling symbolic link", hint="remove it or pick another path")
+    if target.exists() and not target.is_dir():
+        raise DataDirError(
+            f"the {what} {target} already exists and is not a directory", hint="give a new (or empty) directory"
+        )
+    check_writable_dir(target.parent, f"parent directory of the {what}", create=False)
+    if target.is_dir():
+        try:
+            empty = not any(os.scandir(target))
+        except OSError as err:
+            raise DataDirError(f"cannot read the {what} {target}: {err.strerror or err}", hint=_new_dir_hint) from None
+        if not empty and not is_complete(target):
+            raise DataDirError(
+                f"the {what} {target} already exists and holds files chatapp did not write",
+                hint=_new_dir_hint,
+            )
+        check_writable_dir(target, what, create=False)  # replacing it removes what is in it
+    return target
+
+
+_new_dir_hint = "give a new (or empty) directory: chatapp replaces only a directory it wrote itself"
+
+
 @contextlib.contextmanager
-def staged_dir(target: str | Path, *, stamp: bool = True, what: str = "directory") -> Iterator[Path]:
+def staged_dir(
+    target: str | Path, *, stamp: bool = True, what: str = "directory", locks: Path | None = None
+) -> Iterator[Path]:
     """Yield an empty staging directory beside `target`; when the block ends without an exception, put the
     completeness stamp in it (unless `stamp` is False) and rename it into place, replacing any earlier `target`. On
     any exception (KeyboardInterrupt too) the staging directory is removed and `target` is left as it was. The
-    target's lock is held throughout, and stale staging of the same target is removed first."""
+    target's lock (in `locks`, else beside it: `lock_path`) is held throughout, and stale staging and set-aside
+    directories of the same target are removed first."""
     target = Path(target)
     check_writable_dir(target.parent, f"parent of the {what}")
     if target.exists() and not target.is_dir():
         raise DataDirError(
             f"the {what} {target} exists and is not a directory", hint=f"remove {target} or pick another path"
         )
-    with target_lock(target):
-        clean_stale(target.parent, target.name)
+    if target.is_dir():
+        check_writable_dir(target, what)  # else its files could not be removed once it is replaced
+    with target_lock(target, locks=locks):
+        clean_stale(target.parent, target.name, locks=locks)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{_STAGING}", dir=target.parent))
         _live.add(staging)
         try:
             yield staging
             if stamp:
-                (staging / STAMP).write_text(json.dumps({"format": STAMP_FORMAT}) + "\n", encoding="utf-8")
+                write_stamp(staging)
             os.chmod(staging, 0o755)  # mkdtemp makes it private; a model directory is not
             _replace_dir(staging, target)
         except BaseException:
@@ -128,17 +202,35 @@ def staged_dir(target: str | Path, *, stamp: bool = True, what: str = "directory
 
 def _replace_dir(staging: Path, target: Path) -> None:
     """Rename `staging` to `target`. A directory cannot be renamed over a non-empty one, so an existing target is
-    first renamed aside (a crash in between leaves no target and an aside directory, which `clean_stale` removes)."""
+    first renamed aside, over an empty directory of a fresh name in the same parent (a crash in between leaves no
+    target and the aside directory, which `clean_stale` removes). A rename that fails puts everything back."""
     try:
         os.rename(staging, target)
         return
     except OSError as err:
         if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-            raise
+            raise _replace_error(target, err) from None
     aside = Path(tempfile.mkdtemp(prefix=f".{target.name}{_ASIDE}", dir=target.parent))
-    os.rename(target, aside / "x")
-    os.rename(staging, target)
+    try:
+        os.rename(target, aside)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.rmdir(aside)
+        raise _replace_error(target, err) from None
+    try:
+        os.rename(staging, target)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.rename(aside, target)
+        raise _replace_error(target, err) from None
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def _replace_error(target: Path, err: OSError) -> DataDirError:
+    return DataDirError(
+        f"cannot replace {target}: {err.strerror or err}",
+        hint=f"make {target} and {target.parent} writable, or write the output somewhere else",
+    )
 
 
 def _stale_entries(parent: Path, name: str | None, legacy: bool) -> dict[str, list[Path]]:
@@ -162,16 +254,19 @@ def _stale_entries(parent: Path, name: str | None, legacy: bool) -> dict[str, li
     return found
 
 
-def clean_stale(parent: str | Path, name: str | None = None, *, legacy: bool = False) -> list[Path]:
+def clean_stale(
+    parent: str | Path, name: str | None = None, *, legacy: bool = False, locks: Path | None = None
+) -> list[Path]:
     """Remove staging (and set-aside) directories in `parent` left by dead processes: those whose target's lock is
     free (a live writer holds it). `name` limits this to one target's; `legacy` also removes earlier versions'
-    staging names (`.NAME.XXXXXXXX`; only in directories that hold nothing else hidden, as the data directory's).
-    Never raises: a directory that cannot be cleaned is left for the next start. Returns what was removed."""
+    staging names (`.NAME.XXXXXXXX`; only in directories that hold nothing else hidden, as the data directory's);
+    `locks`: where the targets' lock files are (`lock_path`). Never raises: a directory that cannot be cleaned is
+    left for the next start. Returns what was removed."""
     parent = Path(parent)
     removed = []
     for target_name, paths in _stale_entries(parent, name, legacy).items():
         try:
-            with target_lock(parent / target_name, blocking=False) as locked:
+            with target_lock(parent / target_name, blocking=False, locks=locks) as locked:
                 if not locked:
                     continue
                 for path in paths:
@@ -182,6 +277,33 @@ def clean_stale(parent: str | Path, name: str | None = None, *, legacy: bool = F
                         removed.append(path)
         except OSError:
             continue
+    return removed
+
+
+def clean_locks(locks: str | Path) -> list[Path]:
+    """Remove the lock files in `locks` that no process holds: those of writers killed before they finished
+    (kill -9 skips `target_lock`'s removal). Safe against a writer taking one meanwhile: it checks that the path
+    still names the file it locked (`_locked_fd`). Never raises. Returns what was removed."""
+    removed = []
+    try:
+        entries = [entry for entry in os.scandir(locks) if entry.name.endswith(_LOCK)]
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            fd = os.open(entry.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held, now = os.fstat(fd), os.stat(entry.path)
+            if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError:  # held by a live writer (BlockingIOError), or gone meanwhile
+            pass
+        finally:
+            os.close(fd)
     return removed
 
 

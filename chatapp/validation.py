@@ -11,10 +11,9 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
-from chatapp.errors import BatchFileError, ChatappError, ConstraintError, SettingsError
+from chatapp.errors import ChatappError, ConstraintError, SettingsError
 
 FORMATS = ("float32", "bfloat16", "int8", "int4")
 """The weight formats a model can be run in (`chatapp.stt.weights`), by their canonical names."""
@@ -208,20 +207,3 @@ def prompt_chars(prompt: str | None, messages: Sequence[Any] | None) -> int:
     return sum(len(text) for text in strings_in(list(messages or ())))
 
 
-def check_output_dir(path: str | Path, what: str) -> Path:
-    """An output directory that can be written, checked before hours of training or converting.
-
-    It may exist as a directory or not exist yet (with a parent that is a directory); anything else is refused.
-    """
-    target = Path(path).expanduser()
-    if target.exists() and not target.is_dir():
-        raise BatchFileError(
-            f"the {what} {target} exists and is not a directory",
-            hint="pass a new directory (or an existing one) for the output",
-        )
-    parent = target
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise BatchFileError(f"cannot create the {what} {target}: {parent} is not a directory", hint="pick another path")
-    return target

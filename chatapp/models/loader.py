@@ -495,8 +495,8 @@ def _check_finite(model_dir: Path, model: STTForCausalLM, hint: str | None) -> N
             )
 
 
-def check_model_dir(model_dir: Path, hint: str | None = None) -> None:
-    """Raise `ModelDirError` unless `model_dir` has a readable config.json, weights and tokenizer.json."""
+def check_model_dir(model_dir: Path, hint: str | None = None) -> dict[str, Any]:
+    """Raise `ModelDirError` unless `model_dir` has a readable config.json, weights and tokenizer.json; its config."""
     if not model_dir.exists():
         raise ModelDirError(
             f"model directory {model_dir} does not exist",
@@ -511,7 +511,7 @@ def check_model_dir(model_dir: Path, hint: str | None = None) -> None:
         raise ModelDirError(
             f"{model_dir} is a file, not a model directory", hint=hint or "pass the model's directory, not a file"
         )
-    _read_config(model_dir, hint)
+    config = _read_config(model_dir, hint)
     if not _weight_files(model_dir):
         raise ModelDirError(
             f"{model_dir} has no weights: model.safetensors is missing",
@@ -522,6 +522,7 @@ def check_model_dir(model_dir: Path, hint: str | None = None) -> None:
             f"{model_dir} has no tokenizer.json",
             hint=hint or "copy tokenizer.json from the checkpoint (chatapp reads the fast-tokenizer file only)",
         )
+    return config
 
 
 def _is_gguf_file(path: Path) -> bool:

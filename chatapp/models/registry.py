@@ -1,7 +1,9 @@
-"""Which model directory a `--model` value means: a registered name, or a path.
+"""Which model directory a `--model` value means: a registered name, a routed copy's name, or a path.
 
 Names win over paths: `--model tiny` is always the shipped model, `--model ./tiny` a directory called `tiny`.
-The default model is decided in one place, `default_model_name()`.
+The default model is decided in one place, `default_model_name()`. A routed copy (what `chatapp route MODEL` writes
+without --out, into `settings.routed_models_dir()`) is named by its directory's name where no such path exists.
+Built-in models (shipped in the package, or prepared by chatapp) are never an output: `check_model_output`.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
     if isinstance(name_or_path, str) and name_or_path in MODELS:
         return MODELS[name_or_path]()
     path = Path(name_or_path).expanduser()
+    if not path.exists() and (routed := routed_copy(str(name_or_path))) is not None:
+        return routed
     if not path.exists():
         raise ModelDirError(
             f"model directory {path} does not exist",
@@ -77,10 +81,80 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
     return path
 
 
+def routed_copy(name: str) -> Path | None:
+    """The routed copy called `name` in the data directory, or None (not a plain name, or no such copy)."""
+    from chatapp.settings import routed_models_dir
+    from chatapp.store import is_complete
+
+    if not name or name != Path(name).name or name.startswith("."):
+        return None
+    path = routed_models_dir() / name
+    return path if is_complete(path) else None
+
+
+def routed_copies() -> list[Path]:
+    """Every routed copy in the data directory, by name."""
+    from chatapp.settings import routed_models_dir
+    from chatapp.store import is_complete
+
+    try:
+        found = [path for path in routed_models_dir().iterdir() if not path.name.startswith(".")]
+    except OSError:
+        return []
+    return sorted(path for path in found if is_complete(path))
+
+
+def new_routed_copy(model: str, source: Path) -> Path:
+    """Where `chatapp route MODEL` without --out writes: `NAME-routed` in the data directory (NAME: the model's
+    registered name, else its directory's name), numbered `NAME-routed-2`, ... when taken."""
+    from chatapp.settings import routed_models_dir
+
+    base = f"{model if is_registered(model) else source.resolve().name}-routed"
+    root = routed_models_dir()
+    candidate, number = root / base, 1
+    while candidate.exists() or candidate.is_symlink():
+        number += 1
+        candidate = root / f"{base}-{number}"
+    return candidate
+
+
+def is_builtin(path: Path) -> bool:
+    """Whether `path` is (or lies inside) a model chatapp ships or prepares: the package's own files, the
+    prepared default model. Those are rebuilt by chatapp, never written by a command's output."""
+    from chatapp.models.smollm2 import prepared_dir
+
+    try:
+        resolved = path.expanduser().resolve()
+    except OSError:
+        return False
+    package = Path(__file__).resolve().parents[1]  # the installed chatapp package
+    roots = (package, prepared_dir().resolve())
+    return any(resolved == root or root in resolved.parents for root in roots)
+
+
+def check_not_builtin(target: Path, what: str) -> None:
+    """`ModelDirError` when the output `target` is a built-in model (`is_builtin`)."""
+    if is_builtin(target):
+        raise ModelDirError(
+            f"the {what} {target} is part of chatapp itself (a built-in model or its package), never rewritten",
+            hint="give a new directory for the output",
+        )
+
+
+def check_model_output(target: str | Path, what: str) -> Path:
+    """`target` as the directory a command writes a model to (`store.check_output`: new, empty, or chatapp's own
+    earlier output), and never a built-in model: checked before any work."""
+    from chatapp.store import check_output
+
+    path = Path(target).expanduser()
+    check_not_builtin(path, what)
+    return check_output(path, what)
+
+
 def repair_hint(name_or_path: str | Path | None, model_dir: Path) -> str | None:
     """The fix for damaged files in `model_dir`, by what made them: shipped in the package (reinstall / rebuild),
-    prepared by chatapp into the data directory (remove it: the next run prepares it again), written by `chatapp
-    convert` (convert again), or the user's own (None: the caller names the file to restore)."""
+    prepared by chatapp into the data directory (remove it: the next run prepares it again), written by a chatapp
+    command (run it again), or the user's own (None: the caller names the file to restore)."""
     from chatapp.models.smollm2 import prepared_dir
     from chatapp.store import is_complete
 
@@ -90,7 +164,7 @@ def repair_hint(name_or_path: str | Path | None, model_dir: Path) -> str | None:
     if name == "default" or _same_dir(model_dir, prepared_dir()):
         return f"remove {model_dir} and run again: chatapp prepares the default model again"
     if is_complete(model_dir):
-        return f"{model_dir} was written by `chatapp convert`: remove it and run the same `chatapp convert` again"
+        return f"{model_dir} was written by `chatapp convert`, `route` or `train`: remove it and run that command again"
     return None
 
 
@@ -131,6 +205,7 @@ def model_listing() -> list[ModelEntry]:
         else:
             path, state = MODELS[name](), "shipped"
         entries.append(_describe(name, path, state))
+    entries.extend(_describe(path.name, path, "routed copy (chatapp route)") for path in routed_copies())
     return entries
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,19 +25,56 @@ if TYPE_CHECKING:
 Sequence = tuple[list[int], list[int]]
 
 
-def _read_text(path: Path) -> str:
-    if not path.is_file():
-        raise TrainingError(f"corpus file {path} does not exist", hint="pass a .jsonl conversation file or a text file")
+MAX_LINE_BYTES = 1 << 20
+"""Longest line (and, in a text corpus, document) a corpus may hold, in bytes. A corpus is read a line at a time,
+and tokenizing text costs ~150 times its size in memory, so this bounds what one corpus line can cost (a 20 MB
+line took 3.1 GB)."""
+_LIMIT = f"{MAX_LINE_BYTES // (1 << 20)} MiB"
+
+
+def check_corpus_path(path: str | Path) -> Path:
+    """`path` as a corpus that can be opened (a file, or a pipe such as `<(zcat corpus.gz)`), checked before a model
+    loads; `TrainingError` saying what it is otherwise."""
+    path = Path(path).expanduser()
+    hint = "pass a .jsonl conversation file or a text file"
+    if path.is_dir():
+        raise TrainingError(f"corpus {path} is a directory, not a file", hint=f"{hint} (not a directory)")
+    if not path.exists():
+        raise TrainingError(f"corpus file {path} does not exist", hint=hint)
+    return path
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text without its line end) of each line of `path`, read one line at a time: a line of more
+    than `MAX_LINE_BYTES` is refused by its length before it is decoded."""
+    check_corpus_path(path)
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise TrainingError(f"cannot read corpus {path}: {err}", hint="use a UTF-8 text or JSONL file") from None
+        with path.open("rb") as fh:
+            for number, raw in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 2), b""), start=1):
+                if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:
+                    raise InputLineError(
+                        f"{path}:{number}: the line is longer than {_LIMIT}",
+                        hint=f"split line {number} of {path} into lines (documents, conversations) under {_LIMIT}",
+                    )
+                try:
+                    yield number, raw.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError as err:
+                    raise InputLineError(
+                        f"{path}:{number}: not valid UTF-8 ({err.reason} at byte {err.start + 1} of the line)",
+                        hint="save the corpus as UTF-8 text",
+                    ) from None
+    except OSError as err:
+        raise TrainingError(
+            f"cannot read corpus {path}: {err.strerror or err}", hint="use a readable UTF-8 text or JSONL file"
+        ) from None
 
 
-def conversation_sequences(path: Path, chat_format: AnyChatFormat, max_tokens: int | None = None) -> list[Sequence]:
-    """(ids, loss_mask) of each JSONL line's conversation; blank lines are skipped."""
-    sequences = []
-    for number, line in enumerate(_read_text(path).splitlines(), start=1):
+def conversation_sequences(
+    path: Path, chat_format: AnyChatFormat, max_tokens: int | None = None
+) -> Iterator[Sequence]:
+    """(ids, loss_mask) of each JSONL line's conversation, as the file is read; blank lines are skipped."""
+    found = False
+    for number, line in _lines(path):
         if not line.strip():
             continue
         where = f"{path}:{number}"
@@ -54,36 +92,67 @@ def conversation_sequences(path: Path, chat_format: AnyChatFormat, max_tokens: i
             ids, mask = chat_format.render_conversation(record["messages"], max_tokens=max_tokens)
         except ChatappError as err:
             raise InputLineError(f"{where}: {err.message}", hint=err.hint) from None
-        sequences.append((list(ids), [int(m) for m in mask]))
-    if not sequences:
+        found = True
+        yield list(ids), [int(m) for m in mask]
+    if not found:
         raise TrainingError(f"corpus {path} holds no conversations", hint="add JSONL lines with a 'messages' list")
-    return sequences
 
 
-def text_sequences(path: Path, tokenizer: Tokenizer, bos_token: str = "<|bos|>") -> list[Sequence]:
-    """Token ids of each blank-line-separated document, every token a target."""
+def text_sequences(path: Path, tokenizer: Tokenizer, bos_token: str = "<|bos|>") -> Iterator[Sequence]:
+    """Token ids of each blank-line-separated document, every token a target, as the file is read."""
     bos = tokenizer.token_to_id(bos_token)
-    sequences = []
-    for document in _read_text(path).split("\n\n"):
+    found = False
+    for document in _documents(path):
         if not document.strip():
             continue
         ids = ([bos] if bos is not None else []) + tokenizer.encode(document, add_special_tokens=False).ids
-        sequences.append((ids, [1] * len(ids)))
-    if not sequences:
+        found = True
+        yield ids, [1] * len(ids)
+    if not found:
         raise TrainingError(f"corpus {path} is empty", hint="pass a file with some text in it")
-    return sequences
 
 
-def load_sequences(path: str | Path, tokenizer: Tokenizer, chat_format: AnyChatFormat | None) -> list[Sequence]:
-    """Conversations from a .jsonl file (needs a chat format), plain text from anything else."""
+def _documents(path: Path) -> Iterator[str]:
+    """The file's text split at every blank line ("\\n\\n", as `str.split` would), read a line at a time; a
+    document of more than `MAX_LINE_BYTES` characters is refused, naming the line it starts on."""
+    pending, first = "", 1
+    for number, line in _lines(path):
+        pending = f"{pending}\n{line}" if number > 1 else line
+        while "\n\n" in pending:
+            document, pending = pending.split("\n\n", 1)
+            yield document
+            first = number
+        if len(pending) > MAX_LINE_BYTES:
+            raise InputLineError(
+                f"{path}:{first}: the document starting on this line is longer than {_LIMIT}",
+                hint=f"separate the documents of {path} with blank lines, each under {_LIMIT}",
+            )
+    yield pending
+
+
+def load_sequences(
+    path: str | Path, tokenizer: Tokenizer, chat_format: AnyChatFormat | None, enough_tokens: int | None = None
+) -> list[Sequence]:
+    """Conversations from a .jsonl file (needs a chat format), plain text from anything else. With
+    `enough_tokens`, reading stops once the sequences hold that many tokens (an evaluation of N windows in stream
+    order reads no more than N windows' worth)."""
     path = Path(path).expanduser()
     if path.suffix == ".jsonl":
         if chat_format is None:
             raise TrainingError(
                 f"{path} holds conversations but the tokenizer has no chat format", hint="train on text"
             )
-        return conversation_sequences(path, chat_format)
-    return text_sequences(path, tokenizer)
+        reader = conversation_sequences(path, chat_format)
+    else:
+        reader = text_sequences(path, tokenizer)
+    sequences, tokens = [], 0
+    for sequence in reader:
+        sequences.append(sequence)
+        tokens += len(sequence[0])
+        if enough_tokens is not None and tokens >= enough_tokens:
+            reader.close()
+            break
+    return sequences
 
 
 def split_heldout(sequences: list[Sequence], fraction: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:

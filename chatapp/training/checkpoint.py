@@ -42,10 +42,7 @@ def save_step(root: Path, step: int, write: Callable[[Path], object]) -> Path:
     store.atomic_write(root / LATEST, lambda tmp: tmp.write_text(name + "\n", encoding="utf-8"))
     for old in root.glob("step_*"):
         if old.name != name:
-            shutil.rmtree(old, ignore_errors=True)
-            # A checkpoint's lock file goes with it: only this process writes under `root`, and a new name per step
-            # would otherwise leave one lock file per checkpoint ever written.
-            store.lock_path(old).unlink(missing_ok=True)
+            shutil.rmtree(old, ignore_errors=True)  # its lock file went as its writer finished (`store.target_lock`)
     return root / name
 
 

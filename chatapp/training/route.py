@@ -41,7 +41,9 @@ import torch.nn.functional as F
 
 from chatapp import store
 from chatapp.compute_saved import compute_saved, skip_cost
+from chatapp.errors import TrainingError
 from chatapp.stt import STTConfig, STTForCausalLM
+from chatapp.stt.config import SKIP_MODES
 from chatapp.stt.cpu_step import MAX_ROWS
 from chatapp.stt.io import (
     CONFIG_NAME,
@@ -63,6 +65,7 @@ GENERATE_BATCH = 16  # rows per self-distillation batch: bounds the cache's memo
 PADDED_POSITIONS = 2048  # positions per padded batch of the passes (sequences of similar length together)
 SWEEP_RATE = 0.5  # the share each layer skips alone when candidates are measured
 COPY_SLACK = 0.05  # the copy probe may lose this share (one probe in twenty) to count as intact
+MAX_SEED = 2**32 - 1  # a layer's fit seeds with seed * 1000 + layer, which torch takes up to 2**63
 
 
 @dataclass
@@ -81,6 +84,40 @@ class RouteOptions:
     epochs: int = 40
     seed: int = 0
     tune: TuneOptions = field(default_factory=TuneOptions)  # the backbone's fine-tune (`tune.steps` 0: none)
+
+    def check(self, layer_count: int, context: int) -> None:
+        """`TrainingError` naming the first option a model of `layer_count` layers and a context of `context`
+        tokens cannot be routed with: checked before the model loads (`chatapp route`) and again by `route`."""
+        options = "see `chatapp route --help`"
+        if self.layers is not None:
+            if not self.layers:
+                raise TrainingError("--layers names no layer", hint="give layer numbers, e.g. --layers 3,4,5")
+            if bad := [layer for layer in self.layers if not 0 <= layer < layer_count]:
+                raise TrainingError(
+                    f"--layers: layers {bad} do not exist: the model has layers 0-{layer_count - 1}",
+                    hint=f"give layer numbers from 0 to {layer_count - 1}, e.g. --layers {min(3, layer_count - 1)}",
+                )
+        if self.skip_mode not in SKIP_MODES:
+            raise TrainingError(
+                f"--skip-mode {self.skip_mode!r} is not a skip mode", hint=f"use one of {', '.join(SKIP_MODES)}"
+            )
+        if not (math.isfinite(self.budget) and self.budget >= 1.0):
+            raise TrainingError(
+                f"--budget must be a finite perplexity ratio of at least 1.0, got {self.budget}",
+                hint="e.g. --budget 1.10 (routed perplexity at most 10% above routing off)",
+            )
+        for name, value, low, high in (
+            ("--max-layers", self.max_layers, 1, None),
+            ("--answer-tokens", self.answer_tokens, 8, context),
+            ("epochs", self.epochs, 1, None),  # not a command-line option: the API's
+            ("--seed", self.seed, 0, MAX_SEED),
+            ("--tune-steps", self.tune.steps, 0, None),
+        ):
+            if value < low or (high is not None and value > high):
+                limit = f"at least {low}" if high is None else f"between {low} and {high}"
+                raise TrainingError(f"{name} must be {limit}, got {value}", hint=options)
+        if not self.rates or not all(0.0 < rate < 1.0 for rate in self.rates):
+            raise TrainingError(f"the rates {list(self.rates)} must lie between 0 and 1", hint=options)
 
 
 @dataclass
@@ -564,10 +601,7 @@ def route(
     torch.manual_seed(options.seed)
     model, clock = loaded.model, time.perf_counter()
     count = model.config.num_hidden_layers
-    if options.layers is not None:
-        bad = [layer for layer in options.layers if not 0 <= layer < count]
-        if bad:
-            raise ValueError(f"layers {bad} out of range: the model has layers 0-{count - 1}")
+    options.check(count, model.config.max_position_embeddings)
     conversations = conversations_cached(loaded, options, log, cache_dir, speaker)
     held_rows = [c for i, c in enumerate(conversations) if i % 4 == 3]
     fit_rows = [c for i, c in enumerate(conversations) if i % 4 != 3]
@@ -792,13 +826,14 @@ def fold_cutoff(router: CausalRouter, cutoff: float) -> None:
         router.out.bias -= math.log(c / (1 - c))
 
 
-def write_routed(routed: Routed, source: Path, target: Path) -> None:
+def write_routed(routed: Routed, source: Path, target: Path, locks: Path | None = None) -> None:
     """The routed model in `target` (the source's other files copied along), through the store: built beside it
-    and renamed into place, so an interrupted write leaves the previous model as it was. A fine-tune's adapters join
-    those the source had merged (`stt.io.MERGED_ADAPTERS_NAME`, which int4 keeps apart from the rounded weights):
-    two low-rank updates of one module are one of the summed rank, [B1 B2] [A1; A2]."""
+    and renamed into place, so an interrupted write leaves the previous model as it was (`locks`: where the target's
+    lock file goes, `store.lock_path`). A fine-tune's adapters join those the source had merged
+    (`stt.io.MERGED_ADAPTERS_NAME`, which int4 keeps apart from the rounded weights): two low-rank updates of one
+    module are one of the summed rank, [B1 B2] [A1; A2]."""
     adapters = combine_adapters(load_merged_adapters(source), routed.adapters)
-    with store.staged_dir(target, what="routed model directory") as staging:
+    with store.staged_dir(target, what="routed model directory", locks=locks) as staging:
         for path in source.iterdir():
             if (
                 path.is_file()

@@ -14,12 +14,21 @@ from typer.testing import CliRunner
 from chatapp.batch.output import FileSink, scan_output
 from chatapp.batch.requests import BatchDefaults, LineError, parse_line
 from chatapp.cli import app
-from chatapp.errors import BatchFileError, ChatappError, ConstraintError, HistoryError, ProgramError, SettingsError
+from chatapp.errors import (
+    BatchFileError,
+    ChatappError,
+    ConstraintError,
+    DataDirError,
+    HistoryError,
+    ProgramError,
+    SettingsError,
+)
 from chatapp.settings import GenerationSettings
+from chatapp.store import check_output
 from chatapp.trie.json_schema import schema_to_regex
 from chatapp.trie.regex import compile_regex
 from chatapp.ttfa.source import load_program_source, parse_program_toml
-from chatapp.validation import check_output_dir, check_prompt_chars
+from chatapp.validation import check_prompt_chars
 
 runner = CliRunner()
 
@@ -191,9 +200,9 @@ def test_impossible_model_configs_are_refused(changes: dict) -> None:
 def test_an_existing_file_as_output_directory_is_refused_before_work(tmp_path: Path) -> None:
     target = tmp_path / "file"
     target.write_text("x")
-    with pytest.raises(BatchFileError, match="not a directory"):
-        check_output_dir(target, "--out directory")
-    assert check_output_dir(tmp_path / "new" / "dir", "--out directory") == tmp_path / "new" / "dir"
+    with pytest.raises(DataDirError, match="not a directory"):
+        check_output(target, "--out directory")
+    assert check_output(tmp_path / "new" / "dir", "--out directory") == tmp_path / "new" / "dir"
 
 
 # --- history database ------------------------------------------------------------------------------------------------

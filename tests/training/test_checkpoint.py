@@ -24,8 +24,8 @@ def test_each_step_replaces_the_last_and_leaves_nothing_else(tmp_path):
     final = save_step(root, 4, _write("four"))
     assert latest_step(root) == final == root / "step_000004"
     assert (final / "weights.txt").read_text() == "four"
-    # The older step, its lock file and every staging directory are gone: one checkpoint, its lock, the pointer.
-    assert sorted(p.name for p in root.iterdir()) == [".step_000004.lock", "latest", "step_000004"]
+    # The older step, every lock file and every staging directory are gone: one checkpoint and the pointer.
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000004"]
 
 
 def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path):
