@@ -402,4 +402,4 @@ def test_eval_reads_no_more_of_the_corpus_than_it_evaluates(tmp_path: Path) -> N
 def test_generate_with_a_gguf_file_points_at_convert(tmp_path: Path) -> None:
     gguf = tmp_path / "x.gguf"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 16)
-    _refused(["generate", "hi", "--model", str(gguf)], "is a file, not a model directory", f"chatapp convert {gguf}")
+    _refused(["generate", "hi", "--model", str(gguf)], "not a model directory", f"chatapp convert {gguf}")
