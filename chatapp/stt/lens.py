@@ -1,0 +1,242 @@
+"""The logit lens: each decoder layer's residual stream read through the model's final norm and LM head.
+
+A layer's output h_l (the residual stream after layer l) is what the next layer reads; the model reads only the last
+one, through `norm` and `lm_head`. Reading every h_l the same way (nostalgebraist's logit lens) shows when the model's
+prediction took shape: at which layer the emitted token became, and stayed, the most likely one.
+
+`capture_states` is one full-sequence forward over a prefix with the routing a reply actually had, so a layer that
+skipped a token really skips it here: in "strict" mode the token passes through unchanged and is no key of that
+layer; in "kv" mode it passes through unchanged and its K/V (from its unchanged input) are keys. The routed pass is
+`DecoderBlock.routed`, the same maths every full-sequence path uses (`stt.teacher`), not the decode step: the lens
+never runs on the decode hot path.
+
+A tuned lens (Belrose et al. 2023) adds a per-layer affine translator before the norm: h -> h + A_l h + b_l, fitted
+so that layer l's reading matches the final distribution (`chatapp.training.lens_fit`). `Translators` holds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from chatapp.stt.layers import STTLayer, router_probs, select, self_attention_sink
+from chatapp.stt.teacher import previous_tokens
+
+# Rows of hidden states read through the head at once: bounds the (rows, vocabulary) float32 logits in memory
+# (256 x 49,152 x 4 B = 50 MB for the default model).
+READ_ROWS = 256
+
+LENS_FILE = "lens.safetensors"
+"""Where a model directory keeps its tuned-lens translators (`Translators.save` / `Translators.load`)."""
+
+
+@dataclass(frozen=True)
+class LayerStates:
+    """One forward's residual streams at the positions asked for, and the routing it ran with."""
+
+    states: torch.Tensor  # (L, P, D) float32: decoder layer l's output at each asked position
+    selected: torch.Tensor  # (L_stt, T) bool: whether each STT layer ran its block for each token of the prefix
+
+
+@dataclass(frozen=True)
+class Translators:
+    """Per-layer affine maps of a tuned lens: layer l's state h reads as h + h @ weight[l].T + bias[l]."""
+
+    weight: torch.Tensor  # (L, D, D)
+    bias: torch.Tensor  # (L, D)
+
+    def apply(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight[layer].to(h.dtype), self.bias[layer].to(h.dtype)
+        return h + h @ w.T + b
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file(
+            {"weight": self.weight.to(torch.float16).contiguous(), "bias": self.bias.to(torch.float16).contiguous()},
+            str(path),
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> Translators:
+        """Raises ValueError when the file is not a lens file (the caller names the file and the fix)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"not a safetensors file: {err}") from None
+        if set(tensors) != {"weight", "bias"} or tensors["weight"].ndim != 3 or tensors["bias"].ndim != 2:
+            raise ValueError(f"holds {sorted(tensors)}, not a lens's weight (L, D, D) and bias (L, D)")
+        return cls(tensors["weight"].float(), tensors["bias"].float())
+
+    def fits(self, num_layers: int, hidden_size: int) -> bool:
+        return tuple(self.weight.shape) == (num_layers, hidden_size, hidden_size) and tuple(self.bias.shape) == (
+            num_layers,
+            hidden_size,
+        )
+
+
+@torch.no_grad()
+def capture_states(
+    model,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    decisions: torch.Tensor | None = None,
+    known: torch.Tensor | None = None,
+    dense: bool = False,
+    threshold: float | None = None,
+) -> LayerStates:
+    """Run the model over the prefix `ids` (T,) and keep every decoder layer's output at `positions` (P,).
+
+    Routing: `dense` runs every layer for every token (routing "off"). Otherwise an STT layer runs its block for the
+    tokens `decisions` (L_stt, T) marks, at the positions `known` (T,) marks (all when None); at the other positions
+    the causal router decides, as the model would have (`threshold`, else the model's own). A model without trained
+    routers runs dense.
+    """
+    config = model.config
+    ids = ids.to(model.device)[None]
+    length = ids.shape[1]
+    student = not dense and model.routing_active
+    cutoff = config.router_threshold if threshold is None else threshold
+    if decisions is not None:
+        decisions = decisions.to(model.device, torch.bool)
+        known = torch.ones(length, dtype=torch.bool, device=model.device) if known is None else known.to(model.device)
+    hidden = model.model.embed_tokens(ids)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(length, device=model.device)[None])
+    positions = positions.to(model.device)
+    every = torch.ones(1, length, dtype=torch.bool, device=model.device)
+    states, chosen = [], []
+    for layer in model.model.layers:
+        if isinstance(layer, STTLayer):
+            selected = every
+            if student:
+                selected = select(router_probs(layer, hidden, previous_tokens(hidden)), cutoff)
+                if decisions is not None:
+                    selected = torch.where(known[None], decisions[len(chosen)][None], selected)
+            hidden = layer.routed(hidden, cos, sin, selected, config.skip_mode)
+            chosen.append(selected[0])
+        else:
+            hidden = layer.block(hidden, cos, sin, self_attention_sink())
+        states.append(hidden[0, positions].float())
+    empty = torch.zeros(0, length, dtype=torch.bool, device=model.device)
+    return LayerStates(torch.stack(states), torch.stack(chosen) if chosen else empty)
+
+
+class LensHead:
+    """The model's final norm and LM head as one float32 product, for reading many hidden states.
+
+    A quantized head (`stt.weights.Int8Linear`) dequantizes per call above a few rows; the lens reads thousands of
+    rows in a few calls, so it dequantizes once here. At the last layer the reading is the model's own output
+    distribution (to the rounding of its weight format's kernels).
+    """
+
+    def __init__(self, model, translators: Translators | None = None) -> None:
+        head = model.lm_head
+        self.weight = head.weight.detach().float()
+        bias = getattr(head, "bias", None)
+        self.bias = None if bias is None else bias.detach().float()
+        norm = model.model.norm
+        self.norm_weight = norm.weight.detach().float()
+        self.eps = norm.variance_epsilon
+        self.translators = translators
+
+    @property
+    def kind(self) -> str:
+        """Which lens this head reads: "tuned" with translators, "raw" without."""
+        return "raw" if self.translators is None else "tuned"
+
+    def logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """(N, V) float32 logits of layer `layer`'s states `h` (N, D)."""
+        h = h.float()
+        if self.translators is not None:
+            h = self.translators.apply(layer, h)
+        normed = F.rms_norm(h, (h.shape[-1],), self.norm_weight, self.eps)
+        return F.linear(normed, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class LensTable:
+    """Every layer's reading at some positions: (P, L) for the emitted token, (P, L, k) for the top k."""
+
+    prob: torch.Tensor  # probability of the emitted token
+    rank: torch.Tensor  # its rank (1 = the reading's top token)
+    top_ids: torch.Tensor
+    top_probs: torch.Tensor
+
+
+@torch.no_grad()
+def read_layers(head: LensHead, states: torch.Tensor, emitted: torch.Tensor, k: int = 3) -> LensTable:
+    """Every layer's reading of `states` (L, P, D) at the P positions, whose emitted tokens are `emitted` (P,)."""
+    layers, count, _ = states.shape
+    emitted = emitted.to(states.device)
+    prob = torch.zeros(count, layers)
+    rank = torch.zeros(count, layers, dtype=torch.long)
+    top_ids = torch.zeros(count, layers, k, dtype=torch.long)
+    top_probs = torch.zeros(count, layers, k)
+    for layer in range(layers):
+        for start in range(0, count, READ_ROWS):
+            rows = slice(start, start + READ_ROWS)
+            logits = head.logits(layer, states[layer, rows])
+            own = logits.gather(1, emitted[rows, None])
+            log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
+            prob[rows, layer] = (own - log_z).exp()[:, 0].cpu()
+            rank[rows, layer] = ((logits > own).sum(-1) + 1).cpu()
+            values, ids = logits.topk(k, dim=-1)
+            top_ids[rows, layer] = ids.cpu()
+            top_probs[rows, layer] = (values - log_z).exp().cpu()
+    return LensTable(prob, rank, top_ids, top_probs)
+
+
+@torch.no_grad()
+def decision_depths(head: LensHead, states: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
+    """Per position (P,): the first layer from which every reading's top token is the emitted one; -1 where even the
+    last layer's is not (a sampled or forced token the model did not rank first).
+
+    Read from the last layer down, and only the positions still settled are read at each layer: a token decided at
+    layer 20 of 30 costs 11 readings, not 30.
+    """
+    layers, count, _ = states.shape
+    emitted = emitted.to(states.device)
+    depth = torch.full((count,), -1, dtype=torch.long)
+    alive = torch.arange(count, device=states.device)
+    for layer in range(layers - 1, -1, -1):
+        if alive.numel() == 0:
+            break
+        top = torch.cat(
+            [
+                head.logits(layer, states[layer, alive[start : start + READ_ROWS]]).argmax(-1)
+                for start in range(0, alive.numel(), READ_ROWS)
+            ]
+        )
+        alive = alive[top == emitted[alive]]
+        depth[alive.cpu()] = layer
+    return depth
+
+
+def agreement(head: LensHead, states: torch.Tensor) -> torch.Tensor:
+    """Per layer (L,): the share of positions where the layer's top token is the last layer's (the model's)."""
+    layers, count, _ = states.shape
+    final = torch.cat(
+        [head.logits(layers - 1, states[-1, s : s + READ_ROWS]).argmax(-1) for s in range(0, count, READ_ROWS)]
+    )
+    shares = []
+    for layer in range(layers):
+        top = torch.cat(
+            [head.logits(layer, states[layer, s : s + READ_ROWS]).argmax(-1) for s in range(0, count, READ_ROWS)]
+        )
+        shares.append((top == final).float().mean())
+    return torch.stack(shares).cpu()
+
+
+def translators_for(model_dir: Path | None, config) -> Translators | None:
+    """The tuned-lens translators stored in a model directory (None when it has none or they do not fit)."""
+    if model_dir is None or not (model_dir / LENS_FILE).is_file():
+        return None
+    translators = Translators.load(model_dir / LENS_FILE)
+    return translators if translators.fits(config.num_hidden_layers, config.hidden_size) else None
