@@ -17,7 +17,6 @@ so that layer l's reading matches the final distribution (`chatapp.training.lens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,42 +42,37 @@ class LayerStates:
 
 @dataclass(frozen=True)
 class Translators:
-    """Per-layer affine maps of a tuned lens: layer l's state h reads as h + h @ weight[l].T + bias[l]."""
+    """Per-layer affine maps of a tuned lens, low rank so that a model ships them small: layer l's state h reads as
+    h + (h @ down[l]) @ up[l] + bias[l]. The last layer's is zero (the model's own reading)."""
 
-    weight: torch.Tensor  # (L, D, D)
+    down: torch.Tensor  # (L, D, r)
+    up: torch.Tensor  # (L, r, D)
     bias: torch.Tensor  # (L, D)
 
     def apply(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight[layer].to(h.dtype), self.bias[layer].to(h.dtype)
-        return h + h @ w.T + b
+        down, up, bias = (t[layer].to(h.device, h.dtype) for t in (self.down, self.up, self.bias))
+        return h + (h @ down) @ up + bias
 
-    def save(self, path: Path) -> None:
-        from safetensors.torch import save_file
-
-        save_file(
-            {"weight": self.weight.to(torch.float16).contiguous(), "bias": self.bias.to(torch.float16).contiguous()},
-            str(path),
-        )
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The translators as float16 tensors for a safetensors file (`LENS_FILE`)."""
+        return {name: getattr(self, name).to(torch.float16).contiguous() for name in ("down", "up", "bias")}
 
     @classmethod
-    def load(cls, path: Path) -> Translators:
-        """Raises ValueError when the file is not a lens file (the caller names the file and the fix)."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            tensors = load_file(str(path))
-        except (SafetensorError, OSError) as err:
-            raise ValueError(f"not a safetensors file: {err}") from None
-        if set(tensors) != {"weight", "bias"} or tensors["weight"].ndim != 3 or tensors["bias"].ndim != 2:
-            raise ValueError(f"holds {sorted(tensors)}, not a lens's weight (L, D, D) and bias (L, D)")
-        return cls(tensors["weight"].float(), tensors["bias"].float())
-
-    def fits(self, num_layers: int, hidden_size: int) -> bool:
-        return tuple(self.weight.shape) == (num_layers, hidden_size, hidden_size) and tuple(self.bias.shape) == (
-            num_layers,
-            hidden_size,
-        )
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], num_layers: int, hidden_size: int) -> Translators:
+        """Raises ValueError naming what does not fit a model of `num_layers` x `hidden_size`."""
+        if set(tensors) != {"down", "up", "bias"}:
+            raise ValueError(f"holds {sorted(tensors)}, not a lens's down, up and bias")
+        down, up, bias = (tensors[name].float() for name in ("down", "up", "bias"))
+        rank = down.shape[-1] if down.ndim == 3 else -1
+        want = {
+            "down": (num_layers, hidden_size, rank),
+            "up": (num_layers, rank, hidden_size),
+            "bias": (num_layers, hidden_size),
+        }
+        for name, tensor in (("down", down), ("up", up), ("bias", bias)):
+            if tuple(tensor.shape) != want[name]:
+                raise ValueError(f"{name} is {tuple(tensor.shape)}, the model needs {want[name]}")
+        return cls(down, up, bias)
 
 
 @torch.no_grad()
@@ -232,11 +226,3 @@ def agreement(head: LensHead, states: torch.Tensor) -> torch.Tensor:
         )
         shares.append((top == final).float().mean())
     return torch.stack(shares).cpu()
-
-
-def translators_for(model_dir: Path | None, config) -> Translators | None:
-    """The tuned-lens translators stored in a model directory (None when it has none or they do not fit)."""
-    if model_dir is None or not (model_dir / LENS_FILE).is_file():
-        return None
-    translators = Translators.load(model_dir / LENS_FILE)
-    return translators if translators.fits(config.num_hidden_layers, config.hidden_size) else None
