@@ -262,16 +262,16 @@ def fit(
         str | None, typer.Option("--output", "-o", help="Where the translators go (default: MODEL/lens.safetensors).")
     ] = None,
     conversations: Annotated[
-        int, typer.Option("--conversations", min=1, help="Held-out chat conversations to cache states from.")
+        int, typer.Option("--conversations", min=2, help="Held-out chat conversations: half to fit, half to measure.")
     ] = 64,
-    steps: Annotated[
-        int, typer.Option("--steps", min=0, help="SGD steps on the KL objective after least squares.")
-    ] = 200,
+    steps: Annotated[int, typer.Option("--steps", min=0, help="Adam steps on the KL after least squares.")] = 200,
+    rank: Annotated[int, typer.Option("--rank", min=1, help="Rank of each layer's translator.")] = 32,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
 ) -> None:
-    """Fit a tuned lens for MODEL: per layer an affine translator, least squares then SGD on the KL to the final
-    distribution, over cached states of chat conversations. Prints each layer's agreement, raw and tuned."""
+    """Fit a tuned lens for MODEL: per layer a low-rank affine translator, least squares then Adam on the KL to the
+    model's distribution, on cached states of held-out chat. Prints each layer's agreement with the model, raw and
+    tuned, on conversations the fit did not see."""
     from chatapp.lifecycle import starting_up
 
     with starting_up():
@@ -282,15 +282,39 @@ def fit(
         engine = load_engine(model, device, dtype=dtype)
     model_dir = resolve_model(model)
     target = Path(output).expanduser() if output else model_dir / LENS_FILE
-    from rich.table import Table
-
-    report = fit_lens(engine, conversations=conversations, steps=steps, log=lambda line: print(line, file=sys.stderr))
+    if not target.parent.is_dir():
+        raise SettingsError(f"cannot write {target}: {target.parent} is not a directory", hint="pass -o FILE")
+    chats = held_out_conversations(model_dir, conversations)
+    report = fit_lens(engine, chats, steps=steps, rank=rank, log=lambda line: print(line, file=sys.stderr))
     save_translators(report.translators, target)
-    table = Table(box=None, pad_edge=False, header_style="dim")
-    for name in ("layer", "raw", "tuned"):
-        table.add_column(name, justify="right")
-    for layer, (raw, tuned) in enumerate(zip(report.raw, report.tuned, strict=True)):
-        table.add_row(str(layer), f"{raw:.1%}", f"{tuned:.1%}")
     console = Console(highlight=False)
-    console.print(table)
+    console.print(render_agreement(report.raw, report.tuned, report.eval_positions))
     console.print(f"saved the tuned lens to {target}")
+
+
+def held_out_conversations(model_dir: Path, count: int) -> list:
+    """Chat to fit a lens on: the held-out set of the recipe that made the model, else the default model's recipe's
+    held-out tool conversations (plain chat any chat model reads)."""
+    from chatapp.errors import ModelDirError
+    from chatapp.recipes.heldout import held_out_for
+    from chatapp.recipes.smollm2.evaluate import held_out_chat
+
+    try:
+        return held_out_for(model_dir).conversations(count)[:count]
+    except ModelDirError:
+        return held_out_chat([], count)
+
+
+def render_agreement(raw: list[float], tuned: list[float] | None, positions: int) -> Group:
+    """Per layer: the share of held-out positions where the lens's top token is the model's, raw (and tuned)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    title = Text(f"top-1 agreement with the model's output on {positions} held-out positions", style="dim")
+    table = Table(box=None, pad_edge=False, header_style="dim")
+    for name in ("layer", "raw", *(("tuned",) if tuned else ())):
+        table.add_column(name, justify="right")
+    for layer, share in enumerate(raw):
+        table.add_row(str(layer), f"{share:.1%}", *((f"{tuned[layer]:.1%}",) if tuned else ()))
+    return Group(title, table)

@@ -42,8 +42,9 @@ class LayerStates:
 
 @dataclass(frozen=True)
 class Translators:
-    """Per-layer affine maps of a tuned lens, low rank so that a model ships them small: layer l's state h reads as
-    h + (h @ down[l]) @ up[l] + bias[l]. The last layer's is zero (the model's own reading)."""
+    """Per-layer affine maps of a tuned lens, low rank so that a model ships them small: layer l's state, scaled to
+    unit RMS (x; the reading cannot tell scales apart, and the fit is better conditioned), reads as
+    x + (x @ down[l]) @ up[l] + bias[l]. The last layer's is zero (the model's own reading)."""
 
     down: torch.Tensor  # (L, D, r)
     up: torch.Tensor  # (L, r, D)
@@ -122,6 +123,11 @@ def capture_states(
     return LayerStates(torch.stack(states), torch.stack(chosen) if chosen else empty)
 
 
+def unit_rms(x: torch.Tensor) -> torch.Tensor:
+    """`x` scaled to unit root-mean-square along its last axis: what a tuned lens's translators take."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
 class LensHead:
     """The model's final norm and LM head as one float32 product, for reading many hidden states.
 
@@ -149,7 +155,7 @@ class LensHead:
         """(N, V) float32 logits of layer `layer`'s states `h` (N, D)."""
         h = h.float()
         if self.translators is not None:
-            h = self.translators.apply(layer, h)
+            h = self.translators.apply(layer, unit_rms(h))
         normed = F.rms_norm(h, (h.shape[-1],), self.norm_weight, self.eps)
         return F.linear(normed, self.weight, self.bias)
 

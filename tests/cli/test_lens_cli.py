@@ -87,3 +87,39 @@ def test_lens_help_names_both_commands() -> None:
     result = lens("--help")
     assert result.exit_code == 0
     assert "show" in result.output and "fit" in result.output
+
+
+@pytest.fixture
+def own_model_dir(routed_model_dir: Path, tmp_path: Path) -> Path:
+    """A copy of the routed model that a test may give a lens file."""
+    import shutil
+
+    return Path(shutil.copytree(routed_model_dir, tmp_path / "model"))
+
+
+def test_fit_writes_a_tuned_lens_that_show_then_reads(own_model_dir: Path) -> None:
+    result = lens("fit", str(own_model_dir), "--conversations", "6", "--steps", "3", "--rank", "8")
+    assert result.exit_code == 0, result.output
+    assert "top-1 agreement with the model's output" in result.stdout
+    assert (own_model_dir / "lens.safetensors").is_file()
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1", "2", "3"]
+    assert rows[-1][1:] == ["100.0%", "100.0%"]  # the last layer is the model's own reading, raw or tuned
+
+    def document(kind: str) -> dict:
+        shown = lens("What is 2+2?", "--model", str(own_model_dir), "--lens", kind, "--at", "1", "--json")
+        assert shown.exit_code == 0, shown.output
+        return json.loads(shown.stdout)
+
+    tuned, raw, auto = document("tuned"), document("raw"), document("auto")
+    assert (tuned["lens"], raw["lens"], auto["lens"]) == ("tuned", "raw", "tuned")
+    last_tuned, last_raw = tuned["tokens"][1]["layers"][-1], raw["tokens"][1]["layers"][-1]
+    assert last_tuned["prob"] == pytest.approx(last_raw["prob"], abs=1e-6)
+    assert tuned["tokens"][1]["layers"][0]["prob"] != pytest.approx(raw["tokens"][1]["layers"][0]["prob"], abs=1e-9)
+
+
+def test_a_damaged_lens_file_is_named(own_model_dir: Path) -> None:
+    (own_model_dir / "lens.safetensors").write_bytes(b"not a lens")
+    result = lens("hi", "--model", str(own_model_dir))
+    assert result.exit_code == 1
+    assert "is not a tuned lens for this model" in result.output and "fix: fit it again" in result.output
