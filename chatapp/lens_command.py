@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from chatapp.engine.lens import ReplyLens, TokenLens
 
 LENS_KINDS = ("auto", "raw", "tuned")
-DEPTH_BLOCKS = " ▁▂▃▄▅▆▇█"  # deeper decision, taller block
 
 
 class LensGroup(TyperGroup):
@@ -119,7 +118,7 @@ def show(
 
 def run_lens(engine, prompt: str, reply: str | None, settings, *, at: int | None, translators=None) -> ReplyLens:
     """Generate (or teacher-force) the reply to `prompt` and read it through the lens; `at` gets a full table."""
-    from chatapp.engine.lens import conversation_lens, reply_lens
+    from chatapp.engine.lens_pass import conversation_lens, reply_lens
 
     prompt_ids = engine.chat_format.render_for_completion([{"role": "user", "content": prompt}])
     if reply is not None:
@@ -172,19 +171,14 @@ def _translators(kind: str, model_dir: Path, engine):
 
 
 # ------------------------------------------------------------------------------------------------------ rendering
-def depth_block(depth: int | None, num_layers: int) -> str:
-    """One character for a decision depth: taller for a deeper (later) decision, blank for none."""
-    if depth is None:
-        return " "
-    return DEPTH_BLOCKS[1 + round(depth / max(num_layers - 1, 1) * (len(DEPTH_BLOCKS) - 2))]
-
-
 def render_depths(result: ReplyLens) -> Group:
     """One row per reply token: its text, its decision depth, and the routed layers that ran where it was predicted;
     then the mean depth, over all tokens and split by what each routed layer did."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
+
+    from chatapp.engine.lens import depth_block
 
     routed = " ".join(map(str, result.stt_layers)) or "none"
     header = Text(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from chatapp.engine.events import Step
+from chatapp.engine.lens import LensRequest, ReplyLens
 from chatapp.errors import ConversationError
 from chatapp.settings import GenerationSettings
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
@@ -132,6 +133,12 @@ class ChatBackend(Protocol):
         """Use these settings and regex constraint from the next answer on; `ConstraintError` if it won't compile."""
         ...
 
+    def lens(self, request: LensRequest) -> ReplyLens:
+        """The logit lens of one answer of the conversation: every token's decision depth, and the per-layer table
+        of token `request.detail` (`chatapp.engine.lens`). Seconds of engine work for a new answer, then a few head
+        products per token: the app calls it from a worker thread, never while an answer streams."""
+        ...
+
     def cancel(self, stream: StepStream) -> None:
         """Stop a stream early, keeping the partial answer (called from the thread that iterates the stream).
 
@@ -189,6 +196,8 @@ class EngineBackend(BackendState):
         self._program: ProgramInfo | None = None
         self._program_object: Any = None
         self._session: Any = None
+        self._lens: Any = None  # the last answer's captured lens (`engine.lens_pass.AnswerLens`)
+        self._lens_key: tuple[Any, ...] | None = None
         model = engine.model
         config = model.config
         self._info = ModelInfo(
@@ -306,6 +315,41 @@ class EngineBackend(BackendState):
 
     def cancel(self, stream: StepStream) -> None:
         stream.close()
+
+    def lens(self, request: LensRequest) -> ReplyLens:
+        from chatapp.engine.lens_pass import AnswerLens
+        from chatapp.models.lens_files import lens_translators
+
+        ids, start = self._answer_ids(request)
+        key = (tuple(ids), request.computed)
+        if self._lens is None or self._lens_key != key:
+            # The reply's own routing; the prefix's was not kept, so the causal router decides it again (the same
+            # decisions up to the rounding of a full-sequence pass). No routing reported at all: routing was off.
+            dense = all(flags is None for flags in request.computed)
+            computed = [None] * start + list(request.computed)
+            translators = lens_translators(self._model_dir, self._engine.model.config)
+            targets = range(start, start + len(request.tokens))
+            self._lens = AnswerLens(self._engine, ids, computed, targets, dense=dense, translators=translators)
+            self._lens_key = key
+        return self._lens.result(() if request.detail is None else (request.detail,))
+
+    def _answer_ids(self, request: LensRequest) -> tuple[list[int], int]:
+        """The conversation's ids up to the end of the answer, and where the answer starts: the tokens the session
+        fed (the answer's run in them, looked for from the end), else the messages before the answer rendered for
+        completion (a resumed conversation that has not been fed yet)."""
+        tokens, fed = list(request.tokens), list(self._session.token_ids)
+        if not tokens:
+            raise ConversationError("the answer has no tokens to look through", hint="select a token of an answer")
+        for start in range(len(fed) - len(tokens), 0, -1):
+            if fed[start : start + len(tokens)] == tokens:
+                return fed[: start + len(tokens)], start
+        answers = [i for i, message in enumerate(self._session.messages) if message["role"] == "assistant"]
+        if request.answer >= len(answers):
+            raise ConversationError(
+                f"answer {request.answer} is not in this conversation", hint="select a token of a shown answer"
+            )
+        prefix = self._engine.chat_format.render_for_completion(self._session.messages[: answers[request.answer]])
+        return [*prefix, *tokens], len(prefix)
 
     def _options(self) -> dict[str, Any]:
         return {"program": self._program_object, "constraint": self._constraint}

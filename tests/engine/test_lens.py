@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from chatapp.engine.lens import ReplyLens, reply_lens
+from chatapp.engine.lens import ReplyLens
+from chatapp.engine.lens_pass import reply_lens
 from chatapp.errors import SettingsError
 from chatapp.models import load_engine
 from chatapp.settings import GenerationSettings
@@ -157,7 +158,7 @@ def test_layer_depths_split_each_routed_layer(routed_model_dir: Path) -> None:
 
 
 def test_bad_requests_are_named(routed_model_dir: Path) -> None:
-    from chatapp.engine.lens import conversation_lens
+    from chatapp.engine.lens_pass import conversation_lens
 
     engine = load_engine(routed_model_dir, "cpu", dtype="float32")
     with pytest.raises(SettingsError, match="no tokens"):
