@@ -17,7 +17,7 @@ import torch
 
 from chatapp.engine.lens import DepthSplit, LayerLens, LensAlternative, ReplyLens, TokenLens
 from chatapp.errors import SettingsError
-from chatapp.stt.lens import LensHead, Translators, capture_states, decision_depths, read_layers
+from chatapp.stt.lens import LensHead, Translators, capture_states, decision_depths, read_layers, replay_states
 
 if TYPE_CHECKING:
     from chatapp.engine.engine import Engine
@@ -33,7 +33,10 @@ class AnswerLens:
     token's decision depth now, any token's per-layer table on demand (`table`).
 
     `computed[p]`: per STT layer, whether it ran for the token at position p (None for a token, or for all of them:
-    the causal router decides); `dense`: routing was off.
+    the causal router decides); `dense`: routing was off. `cache`: the KV cache that generated `ids` (a chat
+    session's, `ChatSession.cache`); when it holds them and the routing of every position read is known, the read
+    positions are replayed against it (`stt.lens.replay_states`: the cost of the answer's tokens, not of the
+    conversation) instead of a forward over the whole prefix.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class AnswerLens:
         dense: bool = False,
         threshold: float | None = None,
         translators: Translators | None = None,
+        cache=None,
     ) -> None:
         model = engine.model
         length = len(ids)
@@ -63,13 +67,24 @@ class AnswerLens:
         decisions, known = _decisions(computed, length, len(self.stt_layers))
         reads = torch.tensor([p - 1 for p in self.targets])
         self.emitted = torch.tensor([self.ids[p] for p in self.targets])
-        captured = capture_states(
-            model, torch.tensor(self.ids), reads, decisions=decisions, known=known, dense=dense, threshold=threshold
-        )
-        self.states = captured.states
+        student = not dense and bool(getattr(model, "routing_active", True))
+        replayable = cache is not None and int(cache.seen[0]) > int(reads.max())
+        if student:
+            replayable = replayable and decisions is not None and bool(known[reads].all())
+        if replayable:
+            every = torch.ones(len(self.stt_layers), len(reads), dtype=torch.bool)
+            selected = decisions[:, reads] if student else every
+            self.states = replay_states(model, cache, torch.tensor(self.ids)[reads], reads, selected)
+            self.flags = selected.T.tolist()  # (P, L_stt)
+        else:
+            captured = capture_states(
+                model, torch.tensor(self.ids), reads, decisions=decisions, known=known, dense=dense, threshold=threshold
+            )
+            self.states = captured.states
+            self.flags = captured.selected[:, reads.to(captured.selected.device)].T.cpu().tolist()  # (P, L_stt)
+        self.replayed = replayable
         self.head = LensHead(model, translators)
         self.depths = decision_depths(self.head, self.states, self.emitted).tolist()
-        self.flags = captured.selected[:, reads.to(captured.selected.device)].T.cpu().tolist()  # (P, L_stt)
         self.text = _token_text(engine)
 
     def __len__(self) -> int:

@@ -123,6 +123,41 @@ def capture_states(
     return LayerStates(torch.stack(states), torch.stack(chosen) if chosen else empty)
 
 
+@torch.inference_mode()
+def replay_states(
+    model, cache, ids: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor
+) -> torch.Tensor:
+    """Every decoder layer's output (L, P, D) for the tokens `ids` (P,) at absolute `positions` (P,) of row 0 of a
+    KV cache (`stt.cache.KVCache`) that already holds them and everything before them, as generation left it.
+
+    Each token attends to exactly the cache entries it attended to when it was fed (its own included: entries at
+    positions up to its own), so nothing before it is computed again: a token costs one pass through the layers
+    whatever the context. `selected` (L_stt, P): which STT layers ran for each token (a skipped token passes
+    through; in "kv" mode its K/V are in the cache already, as its skip path wrote them). The same states as
+    `capture_states` over the whole prefix, to the rounding of the decode step that wrote the cache.
+    """
+    device = model.device
+    ids, positions = ids.to(device)[None], positions.to(device)[None]
+    selected = selected.to(device, torch.bool)
+    hidden = model.model.embed_tokens(ids)
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    queries = torch.ones_like(positions, dtype=torch.bool)
+    span = cache.host_bound
+    states, slot = [], 0
+    for index, layer in enumerate(model.model.layers):
+
+        def sink(k: torch.Tensor, v: torch.Tensor, index: int = index):
+            return cache.visible(index, positions, queries, span)
+
+        out = layer.block(hidden, cos, sin, sink)
+        if isinstance(layer, STTLayer):
+            out = torch.where(selected[slot][None, :, None], out, hidden)
+            slot += 1
+        hidden = out
+        states.append(hidden[0].float())
+    return torch.stack(states)
+
+
 def unit_rms(x: torch.Tensor) -> torch.Tensor:
     """`x` scaled to unit root-mean-square along its last axis: what a tuned lens's translators take."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -151,13 +186,20 @@ class LensHead:
         """Which lens this head reads: "tuned" with translators, "raw" without."""
         return "raw" if self.translators is None else "tuned"
 
-    def logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """(N, V) float32 logits of layer `layer`'s states `h` (N, D)."""
+    def prepare(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s states `h` (N, D) as the head reads them: translated (tuned lens), then normed."""
         h = h.float()
         if self.translators is not None:
             h = self.translators.apply(layer, unit_rms(h))
-        normed = F.rms_norm(h, (h.shape[-1],), self.norm_weight, self.eps)
+        return F.rms_norm(h, (h.shape[-1],), self.norm_weight, self.eps)
+
+    def read(self, normed: torch.Tensor) -> torch.Tensor:
+        """(N, V) float32 logits of prepared rows (`prepare`), of any layers."""
         return F.linear(normed, self.weight, self.bias)
+
+    def logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """(N, V) float32 logits of layer `layer`'s states `h` (N, D)."""
+        return self.read(self.prepare(layer, h))
 
 
 @dataclass(frozen=True)
@@ -172,25 +214,30 @@ class LensTable:
 
 @torch.no_grad()
 def read_layers(head: LensHead, states: torch.Tensor, emitted: torch.Tensor, k: int = 3) -> LensTable:
-    """Every layer's reading of `states` (L, P, D) at the P positions, whose emitted tokens are `emitted` (P,)."""
+    """Every layer's reading of `states` (L, P, D) at the P positions, whose emitted tokens are `emitted` (P,).
+
+    The rows of all layers go through the head together: for a few positions (the TUI's one token) the product is
+    bound by reading the head's weight, so one pass over it serves every layer."""
     layers, count, _ = states.shape
-    emitted = emitted.to(states.device)
-    prob = torch.zeros(count, layers)
-    rank = torch.zeros(count, layers, dtype=torch.long)
-    top_ids = torch.zeros(count, layers, k, dtype=torch.long)
-    top_probs = torch.zeros(count, layers, k)
-    for layer in range(layers):
-        for start in range(0, count, READ_ROWS):
-            rows = slice(start, start + READ_ROWS)
-            logits = head.logits(layer, states[layer, rows])
-            own = logits.gather(1, emitted[rows, None])
-            log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
-            prob[rows, layer] = (own - log_z).exp()[:, 0].cpu()
-            rank[rows, layer] = ((logits > own).sum(-1) + 1).cpu()
-            values, ids = logits.topk(k, dim=-1)
-            top_ids[rows, layer] = ids.cpu()
-            top_probs[rows, layer] = (values - log_z).exp().cpu()
-    return LensTable(prob, rank, top_ids, top_probs)
+    emitted = emitted.to(states.device).repeat(layers)  # row r = layer r // P, position r % P
+    rows = torch.cat([head.prepare(layer, states[layer]) for layer in range(layers)])
+    prob, rank, top_ids, top_probs = [], [], [], []
+    for start in range(0, rows.shape[0], READ_ROWS):
+        chunk = slice(start, start + READ_ROWS)
+        logits = head.read(rows[chunk])
+        own = logits.gather(1, emitted[chunk, None])
+        log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
+        prob.append((own - log_z).exp()[:, 0])
+        rank.append((logits > own).sum(-1) + 1)
+        values, ids = logits.topk(k, dim=-1)
+        top_ids.append(ids)
+        top_probs.append((values - log_z).exp())
+
+    def by_position(parts: list[torch.Tensor]) -> torch.Tensor:
+        joined = torch.cat(parts).cpu()
+        return joined.view(layers, count, *joined.shape[1:]).transpose(0, 1)
+
+    return LensTable(by_position(prob), by_position(rank), by_position(top_ids), by_position(top_probs))
 
 
 @torch.no_grad()
@@ -198,24 +245,25 @@ def decision_depths(head: LensHead, states: torch.Tensor, emitted: torch.Tensor)
     """Per position (P,): the first layer from which every reading's top token is the emitted one; -1 where even the
     last layer's is not (a sampled or forced token the model did not rank first).
 
-    Read from the last layer down, and only the positions still settled are read at each layer: a token decided at
-    layer 20 of 30 costs 11 readings, not 30.
+    Read from the last layer down, and only the positions still settled are read: a token decided at layer 20 of 30
+    costs 11 readings, not 30. Layers go through the head a block at a time (as many as keep a product near
+    `READ_ROWS` rows), because a product of a few rows costs a whole read of the head's weight.
     """
     layers, count, _ = states.shape
     emitted = emitted.to(states.device)
     depth = torch.full((count,), -1, dtype=torch.long)
     alive = torch.arange(count, device=states.device)
-    for layer in range(layers - 1, -1, -1):
-        if alive.numel() == 0:
-            break
-        top = torch.cat(
-            [
-                head.logits(layer, states[layer, alive[start : start + READ_ROWS]]).argmax(-1)
-                for start in range(0, alive.numel(), READ_ROWS)
-            ]
-        )
-        alive = alive[top == emitted[alive]]
-        depth[alive.cpu()] = layer
+    layer = layers - 1
+    while layer >= 0 and alive.numel():
+        block = list(range(layer, max(layer - max(READ_ROWS // alive.numel(), 1), -1), -1))
+        rows = torch.cat([head.prepare(at, states[at, alive]) for at in block])
+        top = torch.cat([head.read(rows[s : s + READ_ROWS]).argmax(-1) for s in range(0, rows.shape[0], READ_ROWS)])
+        top = top.view(len(block), alive.numel())
+        for row, at in enumerate(block):
+            settled = top[row] == emitted[alive]
+            alive, top = alive[settled], top[:, settled]
+            depth[alive.cpu()] = at
+        layer = block[-1] - 1
     return depth
 
 

@@ -408,6 +408,11 @@ class ChatApp(App[None]):
             answer.set_status(outcome, detail)
         if self.generation is generation:
             self.generation = None
+            if self.lens_on and answer.is_attached and answer.events:
+                # Read the answer's layers now, while its text is being read: selecting a token then costs the
+                # engine a few head products instead of a forward over the whole conversation.
+                self._selected = self._selected if self._selected and self._selected[0] is answer else (answer, 0)
+                self._read_lens()
 
     def _apply(self, generation: Generation, steps: list[Step], *, final: bool = False) -> list[TokenEvent]:
         """Save a batch, then draw it: transcript, heatmap, zone pills, stats. The stats text changes a few times a

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from chatapp.engine.lens import ReplyLens
 from chatapp.engine.lens_pass import reply_lens
@@ -167,3 +168,34 @@ def test_bad_requests_are_named(routed_model_dir: Path) -> None:
         conversation_lens(engine, [1, 2, 3], None, [3])
     with pytest.raises(SettingsError, match="routing for 1 layers"):
         conversation_lens(engine, [1, 2, 3], [(True,), None, None], [1])
+
+
+@pytest.mark.parametrize("mode", ["strict", "kv"])
+def test_replaying_against_the_sessions_cache_reads_what_the_forward_reads(
+    routed_model_dir: Path, kv_model_dir: Path, mode: str
+) -> None:
+    """An answer still in its chat session's cache is replayed there (each token attends to the entries it saw when
+    it was fed): the same readings as a forward over the whole conversation, for a second turn too."""
+    from chatapp.engine.lens_pass import AnswerLens
+
+    engine = load_engine(routed_model_dir if mode == "strict" else kv_model_dir, "cpu", dtype="float32")
+    session = engine.session()
+    for turn, text in enumerate(PROMPTS):
+        reply = engine.new_reply()
+        prompt_routing = None
+        for step in session.send(text, SETTINGS):
+            if step.prompt is not None:
+                prompt_routing = step.prompt.computed[0]
+            reply.add_step(step)
+        ids = list(session.token_ids)
+        start = len(ids) - len(reply.events)
+        assert ids[start:] == [event.token for event in reply.events]
+        computed = [None] * (start - len(prompt_routing)) + list(prompt_routing)
+        computed += [event.computed for event in reply.events]
+        targets = range(start, len(ids))
+        replayed = AnswerLens(engine, ids, computed, targets, cache=session.cache)
+        forward = AnswerLens(engine, ids, computed, targets)
+        assert replayed.replayed and not forward.replayed, turn
+        assert replayed.flags == forward.flags
+        assert torch.allclose(replayed.states, forward.states, atol=1e-4, rtol=1e-4)
+        assert replayed.depths == forward.depths
