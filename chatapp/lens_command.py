@@ -1,4 +1,4 @@
-"""`chatapp lens "PROMPT"`: what each layer made of a reply's tokens; `chatapp lens fit MODEL`: a tuned lens for a model.
+"""`chatapp lens "PROMPT"`: what each layer made of a reply's tokens; `chatapp lens fit MODEL`: a model's tuned lens.
 
 `chatapp lens` generates a reply (or teacher-forces `--reply`), replays it through the logit lens
 (`chatapp.engine.lens`) with the routing it had, and prints every token's decision depth: the first layer from which
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from chatapp.engine.lens import ReplyLens, TokenLens
 
 LENS_KINDS = ("auto", "raw", "tuned")
+GENERAL_SEED = 4242  # the general prompts a lens is fitted on (apart from the recipe's training draws)
+GENERAL_TOKENS = 64  # tokens of the model's own answer to each
 
 
 class LensGroup(TyperGroup):
@@ -103,9 +105,8 @@ def show(
 
         engine = load_engine(model, device, dtype=dtype)
     translators = _translators(lens, resolve_model(model), engine)
-    started = time.perf_counter()
-    result = run_lens(engine, prompt, reply, settings, at=at, translators=translators)
-    seconds = time.perf_counter() - started
+    clock = Stopwatch()
+    result = run_lens(engine, prompt, reply, settings, at=at, translators=translators, lap=clock.lap)
     if as_json:
         typer.echo(json.dumps(lens_document(result, at), ensure_ascii=False))
         return
@@ -113,11 +114,31 @@ def show(
     console.print(render_depths(result))
     if at is not None:
         console.print(render_layers(result, result.tokens[at]))
-    Console(stderr=True, highlight=False).print(f"[dim]lens: {seconds:.2f} s (generation and replay)[/]")
+    Console(stderr=True, highlight=False).print(f"[dim]{clock.report()}[/]")
 
 
-def run_lens(engine, prompt: str, reply: str | None, settings, *, at: int | None, translators=None) -> ReplyLens:
-    """Generate (or teacher-force) the reply to `prompt` and read it through the lens; `at` gets a full table."""
+class Stopwatch:
+    """Wall and CPU seconds of the command's phases (generating the reply, reading it through the lens): on a shared
+    machine the CPU seconds say what the work costs, the wall seconds what the wait was."""
+
+    def __init__(self) -> None:
+        self.laps: list[tuple[str, float, float]] = []
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def lap(self, name: str) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.laps.append((name, wall - self._wall, cpu - self._cpu))
+        self._wall, self._cpu = wall, cpu
+
+    def report(self) -> str:
+        return "; ".join(f"{name} {wall:.2f} s (CPU {cpu:.2f} s)" for name, wall, cpu in self.laps)
+
+
+def run_lens(
+    engine, prompt: str, reply: str | None, settings, *, at: int | None, translators=None, lap=lambda name: None
+) -> ReplyLens:
+    """Generate (or teacher-force) the reply to `prompt` and read it through the lens; `at` gets a full table.
+    `lap(name)` is called as each phase ends ("generation", "lens")."""
     from chatapp.engine.lens_pass import conversation_lens, reply_lens
 
     prompt_ids = engine.chat_format.render_for_completion([{"role": "user", "content": prompt}])
@@ -136,7 +157,8 @@ def run_lens(engine, prompt: str, reply: str | None, settings, *, at: int | None
             computed = step.prompt.computed[0]
         answer.add_step(step)
     _check_at(at, len(answer.events))
-    return reply_lens(
+    lap(f"generation of {len(answer.events)} tokens")
+    result = reply_lens(
         engine,
         prompt_ids,
         answer,
@@ -145,6 +167,8 @@ def run_lens(engine, prompt: str, reply: str | None, settings, *, at: int | None
         dense=settings.routing == "off",
         translators=translators,
     )
+    lap("lens")
+    return result
 
 
 def _check_at(at: int | None, count: int) -> None:
@@ -278,7 +302,7 @@ def fit(
     target = Path(output).expanduser() if output else model_dir / LENS_FILE
     if not target.parent.is_dir():
         raise SettingsError(f"cannot write {target}: {target.parent} is not a directory", hint="pass -o FILE")
-    chats = held_out_conversations(model_dir, conversations)
+    chats = held_out_conversations(engine, model_dir, conversations)
     report = fit_lens(engine, chats, steps=steps, rank=rank, log=lambda line: print(line, file=sys.stderr))
     save_translators(report.translators, target)
     console = Console(highlight=False)
@@ -286,17 +310,32 @@ def fit(
     console.print(f"saved the tuned lens to {target}")
 
 
-def held_out_conversations(model_dir: Path, count: int) -> list:
-    """Chat to fit a lens on: the held-out set of the recipe that made the model, else the default model's recipe's
-    held-out tool conversations (plain chat any chat model reads)."""
+def held_out_conversations(engine, model_dir: Path, count: int) -> list:
+    """Chat to fit a lens on, two kinds interleaved (so the fit's half and the measured half hold both): the held-out
+    conversations of the recipe that made the model (else the default model's recipe's held-out tool exchanges, plain
+    chat any chat model reads), and the model's own greedy answers to general prompts, the text a chat shows most.
+    Tool exchanges alone fit a lens that reads general text worse than the raw one."""
+    import random
+
     from chatapp.errors import ModelDirError
     from chatapp.recipes.heldout import held_out_for
+    from chatapp.recipes.smollm2.data import general_prompts
     from chatapp.recipes.smollm2.evaluate import held_out_chat
+    from chatapp.settings import GenerationSettings
 
+    tools = count // 2
     try:
-        return held_out_for(model_dir).conversations(count)[:count]
+        recipe = held_out_for(model_dir).conversations(tools)[:tools]
     except ModelDirError:
-        return held_out_chat([], count)
+        recipe = held_out_chat([], tools)
+    prompts = general_prompts(random.Random(GENERAL_SEED), count - tools)
+    replies = engine.generate_batch(prompts, GenerationSettings(max_tokens=GENERAL_TOKENS))
+    general = [
+        [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply.content}]
+        for prompt, reply in zip(prompts, replies, strict=True)
+    ]
+    mixed = [chat for pair in zip(general, recipe, strict=False) for chat in pair]
+    return mixed + general[len(recipe) :] + recipe[len(general) :]
 
 
 def render_agreement(raw: list[float], tuned: list[float] | None, positions: int) -> Group:

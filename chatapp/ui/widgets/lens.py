@@ -2,9 +2,9 @@
 `chatapp.engine.lens`), compact enough for the side panel.
 
     layers · raw lens · #3 ' can'
-    p     ▁▁▁▂▂▃▅▆▇██         the emitted token's probability at each layer's reading (one column per layer)
-    ran   ││●│○│●│││         ● a routed layer ran, ○ it skipped (its reading repeats the layer below's), │ dense
-          0       10          layer ruler; ▲ under the layer where the decision was made
+    p     ▁▁▁▂▂▃▅▆▇██    the emitted token's probability at each layer's reading (a column per layer)
+    ran   ││●│○│●│││    ● a routed layer ran, ○ it skipped (its reading repeats the one below), │ dense
+          0       10     layer ruler; ▲ under the layer where the decision was made
     decided at layer 6: p .31 → .98 at the last
     L0  ' the' .12 ' a' .08 ...   the lens's top 3 at the first layer, the middle one, the decision layer, the last
 
