@@ -1,10 +1,11 @@
 """The layer lens on held-out chat: does each layer's reading agree with the model, and do routed layers skip the
 tokens whose prediction was already settled? The model card's "Lens" numbers.
 
-Held-out conversations (the recipe's held-out tool conversations, `chatapp/recipes/smollm2/evaluate.py`, the ones the
-tuned lens was not fitted on: the second half of `chatapp lens fit`'s 96) are read at every position that predicts
-an assistant token, with the model's own routing (`chatapp/stt/lens.py`, `capture_states`). Printed, for the raw lens
-and the tuned one (the translators the model ships, `lens.safetensors`):
+The held-out half of the conversations `chatapp lens fit` draws (`chatapp/lens_command.py`,
+`held_out_conversations`: the recipe's held-out tool conversations and the model's own answers to general prompts,
+interleaved; the fit learns from the first half) are read at every position that predicts an assistant token, with the
+model's own routing (`chatapp/stt/lens.py`, `capture_states`). Printed, for the raw lens and the tuned one (the
+translators the model ships, `lens.safetensors`):
 
 - per layer, top-1 agreement: the share of positions where the layer's top token is the model's (the last layer's);
 - per routed layer, the mean decision depth (first layer from which the top token stays the model's) of the
@@ -20,9 +21,9 @@ import argparse
 import torch
 from _machine import machine
 
+from chatapp.lens_command import held_out_conversations
 from chatapp.models import load_engine, resolve_model
 from chatapp.models.lens_files import lens_translators
-from chatapp.recipes.smollm2.evaluate import held_out_chat
 from chatapp.stt.lens import LensHead, agreement, capture_states, decision_depths
 
 
@@ -49,7 +50,8 @@ def main() -> None:
     print(machine())
     engine = load_engine(args.model)
     model = engine.model
-    chats = held_out_chat([], args.conversations)[args.conversations // 2 :]  # the half the fit measured on
+    drawn = held_out_conversations(engine, resolve_model(args.model), args.conversations)
+    chats = drawn[len(drawn) // 2 :]  # the half the fit measured on
     states, routing = held_out_states(engine, chats)
     heads = {"raw": LensHead(model)}
     translators = lens_translators(resolve_model(args.model), model.config)

@@ -2,10 +2,11 @@
 data of `chatapp.engine.lens`.
 
 Which layers computed is the routing the reply actually had (`TokenEvent.computed`, `PromptInfo.computed`), replayed
-by one forward over the prefix; the causal router decides only where no decision was recorded (a teacher-forced
-reply, a prompt whose routing was not kept). `AnswerLens` keeps one answer's captured states, so that the per-layer
-table of another of its tokens is a few head products, not another forward. This runs on demand (the `chatapp lens`
-command, the TUI's layers view), never on the decode path.
+by one forward over the prefix (`stt.lens.capture_states`), or, for an answer still in its chat session's KV cache,
+by replaying only the answer's tokens against that cache (`stt.lens.replay_states`); the causal router decides only
+where no decision was recorded (a teacher-forced reply, a resumed conversation). `AnswerLens` keeps one answer's
+captured states, so that the per-layer table of another of its tokens is a few head products, not another forward.
+This runs on demand (the `chatapp lens` command, the TUI's layers view), never on the decode path.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from chatapp.engine.lens import DepthSplit, LayerLens, LensAlternative, ReplyLens, TokenLens
+from chatapp.engine.lens import LayerLens, LensAlternative, ReplyLens, TokenLens
 from chatapp.errors import SettingsError
 from chatapp.stt.lens import LensHead, Translators, capture_states, decision_depths, read_layers, replay_states
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from chatapp.engine.engine import Engine
     from chatapp.engine.reply import Reply
 
-__all__ = ["AnswerLens", "DepthSplit", "conversation_lens", "reply_lens"]
+__all__ = ["AnswerLens", "conversation_lens", "reply_lens"]
 
 DEFAULT_TOP = 3  # alternatives per layer in a table
 
