@@ -8,10 +8,12 @@ prediction took shape: at which layer the emitted token became, and stayed, the 
 skipped a token really skips it here: in "strict" mode the token passes through unchanged and is no key of that
 layer; in "kv" mode it passes through unchanged and its K/V (from its unchanged input) are keys. The routed pass is
 `DecoderBlock.routed`, the same maths every full-sequence path uses (`stt.teacher`), not the decode step: the lens
-never runs on the decode hot path.
+never runs on the decode hot path. `replay_states` gets the same states for tokens still in a KV cache by replaying
+only them against it, each attending to the entries it saw when it was fed.
 
-A tuned lens (Belrose et al. 2023) adds a per-layer affine translator before the norm: h -> h + A_l h + b_l, fitted
-so that layer l's reading matches the final distribution (`chatapp.training.lens_fit`). `Translators` holds them.
+A tuned lens (Belrose et al. 2023) adds a per-layer affine translator before the norm, fitted so that layer l's
+reading matches the final distribution (`chatapp.training.lens_fit`); `Translators` holds them, and a model directory
+keeps them in `lens.safetensors` (`chatapp.models.lens_files`).
 """
 
 from __future__ import annotations
@@ -27,10 +29,6 @@ from chatapp.stt.teacher import previous_tokens
 # Rows of hidden states read through the head at once: bounds the (rows, vocabulary) float32 logits in memory
 # (256 x 49,152 x 4 B = 50 MB for the default model).
 READ_ROWS = 256
-
-LENS_FILE = "lens.safetensors"
-"""Where a model directory keeps its tuned-lens translators (`Translators.save` / `Translators.load`)."""
-
 
 @dataclass(frozen=True)
 class LayerStates:
@@ -55,7 +53,7 @@ class Translators:
         return h + (h @ down) @ up + bias
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The translators as float16 tensors for a safetensors file (`LENS_FILE`)."""
+        """The translators as float16 tensors, for a model's `lens.safetensors` (`chatapp.models.lens_files`)."""
         return {name: getattr(self, name).to(torch.float16).contiguous() for name in ("down", "up", "bias")}
 
     @classmethod
