@@ -303,7 +303,10 @@ def fit(
     if not target.parent.is_dir():
         raise SettingsError(f"cannot write {target}: {target.parent} is not a directory", hint="pass -o FILE")
     chats = held_out_conversations(engine, model_dir, conversations)
-    report = fit_lens(engine, chats, steps=steps, rank=rank, log=lambda line: print(line, file=sys.stderr))
+    try:
+        report = fit_lens(engine, chats, steps=steps, rank=rank, log=lambda line: print(line, file=sys.stderr))
+    except ValueError as err:  # conversations without an assistant token to read
+        raise SettingsError(f"cannot fit a lens for {model_dir}: {err}", hint="pass more --conversations") from None
     save_translators(report.translators, target)
     console = Console(highlight=False)
     console.print(render_agreement(report.raw, report.tuned, report.eval_positions))
