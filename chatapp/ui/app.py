@@ -481,8 +481,8 @@ class ChatApp(App[None]):
             inspector.show(None)
 
     def _read_lens(self) -> None:
-        """Ask the engine for the selected token's layers (in a worker: a new answer costs it a forward over the
-        conversation), unless an answer is streaming (the engine is busy with it)."""
+        """Ask the engine for the selected token's layers (in a worker: a new answer costs the engine a replay of its
+        tokens, up to a second at 1,000 tokens of context), unless an answer is streaming (the engine is busy)."""
         inspector = self.query_one(TokenInspector)
         selected = self._selected
         if selected is None or not selected[0].is_attached:
@@ -500,11 +500,7 @@ class ChatApp(App[None]):
             computed=tuple(event.computed for event in events),
             detail=index,
         )
-        shown = self._lens_shown
-        if shown is not None and shown[0] is answer:
-            inspector.show_lens(None, None, "reading the layers…")
-        else:
-            inspector.show_lens(None, None, "reading the layers… (a forward over the conversation)")
+        inspector.show_lens(None, None, "reading the layers…")
         self._lens_worker(answer, request)
 
     @work(thread=True, exclusive=True, group="lens", exit_on_error=False)
