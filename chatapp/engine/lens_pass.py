@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["AnswerLens", "conversation_lens", "reply_lens"]
 
 DEFAULT_TOP = 3  # alternatives per layer in a table
+REPLAYED_SKIP_MODES = ("strict", "kv")  # the skip modes `replay_states` reproduces
 
 
 class AnswerLens:
@@ -69,7 +70,10 @@ class AnswerLens:
         reads = torch.tensor([p - 1 for p in self.targets])
         self.emitted = torch.tensor([self.ids[p] for p in self.targets])
         student = not dense and bool(getattr(model, "routing_active", True))
-        replayable = cache is not None and int(cache.seen[0]) > int(reads.max())
+        # The replay passes a skipped token through unchanged (`stt.lens.replay_states`): true of these skip modes; any
+        # other is read by the forward, whose routed layers are the model's own (`DecoderBlock.routed`).
+        replayable = getattr(model.config, "skip_mode", "strict") in REPLAYED_SKIP_MODES
+        replayable = replayable and cache is not None and int(cache.seen[0]) > int(reads.max())
         if student:
             replayable = replayable and decisions is not None and bool(known[reads].all())
         if replayable:
