@@ -30,6 +30,7 @@ from chatapp.stt.teacher import previous_tokens
 # (256 x 49,152 x 4 B = 50 MB for the default model).
 READ_ROWS = 256
 
+
 @dataclass(frozen=True)
 class LayerStates:
     """One forward's residual streams at the positions asked for, and the routing it ran with."""
@@ -122,9 +123,7 @@ def capture_states(
 
 
 @torch.inference_mode()
-def replay_states(
-    model, cache, ids: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor
-) -> torch.Tensor:
+def replay_states(model, cache, ids: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
     """Every decoder layer's output (L, P, D) for the tokens `ids` (P,) at absolute `positions` (P,) of row 0 of a
     KV cache (`stt.cache.KVCache`) that already holds them and everything before them, as generation left it.
 
