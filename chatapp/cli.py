@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 
 from chatapp import __version__
 from chatapp.errors import ChatappError, ModelDirError, SettingsError, user_message
+from chatapp.lens_command import lens_app
 
 # The Click that parses: typer 0.2x's own copy, Click itself before it (importing Click beside typer's copy would
 # cost `chatapp --help` a tenth of its time for exceptions that are never raised).
@@ -258,6 +259,8 @@ def calc(
         raise err
     typer.echo(result.text)
 
+
+app.add_typer(lens_app, name="lens")  # `chatapp lens "PROMPT"`, `chatapp lens fit MODEL` (chatapp/lens_command.py)
 
 program_app = typer.Typer(help="TTFA programs: show a compiled program, check a program file.", no_args_is_help=True)
 app.add_typer(program_app, name="program")

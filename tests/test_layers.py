@@ -29,7 +29,7 @@ LEVELS: list[set[str]] = [
     {"models"},
     {"training"},  # build-time fitting (`chatapp route`); the runtime never imports it
     {"recipes"},
-    {"batch", "ui"},
+    {"batch", "ui", "lens_command"},
     {"cli_render"},  # the console's rendering of a reply: the CLI side, apart from the engine
     {"cli"},
 ]

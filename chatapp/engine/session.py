@@ -94,6 +94,12 @@ class ChatSession:
         return tuple(self._ids)
 
     @property
+    def cache(self) -> KVCacheLike | None:
+        """The conversation's KV cache (None before the first turn), for readers that replay tokens against it (the
+        layer lens, `engine.lens_pass`); only turns write it."""
+        return self._cache
+
+    @property
     def context_used(self) -> int:
         return len(self._ids)
 

@@ -26,6 +26,7 @@ from textual.widgets import Footer, Header, Static
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, get_current_worker
 
 from chatapp.engine.events import Step, TokenEvent
+from chatapp.engine.lens import LensRequest, ReplyLens
 from chatapp.engine.reply import Reply
 from chatapp.errors import ChatappError, HistoryError, user_message
 from chatapp.settings import config_dir, data_dir, history_db_path
@@ -84,8 +85,10 @@ class ChatApp(App[None]):
         Binding("f1", "help", "Help"),
         Binding("f5", "compare", "Compare with routing off", show=False),
         Binding("f6", "toggle_probabilities", "Colour tokens by probability", show=False),
+        Binding("f7", "toggle_lens", "Layer lens: what each layer made of the token", show=False, priority=True),
     ]
     probability_colours = False  # the transcript colours sampled tokens by probability (f6)
+    lens_on = False  # the inspector shows the selected token's layers, the heatmap a depth row (f7)
 
     def __init__(
         self,
@@ -104,6 +107,8 @@ class ChatApp(App[None]):
         self.editing = False
         self._worker: Worker[None] | None = None
         self._comparing = False  # a routing-off answer is being generated for the compare screen
+        self._selected: tuple[AssistantMessage, int] | None = None  # the inspected token (answer, index)
+        self._lens_shown: tuple[AssistantMessage, ReplyLens] | None = None  # whose depths the panels show
         self.loading = not backend.ready  # the backend's model is still loading (`_on_engine_ready` ends it)
         self._pending: PendingMessage | None = None  # the message sent while it loads
         # Why the model did not load: the app closes and whoever ran it reports this (the CLI prints it).
@@ -344,6 +349,8 @@ class ChatApp(App[None]):
         self.transcript.add(*([user] if user else []), answer)
         self.generation = Generation(answer, message_id, reply)
         self.query_one(RoutingHeatmap).start(self.backend.settings.max_tokens)
+        self._lens_shown = None
+        self.query_one(RoutingHeatmap).set_depths([] if self.lens_on else None)
         self.query_one(TokenInspector).show(None)
         self.query_one(StatsPanel).show(self.generation.reply)
         generation = self.generation
@@ -415,6 +422,11 @@ class ChatApp(App[None]):
             answer.set_status(outcome, detail)
         if self.generation is generation:
             self.generation = None
+            if self.lens_on and answer.is_attached and answer.events:
+                # Read the answer's layers now, while its text is being read: selecting a token then costs the
+                # engine a few head products instead of a forward over the whole conversation.
+                self._selected = self._selected if self._selected and self._selected[0] is answer else (answer, 0)
+                self._read_lens()
 
     def _apply(self, generation: Generation, steps: list[Step], *, final: bool = False) -> list[TokenEvent]:
         """Save a batch, then draw it: transcript, heatmap, zone pills, stats. The stats text changes a few times a
@@ -449,12 +461,87 @@ class ChatApp(App[None]):
     # --- token inspection -----------------------------------------------------------------------------------------
     @on(AssistantMessage.TokenSelected)
     def _on_token_selected(self, message: AssistantMessage.TokenSelected) -> None:
-        self.query_one(TokenInspector).show(message.event, message.index)
+        self._selected = (message.answer, message.index)
+        if not self.lens_on:
+            self.query_one(TokenInspector).show(message.event, message.index)
         heatmap = self.query_one(RoutingHeatmap)
         if self.generation is None or self.generation.answer is not message.answer:
             heatmap.set_tokens(message.answer.events, selected=message.index)
+            if self._lens_shown is not None and self._lens_shown[0] is message.answer:
+                heatmap.set_depths(self._depths(self._lens_shown[1]), self._lens_shown[1].num_layers)
         else:
             heatmap.select(message.index)
+        if self.lens_on:
+            self._read_lens()
+
+    # --- the layer lens -------------------------------------------------------------------------------------------
+    def action_toggle_lens(self) -> None:
+        """f7 (or a click on the inspector): the inspector shows what each layer made of the selected token, the
+        heatmap a row of decision depths, the stats panel their split by routing; again: back to the token."""
+        if self._still_loading():
+            return
+        self.lens_on = not self.lens_on
+        inspector = self.query_one(TokenInspector)
+        if self.lens_on:
+            self._read_lens()
+            return
+        self._lens_shown = None
+        self.query_one(RoutingHeatmap).set_depths(None)
+        self.query_one(StatsPanel).show_lens(None)
+        selected = self._selected
+        if selected is not None and selected[0].is_attached and selected[1] < len(selected[0].events):
+            inspector.show(selected[0].events[selected[1]], selected[1])
+        else:
+            inspector.show(None)
+
+    def _read_lens(self) -> None:
+        """Ask the engine for the selected token's layers (in a worker: a new answer costs the engine a replay of its
+        tokens, up to a second at 1,000 tokens of context), unless an answer is streaming (the engine is busy)."""
+        inspector = self.query_one(TokenInspector)
+        selected = self._selected
+        if selected is None or not selected[0].is_attached:
+            inspector.show_lens(None, None, "select a token (click it, or shift+tab then ←/→) to see its layers")
+            return
+        answer, index = selected
+        if self.is_generating:
+            inspector.show_lens(None, None, "the layers are read once the answer is done")
+            return
+        answers = self.transcript.answers()
+        events = answer.events
+        request = LensRequest(
+            answer=answers.index(answer),
+            tokens=tuple(event.token for event in events),
+            computed=tuple(event.computed for event in events),
+            detail=index,
+        )
+        inspector.show_lens(None, None, "reading the layers…")
+        self._lens_worker(answer, request)
+
+    @work(thread=True, exclusive=True, group="lens", exit_on_error=False)
+    def _lens_worker(self, answer: AssistantMessage, request: LensRequest) -> None:
+        try:
+            result = self.backend.lens(request)
+        except ChatappError as err:
+            self.call_from_thread(self.notify, str(err), title="Cannot read the layers", severity="error")
+            return
+        self.call_from_thread(self._show_lens, answer, request, result)
+
+    def _show_lens(self, answer: AssistantMessage, request: LensRequest, result: ReplyLens) -> None:
+        """Draw a lens that arrived, if it is still the one asked for."""
+        if not self.lens_on or self._selected is None or self._selected[0] is not answer:
+            return
+        if self._selected[1] != request.detail:
+            self._read_lens()  # the cursor moved on meanwhile: read the token now selected
+            return
+        self.query_one(TokenInspector).show_lens(result, request.detail)
+        if self._lens_shown is None or self._lens_shown[0] is not answer:
+            self._lens_shown = (answer, result)
+            self.query_one(RoutingHeatmap).set_depths(self._depths(result), result.num_layers)
+            self.query_one(StatsPanel).show_lens(result)
+
+    @staticmethod
+    def _depths(result: ReplyLens) -> list[int | None]:
+        return [token.decision_depth for token in result.tokens]
 
     # --- actions --------------------------------------------------------------------------------------------------
     def action_stop(self) -> None:
@@ -503,7 +590,9 @@ class ChatApp(App[None]):
         self.query_one(PromptInput).focus()
 
     def _reset_panels(self) -> None:
+        self._selected = self._lens_shown = None
         self.query_one(RoutingHeatmap).set_tokens([])
+        self.query_one(RoutingHeatmap).set_depths([] if self.lens_on else None)
         self.query_one(TokenInspector).show(None)
         self.query_one(StatsPanel).show(Reply())
         self.query_one(ZonePills).set_program(self.backend.program)

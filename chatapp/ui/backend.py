@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from chatapp.engine.events import Step
+from chatapp.engine.lens import LensRequest, ReplyLens
 from chatapp.errors import ConversationError
 from chatapp.settings import GenerationSettings
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
@@ -134,6 +135,12 @@ class ChatBackend(Protocol):
         """Use these settings and regex constraint from the next answer on; `ConstraintError` if it won't compile."""
         ...
 
+    def lens(self, request: LensRequest) -> ReplyLens:
+        """The logit lens of one answer of the conversation: every token's decision depth, and the per-layer table
+        of token `request.detail` (`chatapp.engine.lens`). Seconds of engine work for a new answer, then a few head
+        products per token: the app calls it from a worker thread, never while an answer streams."""
+        ...
+
     def cancel(self, stream: StepStream) -> None:
         """Stop a stream early, keeping the partial answer (called from the thread that iterates the stream).
 
@@ -191,6 +198,11 @@ class EngineBackend(BackendState):
         self._program: ProgramInfo | None = None
         self._program_object: Any = None
         self._session: Any = None
+        self._lens: Any = None  # the last answer's captured lens (`engine.lens_pass.AnswerLens`)
+        self._lens_key: tuple[Any, ...] | None = None
+        # Per position of the session's tokens, the routing each turn's fed segment had (`PromptInfo.computed`):
+        # the lens replays the position that predicted an answer's first token with the routing it really had.
+        self._segment_routing: dict[int, tuple[bool, ...]] = {}
         model = engine.model
         config = model.config
         self._info = ModelInfo(
@@ -248,18 +260,36 @@ class EngineBackend(BackendState):
 
     def new_session(self, history: Sequence[Message] = ()) -> None:
         self._session = self._engine.session()
+        self._segment_routing = {}
         # A resumed conversation costs nothing now: with an empty cache the session renders and prefills all its
         # messages with the next turn.
         self._session.messages.extend(dict(message) for message in history)
 
     def send(self, text: str) -> StepStream:
-        return self._session.send(text, self._settings, **self._options())
+        return self._recording(self._session.send(text, self._settings, **self._options()))
 
     def regenerate(self) -> StepStream:
-        return self._session.regenerate(self._settings, **self._options())
+        return self._recording(self._session.regenerate(self._settings, **self._options()))
 
     def edit_last(self, text: str) -> StepStream:
-        return self._session.edit_last(text, self._settings, **self._options())
+        return self._recording(self._session.edit_last(text, self._settings, **self._options()))
+
+    def _recording(self, steps: Iterator[Step]) -> StepStream:
+        """The turn's steps, noting the routing of the segment it fed (the last positions of the session's tokens
+        when the first step arrives)."""
+        try:
+            for step in steps:
+                computed = None if step.prompt is None else step.prompt.computed
+                if computed:
+                    fed = len(self._session.token_ids)
+                    segment = computed[0]
+                    for offset, flags in enumerate(segment):
+                        self._segment_routing[fed - len(segment) + offset] = tuple(flags)
+                yield step
+        finally:
+            close = getattr(steps, "close", None)
+            if close is not None:
+                close()
 
     def compare_last(self) -> StepStream:
         messages = self._session.messages
@@ -315,6 +345,44 @@ class EngineBackend(BackendState):
 
     def cancel(self, stream: StepStream) -> None:
         stream.close()
+
+    def lens(self, request: LensRequest) -> ReplyLens:
+        from chatapp.engine.lens_pass import AnswerLens
+        from chatapp.models.lens_files import lens_translators
+
+        ids, start, fed = self._answer_ids(request)
+        key = (tuple(ids), request.computed)
+        if self._lens is None or self._lens_key != key:
+            # The answer's own routing and its turn's segment's; where neither was recorded (a resumed conversation)
+            # the causal router decides again. No routing reported at all: routing was off.
+            dense = all(flags is None for flags in request.computed)
+            computed = [self._segment_routing.get(position) for position in range(start)] + list(request.computed)
+            translators = lens_translators(self._model_dir, self._engine.model.config)
+            targets = range(start, start + len(request.tokens))
+            cache = self._session.cache if fed else None  # the answer is in the session's cache: replay it there
+            self._lens = AnswerLens(
+                self._engine, ids, computed, targets, dense=dense, translators=translators, cache=cache
+            )
+            self._lens_key = key
+        return self._lens.result(() if request.detail is None else (request.detail,))
+
+    def _answer_ids(self, request: LensRequest) -> tuple[list[int], int, bool]:
+        """The conversation's ids up to the end of the answer, where the answer starts, and whether they are the
+        tokens the session fed (the answer's run in them, looked for from the end); else the messages before the
+        answer rendered for completion (a resumed conversation that has not been fed yet)."""
+        tokens, fed = list(request.tokens), list(self._session.token_ids)
+        if not tokens:
+            raise ConversationError("the answer has no tokens to look through", hint="select a token of an answer")
+        for start in range(len(fed) - len(tokens), 0, -1):
+            if fed[start : start + len(tokens)] == tokens:
+                return fed[: start + len(tokens)], start, True
+        answers = [i for i, message in enumerate(self._session.messages) if message["role"] == "assistant"]
+        if request.answer >= len(answers):
+            raise ConversationError(
+                f"answer {request.answer} is not in this conversation", hint="select a token of a shown answer"
+            )
+        prefix = self._engine.chat_format.render_for_completion(self._session.messages[: answers[request.answer]])
+        return [*prefix, *tokens], len(prefix), False
 
     def _options(self) -> dict[str, Any]:
         return {"program": self._program_object, "constraint": self._constraint}

@@ -42,6 +42,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NoReturn
 
+from chatapp.engine.lens import LensRequest, ReplyLens
 from chatapp.errors import ChatappError, ModelDirError
 from chatapp.settings import GenerationSettings
 from chatapp.ui.backend import BackendState, Message, ModelInfo, ProgramInfo, StepStream
@@ -49,7 +50,7 @@ from chatapp.ui.backend import BackendState, Message, ModelInfo, ProgramInfo, St
 # EngineBackend methods that return a StepStream.
 _GENERATING = frozenset({"send", "regenerate", "edit_last", "compare_last"})
 # And those that answer once.
-_CALLS = frozenset({"new_session", "switch_program", "configure", "configure_checked"})
+_CALLS = frozenset({"new_session", "switch_program", "configure", "configure_checked", "lens"})
 # Seconds between two batches of steps sent to the UI process (it draws at 30 Hz; see `_pump`).
 SEND_INTERVAL = 1 / 60
 
@@ -214,6 +215,9 @@ class ProcessBackend(BackendState):
             compile_regex(constraint)  # raises ConstraintError naming the regex
         self._call("configure_checked", settings, constraint)
         self._settings, self._constraint = settings, constraint or None
+
+    def lens(self, request: LensRequest) -> ReplyLens:
+        return self._call("lens", request)
 
     def send(self, text: str) -> StepStream:
         return self._open("send", text)

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from chatapp.engine.events import Alternative, PromptInfo, Step, TokenEvent, TokenLogprobs, ToolEvent
+from chatapp.engine.lens import LayerLens, LensAlternative, LensRequest, ReplyLens, TokenLens
 from chatapp.engine.reply import Reply
 from chatapp.errors import ChatappError, ConstraintError, ProgramError
 from chatapp.settings import GenerationSettings
@@ -213,6 +214,7 @@ class ScriptedBackend(BackendState):
         self.compiles: list[tuple[str | None, bool]] = []  # (program, cancelled) per switch_program call
         # What `compare_last` answers (routing off): None repeats the last answer streamed (identical).
         self.compare_answer: list[TokenEvent] | None = None
+        self.lens_requests: list[LensRequest] = []  # what the app asked `lens` for
         self._last_answer: list[TokenEvent] = []
         # A test can keep the model "loading" (clear `loaded` before building the app, set it to finish), and make
         # the load fail with `load_error` (an engine process that cannot load its model directory).
@@ -307,6 +309,12 @@ class ScriptedBackend(BackendState):
         self.cancelled += 1
         stream.close()
 
+    def lens(self, request: LensRequest) -> ReplyLens:
+        if self.dead is not None:
+            raise self.dead
+        self.lens_requests.append(request)
+        return scripted_lens(request)
+
     def _check_refusal(self) -> None:
         if self.dead is not None:
             raise self.dead
@@ -332,6 +340,45 @@ class ScriptedBackend(BackendState):
                 raise self.dead
         finally:
             self.messages.append({"role": "assistant", "content": Reply.of(emitted).content})
+
+
+def scripted_lens(request: LensRequest, num_layers: int = INFO.num_layers) -> ReplyLens:
+    """A deterministic layer lens for an answer: token i is settled at layer (3 i) mod (L + 1) (never, at L); the
+    emitted token's probability rises through the layers, and a routed layer that skipped the predicting position
+    (the previous token's routing) repeats the layer below, as the real lens does."""
+    slots = {layer: slot for slot, layer in enumerate(STT_LAYERS)}
+    tokens = []
+    for i, token in enumerate(request.tokens):
+        depth = (3 * i) % (num_layers + 1)
+        previous = request.computed[i - 1] if i else None
+        flags = tuple(previous) if previous is not None else (True,) * len(STT_LAYERS)
+        layers: list[LayerLens] = []
+        for layer in range(num_layers):
+            routed = layer in slots
+            computed = flags[slots[layer]] if routed else True
+            if layers and not computed:
+                below = layers[-1]
+                layers.append(LayerLens(layer, routed, computed, below.prob, below.rank, below.top))
+                continue
+            settled = layer >= depth
+            prob = round(0.5 + 0.5 * (layer + 1) / num_layers, 2) if settled else round(0.05 * (layer + 1), 2)
+            own = LensAlternative(token, f"t{token}", prob)
+            rest = (LensAlternative(token_id(" the", False), " the", round((1 - prob) * 0.6, 2)),
+                    LensAlternative(token_id(" a", False), " a", round((1 - prob) * 0.3, 2)))
+            top = tuple(sorted((own, *rest), key=lambda alternative: -alternative.prob))
+            layers.append(LayerLens(layer, routed, computed, prob, top.index(own) + 1, top))
+        tokens.append(
+            TokenLens(
+                index=i,
+                position=12 + i,
+                token=token,
+                text=f"t{token}",
+                decision_depth=depth if depth < num_layers else None,
+                computed=flags,
+                layers=tuple(layers) if i == request.detail else (),
+            )
+        )
+    return ReplyLens("raw", num_layers, STT_LAYERS, "strict", tuple(tokens))
 
 
 def _load_program_file(path: Path) -> tuple[str, ...]:

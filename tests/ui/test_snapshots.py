@@ -189,3 +189,19 @@ def test_compare_with_routing_off(snap_compare, build_app):
         await wait_until(pilot, lambda: isinstance(pilot.app.screen, CompareScreen), what="the compare screen")
 
     assert snap_compare(build_app(backend), terminal_size=SIZE, run_before=run_before)
+
+
+def test_layer_lens_view(snap_compare, build_app):
+    """f7: the selected token's layers (its probability at each layer's reading, each routed layer ran ● or
+    skipped ○, the decision layer ▲, the top 3 at the first, middle, decision and last layers), the heatmap's depth
+    row and the stats panel's decision depth by routing."""
+    backend = ScriptedBackend([greeting(with_logprobs=True)])
+
+    async def run_before(pilot) -> None:
+        await send_and_wait(pilot, "hi")
+        answer = _answer(pilot)
+        answer.focus()
+        await pilot.press("home", "right", "right", "f7")
+        await wait_until(pilot, lambda: "decided at layer" in str(pilot.app.query_one("#inspector").render()))
+
+    assert snap_compare(build_app(backend), terminal_size=TALL, run_before=run_before)

@@ -28,6 +28,7 @@ WIDGET_KEYS = (
     ("up / down", "previous / next prompt (from the first / last line)"),
     ("shift+tab", "focus the last answer; ←/→ move the token cursor"),
     ("click a token", "inspect it: id, forced or sampled, zone tags, routing, probability and alternatives"),
+    ("click the inspector", "the layer lens (f7): the token's probability through the layers, top 3, decision"),
 )
 
 

@@ -6,8 +6,10 @@ computed, `·` when both skipped), so "computed or skipped" reads from the shape
 probability. Tokens that never went through the model (the final stop token) are blank. Under the layers, the
 surprise row shades each token's column by -log p under the model (` ░▒▓█`, see `probability.py`; forced tokens
 underlined; blank without log-probs), so a column reads as "which layers computed it, and how surprised the model
-was". It is a `ScrollView` that renders only the visible lines, follows new tokens while scrolled to the right end,
-and marks the selected token's column with `▲` under the grid.
+was". With the layer lens on (`set_depths`), a depth row under it draws each token's decision depth (the first
+layer from which the logit lens's top token stays the emitted one; `chatapp.engine.lens`) as a block, taller for a
+later decision. It is a `ScrollView` that renders only the visible lines, follows new tokens while scrolled to the
+right end, and marks the selected token's column with `▲` under the grid.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from chatapp.engine.events import TokenEvent
+from chatapp.engine.lens import depth_block
 from chatapp.ui.widgets.probability import surprise_colour, surprise_shade
 
 # A perceptual ramp (viridis' end points and middle) for router probability 0 → 1.
@@ -29,6 +32,7 @@ _RAMP = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 3
 _CHUNK = 32  # columns added to the virtual width at a time
 Column = tuple[tuple[float, ...], tuple[bool, ...]] | None
 SURPRISE_LABEL = "-log p"
+DEPTH_LABEL = "depth"
 
 
 def skip_mode_caption(skip_mode: str, level: str | None = None) -> str:
@@ -69,6 +73,7 @@ class RoutingHeatmap(ScrollView, can_focus=True):
     def __init__(self, stt_layers: Sequence[int] = (), *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.stt_layers = tuple(stt_layers)
+        self.depths: tuple[int | None, ...] | None = None  # per token, with the layer lens on (`set_depths`)
         self.columns: list[Column] = []
         # Each row's cells, rendered once when their token arrives: a column never changes afterwards, so a
         # repaint only slices these lists (streaming repaints ~30 times a second).
@@ -101,17 +106,36 @@ class RoutingHeatmap(ScrollView, can_focus=True):
 
     @property
     def grid_rows(self) -> int:
-        """Rows drawn from the columns: the layer rows, then the surprise row (the selection ruler follows)."""
-        return self.rows + 1
+        """Rows drawn from the columns: the layer rows, the surprise row, the depth row with the lens on (the
+        selection ruler follows)."""
+        return self.rows + 1 + (self.depths is not None)
 
     def _label(self, row: int) -> str:
         if row == self.rows:
             return SURPRISE_LABEL
+        if row == self.rows + 1:
+            return DEPTH_LABEL
         layers = self.stt_layers[2 * row : 2 * row + 2]
         return "/".join(f"L{layer}" for layer in layers)
 
+    def set_depths(self, depths: Sequence[int | None] | None, num_layers: int = 1) -> None:
+        """Show the shown answer's decision depths in a row of their own (None: no depth row)."""
+        had_row = self.depths is not None
+        self.depths = None if depths is None else tuple(depths)
+        self._gutter = max(len(self._label(r)) for r in range(self.grid_rows)) + 1
+        self._cells = self._cells[: self.rows + 1]
+        if self.depths is not None:
+            style = Style(bold=True)
+            self._cells.append([Segment(depth_block(depth, num_layers), style) for depth in self.depths])
+        self._painted_on = None
+        if self.is_mounted and had_row != (self.depths is not None):
+            self._fit_height()
+            self._set_virtual_width(len(self.columns))
+        self.refresh()
+
     def set_tokens(self, events: Sequence[TokenEvent], selected: int | None = None) -> None:
-        """Show a whole answer (e.g. a resumed one, or the answer whose token was selected)."""
+        """Show a whole answer (e.g. a resumed one, or the answer whose token was selected); a depth row is kept
+        empty until `set_depths` fills it for this answer."""
         self.columns = []
         self._cells = [[] for _ in range(self.grid_rows)]
         self._painted_on = None
@@ -192,7 +216,7 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         """Size the grid for `columns`, in chunks: a new virtual size lays out the whole screen, which ~30 times a
         second would cost the UI thread far more than drawing the new cells does."""
         width = self._gutter + -(-columns // _CHUNK) * _CHUNK
-        if width != self.virtual_size.width:
+        if width != self.virtual_size.width or self.grid_rows + 1 != self.virtual_size.height:
             self.virtual_size = Size(width, self.grid_rows + 1)
 
     def _refresh_columns(self, start: int, end: int) -> None:

@@ -10,10 +10,12 @@ from textual.content import Content
 from textual.timer import Timer
 
 from chatapp.engine.events import TokenEvent
+from chatapp.engine.lens import ReplyLens
 from chatapp.engine.reply import Reply
 from chatapp.ui.backend import ProgramInfo
 from chatapp.ui.tokens import display_text
 from chatapp.ui.widgets.heatmap import probability_colour
+from chatapp.ui.widgets.lens import depth_lines, layers_view
 from chatapp.ui.widgets.live import LiveStatic
 from chatapp.ui.widgets.probability import bar
 
@@ -62,12 +64,25 @@ class ZonePills(LiveStatic):
 
 class TokenInspector(LiveStatic):
     """Everything known about the selected token: id, forced or sampled, zone tags, per-layer routing, and what the
-    model weighed: its probability, surprise and entropy, and the alternatives with bars."""
+    model weighed: its probability, surprise and entropy, and the alternatives with bars. With the layer lens on
+    (f7, or a click here), its layers view instead (`widgets/lens.py`)."""
 
     def __init__(self, stt_layers: Sequence[int] = (), *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.stt_layers = tuple(stt_layers)
         self.border_title = "token"
+
+    async def on_click(self) -> None:
+        await self.run_action("app.toggle_lens")
+
+    def show_lens(self, result: ReplyLens | None, index: int | None, note: str | None = None) -> None:
+        """The layers view of token `index` of `result` (None: `note`, e.g. while the lens is read)."""
+        self.border_title = "token · layers"
+        token = None if result is None or index is None else result.token(index)
+        if token is None:
+            self.show_content(Content.styled(note or "select a token to see its layers", "dim"))
+            return
+        self.show_content(layers_view(result, token))
 
     def on_mount(self) -> None:
         self.show(None)
@@ -77,6 +92,7 @@ class TokenInspector(LiveStatic):
         self.stt_layers = tuple(stt_layers)
 
     def show(self, event: TokenEvent | None, index: int | None = None) -> None:
+        self.border_title = "token"
         if event is None:
             self.show_content(Content.styled("click a token, or shift+tab then ←/→", "dim"))
             return
@@ -162,6 +178,8 @@ class StatsPanel(LiveStatic):
         self._clock = clock
         self._shown_at = -STATS_INTERVAL
         self._held_back: Timer | None = None  # shows figures held back by `show_live`
+        self._stats = Reply()
+        self._lens: ReplyLens | None = None  # the shown answer's layer lens, with the lens on
 
     def on_mount(self) -> None:
         self.show(Reply())
@@ -176,7 +194,14 @@ class StatsPanel(LiveStatic):
         elif self._held_back is None:
             self._held_back = self.set_timer(wait, lambda: self.show(stats))
 
+    def show_lens(self, result: ReplyLens | None) -> None:
+        """Add (or, with None, drop) the decision-depth lines of the shown answer's layer lens."""
+        self._lens = result
+        self.show(self._stats)
+
     def show(self, stats: Reply) -> None:
+        if stats is not self._stats:
+            self._stats, self._lens = stats, None
         if self._held_back is not None:
             self._held_back.stop()
             self._held_back = None
@@ -195,6 +220,8 @@ class StatsPanel(LiveStatic):
         for i, (name, value) in enumerate(rows):
             parts += ["\n" if i else "", (f"{name:<14}", "dim"), value]
         parts += _layer_surprise_parts(stats)
+        if self._lens is not None:
+            parts += depth_lines(self._lens)
         self.show_content(Content.assemble(*parts))
 
 
