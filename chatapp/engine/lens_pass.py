@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["AnswerLens", "conversation_lens", "reply_lens"]
 
 DEFAULT_TOP = 3  # alternatives per layer in a table
-REPLAYED_SKIP_MODES = ("strict", "kv")  # the skip modes `replay_states` reproduces
+REPLAYED_SKIP_MODES = ("strict", "kv", "predict")  # the skip modes `replay_states` reproduces
 
 
 class AnswerLens:
@@ -70,7 +70,7 @@ class AnswerLens:
         reads = torch.tensor([p - 1 for p in self.targets])
         self.emitted = torch.tensor([self.ids[p] for p in self.targets])
         student = not dense and bool(getattr(model, "routing_active", True))
-        # The replay passes a skipped token through unchanged (`stt.lens.replay_states`): true of these skip modes; any
+        # The replay carries a skipped token on as its skip path did (`stt.lens.replay_states`) in these modes; any
         # other is read by the forward, whose routed layers are the model's own (`DecoderBlock.routed`).
         replayable = getattr(model.config, "skip_mode", "strict") in REPLAYED_SKIP_MODES
         replayable = replayable and cache is not None and int(cache.seen[0]) > int(reads.max())

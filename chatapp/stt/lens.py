@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chatapp.stt.layers import STTLayer, router_probs, select, self_attention_sink
+from chatapp.stt.layers import STTLayer, router_probs, select, self_attention_sink, skipped_output
 from chatapp.stt.teacher import previous_tokens
 
 # Rows of hidden states read through the head at once: bounds the (rows, vocabulary) float32 logits in memory
@@ -129,8 +129,8 @@ def replay_states(model, cache, ids: torch.Tensor, positions: torch.Tensor, sele
 
     Each token attends to exactly the cache entries it attended to when it was fed (its own included: entries at
     positions up to its own), so nothing before it is computed again: a token costs one pass through the layers
-    whatever the context. `selected` (L_stt, P): which STT layers ran for each token (a skipped token passes
-    through; in "kv" mode its K/V are in the cache already, as its skip path wrote them). The same states as
+    whatever the context. `selected` (L_stt, P): which STT layers ran for each token (a skipped token carries on as
+    its skip path made it, `layers.skipped_output`; in "kv" and "predict" modes its K/V are in the cache already). The same states as
     `capture_states` over the whole prefix, to the rounding of the decode step that wrote the cache.
     """
     device = model.device
@@ -148,7 +148,7 @@ def replay_states(model, cache, ids: torch.Tensor, positions: torch.Tensor, sele
 
         out = layer.block(hidden, cos, sin, sink)
         if isinstance(layer, STTLayer):
-            out = torch.where(selected[slot][None, :, None], out, hidden)
+            out = torch.where(selected[slot][None, :, None], out, skipped_output(layer, hidden))
             slot += 1
         hidden = out
         states.append(hidden[0].float())

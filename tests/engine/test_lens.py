@@ -47,6 +47,14 @@ def kv_model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Pa
     )
 
 
+@pytest.fixture(scope="module")
+def predict_model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Path:
+    """The same shapes in "predict" skip mode, its skip predictors random (`random_init`)."""
+    return save_random_model_dir(
+        tmp_path_factory.mktemp("predict_model"), config(chat_tokenizer.get_vocab_size(), "predict"), chat_tokenizer
+    )
+
+
 def lens_of(engine, prompt: str, settings: GenerationSettings = SETTINGS) -> tuple[ReplyLens, object]:
     """Generate a reply to `prompt` and return its lens (every token's table) and the reply."""
     steps = list(engine.generate([prompt], settings))
@@ -170,15 +178,17 @@ def test_bad_requests_are_named(routed_model_dir: Path) -> None:
         conversation_lens(engine, [1, 2, 3], [(True,), None, None], [1])
 
 
-@pytest.mark.parametrize("mode", ["strict", "kv"])
+@pytest.mark.parametrize("mode", ["strict", "kv", "predict"])
 def test_replaying_against_the_sessions_cache_reads_what_the_forward_reads(
-    routed_model_dir: Path, kv_model_dir: Path, mode: str
+    routed_model_dir: Path, kv_model_dir: Path, predict_model_dir: Path, mode: str
 ) -> None:
     """An answer still in its chat session's cache is replayed there (each token attends to the entries it saw when
-    it was fed): the same readings as a forward over the whole conversation, for a second turn too."""
+    it was fed): the same readings as a forward over the whole conversation, for a second turn too; in "predict"
+    mode a skipped token carries its predicted update in both."""
     from chatapp.engine.lens_pass import AnswerLens
 
-    engine = load_engine(routed_model_dir if mode == "strict" else kv_model_dir, "cpu", dtype="float32")
+    directory = {"strict": routed_model_dir, "kv": kv_model_dir, "predict": predict_model_dir}[mode]
+    engine = load_engine(directory, "cpu", dtype="float32")
     session = engine.session()
     for turn, text in enumerate(PROMPTS):
         reply = engine.new_reply()
