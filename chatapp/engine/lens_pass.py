@@ -98,7 +98,10 @@ class AnswerLens:
     def table(self, index: int, top: int = DEFAULT_TOP) -> tuple[LayerLens, ...]:
         """Every layer's reading for token `index` (of the targets), with the top `top` tokens."""
         if not 0 <= index < len(self.targets):
-            raise SettingsError(f"token {index} is not among the {len(self.targets)} tokens explained")
+            raise SettingsError(
+                f"token {index} is not among the {len(self.targets)} tokens explained",
+                hint=f"ask for a token from 0 to {len(self.targets) - 1}",
+            )
         table = read_layers(self.head, self.states[:, [index]], self.emitted[[index]], top)
         return _layer_rows(table, 0, self.num_layers, self.stt_layers, self.flags[index], self.text)
 
@@ -188,7 +191,10 @@ def _decisions(
         if flags is None:
             continue
         if len(flags) != layers:
-            raise SettingsError(f"token {position} has routing for {len(flags)} layers, the model routes {layers}")
+            raise SettingsError(
+                f"token {position} has routing for {len(flags)} layers, the model routes {layers}",
+                hint="pass the routing the reply was generated with, one flag per STT layer",
+            )
         decisions[:, position] = torch.tensor([bool(f) for f in flags])
         known[position] = True
     return decisions, known

@@ -422,7 +422,7 @@ def compile_in_background(
 
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__
+    return text.splitlines()[0][:1000] if text else type(err).__name__
 
 
 def _compile_decode(model: STTForCausalLM, model_dir: Path) -> None:

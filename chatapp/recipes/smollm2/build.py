@@ -97,21 +97,20 @@ def _finished(text: str, stopped: bool) -> str:
     return text[: cut + 1].strip() if cut > len(text) // 3 else ""
 
 
-# The routing fit's candidates, cheapest first: the oracle's single-layer table in kv mode at 50% (model card).
-ROUTE_CANDIDATES = [4, 6, 26, 3, 7, 5, 25, 12, 14, 9, 23, 15, 22, 10]
-
-
 def stage_route(work: Path) -> None:
-    """Fit the routing of the prepared model with its backbone frozen (`chatapp route`, kv mode), ship the routers
-    (`train.export_routing`) and prepare the model again from the new parts."""
+    """Fit the routing of the prepared model with its backbone frozen (`chatapp route default --skip-mode predict
+    --max-layers 16`: layers chosen by each one's cost alone, predictors and routers fitted on the served model's own
+    replies), ship the routers and predictors (`train.export_routing`) and prepare the model again from the new
+    parts."""
     from chatapp.models.loader import load_model
     from chatapp.models.smollm2 import ensure_prepared
     from chatapp.recipes.smollm2.train import export_routing
     from chatapp.training.route import RouteOptions, route, write_routed
 
     loaded = load_model(ensure_prepared(), dtype="float32")
-    options = RouteOptions(layers=ROUTE_CANDIDATES, dialogues=data.route_dialogues(96, 0, tools=True))
-    routed = route(loaded, options, log, cache_dir=work / "routing-data")
+    speaker = load_model(ensure_prepared())  # the served format writes the replies, as `chatapp route` does
+    options = RouteOptions(skip_mode="predict", max_layers=16, dialogues=data.route_dialogues(96, 0, tools=True))
+    routed = route(loaded, options, log, cache_dir=work / "routing-data", speaker=speaker)
     log(routed.report.summary())
     write_routed(routed, loaded.path, work / "routed")
     export_routing(work / "routed", log=log)

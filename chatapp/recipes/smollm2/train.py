@@ -367,8 +367,9 @@ def export(work: Path, base: Path, *, log: Callable[[str], None]) -> Path:
 
 def export_routing(model_dir: Path, *, log: Callable[[str], None]) -> Path:
     """Ship the routing that `chatapp route` fitted on the prepared default model (`model_dir`): its STT layers'
-    router parts replace those in `parts.safetensors`, and the manifest's STT settings follow its config. The causal
-    routers stay float32: each layer's calibrated cutoff sits in its output bias (`chatapp.training.route`).
+    router parts (and skip predictors, in "predict" mode) replace those in `parts.safetensors`, and the manifest's
+    STT settings follow its config (its routing levels too). The causal routers stay float32: each layer's calibrated
+    cutoff sits in its output bias (`chatapp.training.route`).
 
     When the fit also tuned the backbone (`--tune-steps`), its adapters ship too: the routed model's merged adapters
     are the recipe's LoRA and the tune's side by side ([B1 B2] [A1; A2], scale folded into B), so they replace the
@@ -399,6 +400,11 @@ def export_routing(model_dir: Path, *, log: Callable[[str], None]) -> Path:
     save_file(parts, str(PARTS_DIR / PARTS_FILE), metadata={"format": "pt"})
     keys = ("stt_layers", "skip_mode", "router_threshold", "routing_trained", "causal_router_hidden_size")
     manifest["stt"].update({key: config[key] for key in keys})
+    for key in ("predictor_rank", "routing_levels"):  # "predict" mode's predictors, the levels `route` measured
+        if config.get(key) is not None:
+            manifest["stt"][key] = config[key]
+        else:
+            manifest["stt"].pop(key, None)
     write_manifest(**{k: v for k, v in manifest.items() if k not in ("format", "base", "tool_markers")})
     log(f"exported the routing of {model_dir}: STT layers {config['stt_layers']}, skip mode {config['skip_mode']}")
     return PARTS_DIR
