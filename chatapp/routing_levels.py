@@ -4,8 +4,8 @@
 A level is a router threshold (`STTConfig.router_threshold`'s meaning: a token runs an STT layer when its causal
 router's probability is at or above it). A routing fit (`chatapp route`) folds each layer's calibrated cutoff into
 its router so that 0.5 is the calibrated point ("quality"); a higher threshold skips more in every layer ("fast").
-A model lists its levels in `STTConfig.routing_levels`, the default first; a model without them has one, "default"
-(its own threshold). Every model has "off": every token through every layer.
+A model lists its levels in `STTConfig.routing_levels`; the default is the one with the lowest threshold (it computes
+most); a model without levels has one, "default" (its own threshold). Every model has "off": every token through every layer.
 
 Plain data, no torch: `chatapp models` reads the levels from config.json without loading anything.
 """
@@ -18,8 +18,11 @@ OFF_LEVEL = "off"
 
 
 def level_thresholds(levels: Mapping[str, float] | None, router_threshold: float) -> dict[str, float | None]:
-    """Level -> threshold (None: routing off), in order, the default first and "off" last."""
-    table: dict[str, float | None] = dict(levels or {"default": router_threshold})
+    """Level -> threshold (None: routing off), the default first and "off" last. The levels go by threshold, lowest
+    first: the default is the level that computes most (config.json keeps no key order, so the order is the
+    thresholds')."""
+    ordered = sorted((levels or {"default": router_threshold}).items(), key=lambda item: (item[1], item[0]))
+    table: dict[str, float | None] = dict(ordered)
     table[OFF_LEVEL] = None
     return table
 
