@@ -297,7 +297,10 @@ class DecodeLoop:
         self, prompt_ids: list[list[int]], cache: KVCacheLike, routing: str, threshold: float | None
     ) -> tuple[torch.Tensor, list[list[TokenRouting]] | None]:
         """Feed every row's prompt (ragged, in chunks) and return the logits after each row's last token, plus
-        per-row per-token routing (None with routing off). One host copy for the routing, at the end."""
+        per-row per-token routing (None with routing off). One host copy for the routing, at the end. A model whose
+        config says `route_prompt = False` runs its prompts through every layer: only generated tokens skip."""
+        if not getattr(self.model.config, "route_prompt", True):
+            routing = "off"
         device = self.device
         lengths = torch.tensor([len(ids) for ids in prompt_ids], dtype=torch.long)
         longest = int(lengths.max())

@@ -123,6 +123,12 @@ class STTConfig:
     # map of the layer's normed input fitted to the block's residual Δx (`layers.SkipPredictor`), so a skipped token
     # moves roughly where the block would have moved it.
     predictor_rank: int = 64
+    # Whether a prompt's tokens (the engine's prefill) are routed. False runs them through every layer and routes
+    # only the tokens the model generates: what the user wrote (names, numbers a later answer copies) stays intact,
+    # and a reply's compute saved, which counts generated tokens, is the same. On the default model's predict-mode
+    # routing it won back the tool calls, follow-up calls and most letter counts that routed prompts lost, not all
+    # of recall (model card, "Predict-mode routing").
+    route_prompt: bool = True
     # Named operating points (level -> `router_threshold`): what `--routing LEVEL` picks. "off" is always a level
     # (routing off); a model without levels has one more, "default", its own `router_threshold`.
     routing_levels: dict | None = None

@@ -105,3 +105,23 @@ def test_the_tui_settings_take_a_level_the_model_has() -> None:
     assert parse_settings(GenerationSettings(), {**form, "routing_level": " "}, levels).routing_level is None
     with pytest.raises(SettingsError, match="no level 'turbo'"):
         parse_settings(GenerationSettings(), {**form, "routing_level": "turbo"}, levels)
+
+
+def test_a_model_that_does_not_route_prompts_routes_only_what_it_generates(routed_model_dir: Path) -> None:
+    """`route_prompt = False`: the prompt runs through every layer (no prompt routing is reported, and the cache is
+    a dense model's for it), the generated tokens still skip; the prompt's logits are routing off's."""
+    from chatapp.models import load_engine
+    from chatapp.settings import GenerationSettings
+
+    engine = load_engine(routed_model_dir, dtype="float32")
+    settings = GenerationSettings(max_tokens=12)
+    routed = list(engine.generate(["Hello there, how are you?"], settings))
+    assert routed[0].prompt.computed is not None
+    engine.model.config.route_prompt = False
+    steps = list(engine.generate(["Hello there, how are you?"], settings))
+    assert steps[0].prompt.computed is None
+    flags = [flag for step in steps for event in step.tokens if event.computed for flag in event.computed]
+    assert flags and not all(flags), "generated tokens still skip"
+    dense = list(engine.generate(["Hello there, how are you?"], settings.with_(routing="off")))
+    first = next(event.token for step in dense for event in step.tokens)
+    assert next(event.token for step in steps for event in step.tokens) == first  # the prompt ran dense
