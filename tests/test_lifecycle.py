@@ -103,3 +103,20 @@ def test_under_a_profiler_the_exit_is_pythons_own(tmp_path) -> None:
         [sys.executable, "-m", "cProfile", "-o", str(profile), str(script)], capture_output=True, timeout=60
     )
     assert done.returncode == 0 and profile.stat().st_size > 0
+
+
+def test_starting_up_sets_openmps_spin_count_before_torch_loads_it() -> None:
+    """`starting_up` sets `$GOMP_SPINCOUNT` (read once, when `import torch` loads libgomp) unless the user set it."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import os\nfrom chatapp.lifecycle import starting_up\nassert 'torch' not in __import__('sys').modules\n"
+        "with starting_up():\n    import torch\nprint(os.environ['GOMP_SPINCOUNT'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    for extra, expected in (({}, "50000"), ({"GOMP_SPINCOUNT": "7"}, "7")):
+        done = subprocess.run([sys.executable, "-c", probe], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=120, check=True)  # fmt: skip
+        assert done.stdout.strip() == expected
