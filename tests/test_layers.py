@@ -1,4 +1,4 @@
-"""The package layering of DESIGN.md, checked on the source: no import cycle inside `chatapp`, none running up.
+"""The package layering of docs/architecture.md, checked on the source: no import cycle inside `chatapp`, none running up.
 
 For the layers every `import` / `from ... import` of a `chatapp` module counts, including the ones inside
 functions and under `TYPE_CHECKING` (a deferred import is still a dependency): a package may import its own
@@ -21,7 +21,7 @@ ROOT = Path(chatapp.__file__).resolve().parent
 # through `ChatFormatLike` without importing `chat`, so the two share a level.
 LEVELS: list[set[str]] = [
     {"errors", "special_tokens", "compute_saved", "byte_level", "lifecycle", "routing_levels"},
-    {"store"},  # everything written under the data directory goes through it (DESIGN.md)
+    {"store"},  # everything written under the data directory goes through it (docs/architecture.md)
     {"validation"},
     {"settings"},
     {"tools", "trie", "ttfa", "stt"},

@@ -10,7 +10,7 @@
                 (detokenize, stop / length / context / program checks, tool machine, grammar) ─► Step event
 
 The request front (`engine.py`) validates a call and builds the rows; this module runs them. What it does
-differently from nanochat's engine (REFERENCES.md lists that engine's weaknesses):
+differently from nanochat's engine (docs/architecture.md lists that engine's weaknesses):
 - Ragged batches: every row has its own position (`cache.seen[b]`); prompts of different lengths prefill together.
 - Per-row randomness keyed by (seed, sample index, tokens emitted) — see `sampling.py` — so a row's tokens do not
   depend on what else is in the batch.

@@ -1,6 +1,6 @@
 """The per-row tool state machine: `<|python_start|>` expr `<|python_end|>` -> tool -> forced output block.
 
-Follows nanochat's machine (seeds/engine.md §6) with the gaps closed:
+Follows nanochat's machine (docs/engine.md §6) with the gaps closed:
 
 - A refusal is shown, not swallowed: nanochat forces nothing when the calculator returns None, so the model
   continues as if it had an answer. Here the output block is always forced; it holds the result, or

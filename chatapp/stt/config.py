@@ -1,4 +1,4 @@
-"""STTConfig: a Qwen2 configuration plus the routing, loss and optimiser settings of `seeds/stt.md` §4–§6.
+"""STTConfig: a Qwen2 configuration plus the routing, loss and optimiser settings of `docs/stt.md` §4–§6.
 
 The config stays `model_type = "qwen2"` on disk, with every Qwen2 field, so an STT directory still loads into stock
 `transformers.Qwen2ForCausalLM` (the router weights are then ignored). An STT directory is recognised by the
@@ -9,7 +9,7 @@ It is a plain dataclass, not `transformers.Qwen2Config`: importing transformers'
 does not know (`architectures`, `torch_dtype`, ...) and writes them back unchanged, reads the older top-level
 `rope_theta`, and checks every known key's type when it is built (`TypeError` / `ValueError` naming the key).
 
-Defaults follow the public STT code (REFERENCES.md), with deliberate changes that address its failure modes
+Defaults follow the public STT code (docs/stt.md, last section), with deliberate changes that address its failure modes
 (`normalize_surprise` is the third, explained in `layers.PredictiveRouter`):
 - `g_reg_target`: the gating regulariser pulls each layer's (soft) fraction of gates above `g_threshold`
   towards a target rate instead of pushing g towards zero. With the plain `mean(g)` penalty the only gradient

@@ -1,6 +1,6 @@
 """STTForCausalLM: a Qwen2-compatible decoder whose STT layers run their block only for routed tokens.
 
-Inference (`extend` / `decode`) follows `seeds/stt.md` §3.2: per STT layer the causal router gives each new token
+Inference (`extend` / `decode`) follows `docs/stt.md` §3.2: per STT layer the causal router gives each new token
 a probability, tokens at or above the threshold are selected (`layers.router_probs`, `layers.select`), the block
 runs for selected tokens only; unselected tokens pass through unchanged ("strict", "kv") or with the layer's
 predicted update ("predict"). In "strict" skip mode only selected tokens append K/V to that layer's cache; in "kv"

@@ -1,4 +1,4 @@
-"""Full-sequence passes: the teacher's training forward (`seeds/stt.md` §3.1 and §5) and evaluation forwards.
+"""Full-sequence passes: the teacher's training forward (`docs/stt.md` §3.1 and §5) and evaluation forwards.
 
 Training runs one dense pass per layer. In an STT layer the TPN predicts each token's residual from the previous
 token's block output, the predictive router turns the two surprises into the gate g, and g becomes binary

@@ -3,7 +3,7 @@ selected fractions, and how well the student (causal router) reproduces the teac
 recipes' task metrics (does the model call the calculator, recall a fact) count in.
 
 Shared by `chatapp eval`, the training loop's periodic evaluation and both recipes' evaluations. F1 is reported
-beside accuracy because at low capacity "never select" already scores a high accuracy (REFERENCES.md, MoD).
+beside accuracy because at low capacity "never select" already scores a high accuracy (docs/architecture.md, Mixture-of-Depths).
 """
 
 from __future__ import annotations

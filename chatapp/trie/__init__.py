@@ -1,4 +1,4 @@
-"""Token trie, grammar constraints and fast-forward tokens (`seeds/token-trie.md`, `seeds/fast-forward.md`).
+"""Token trie, grammar constraints and fast-forward tokens (`docs/trie.md`).
 
 Engine-facing API
 -----------------

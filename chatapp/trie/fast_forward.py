@@ -1,4 +1,4 @@
-"""Fast-forward tokens: forced bytes turned into tokens the model would have produced itself (`seeds/fast-forward.md`).
+"""Fast-forward tokens: forced bytes turned into tokens the model would have produced itself (`docs/trie.md`).
 
 Forcing the naive tokenization of forced bytes is often non-canonical: with `orderId` in the vocabulary, forcing
 `order` leaves the model a split it never saw in training. So, as llguidance does:

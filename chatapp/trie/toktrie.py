@@ -1,4 +1,4 @@
-"""The token trie laid out flat in DFS preorder, and its non-recursive walk (`seeds/token-trie.md`).
+"""The token trie laid out flat in DFS preorder, and its non-recursive walk (`docs/trie.md`).
 
 Every node is one index into four parallel arrays: the byte on the edge from its parent, the token that ends there
 (or the bogus id `vocab_size` for interior nodes, so the walk writes a bit without branching), `subtree_size`

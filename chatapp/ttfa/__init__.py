@@ -1,7 +1,7 @@
 """The Token-Triggered Finite Automaton: programs that script a turn in zones, run batched on the device.
 
 Write a program in TOML (or with `ProgramBuilder`), compile it for a tokenizer (`load_program`), and run a batch
-of rows with `Automaton`; `disassemble` prints what the automaton will do. `seeds/ttfa.md` is the specification;
+of rows with `Automaton`; `disassemble` prints what the automaton will do. `docs/ttfa.md` describes it;
 `program.py` states the semantics precisely and `reference.py` executes them one row at a time.
 """
 

@@ -1,7 +1,7 @@
 """The per-row reference interpreter: the seed's transitions written as plain Python, one row at a time.
 
 This is the oracle the batched automaton is tested against. It is deliberately the most direct reading of
-`seeds/ttfa.md` (plus the extensions documented in `program.py`): no tensors, no tables, one `if` per rule.
+`docs/ttfa.md` (plus the extensions documented in `program.py`): no tensors, no tables, one `if` per rule.
 It is also how a host-side automaton works (vLLM's think-budget processor is this loop over rows), which is what
 the benchmark compares against.
 """

@@ -33,7 +33,7 @@ SEED_TOKENS = [
     '{"',
     "age",
 ]
-"""The vocabulary of `seeds/fast-forward.md`'s examples: `orderName` is deliberately not a token."""
+"""The vocabulary of the fast-forward examples (`docs/trie.md`): `orderName` is deliberately not a token."""
 
 END_TOKEN = "<|end|>"
 

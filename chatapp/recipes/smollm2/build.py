@@ -9,7 +9,7 @@ Stages, each resumable from what it left in `--work` (a killed run picks up wher
    line). Training on them keeps what the model knows while it learns the tool (self-distillation).
 3. `train`: phase A fits LoRA adapters and the tool markers' embedding rows on tool, general and recall
    conversations with every layer dense; phase B trains the STT routers and transition networks with the teacher
-   (seeds/stt.md §3.1, §5) and the gated second pass, so the adapters learn to tolerate the skips
+   (docs/stt.md §3.1, §5) and the gated second pass, so the adapters learn to tolerate the skips
    (`chatapp.recipes.smollm2.train`).
 4. `export`: only what training changed (adapters, token rows, routers) into `chatapp/models/smollm2/`.
 5. `route` (only when asked): the routing refitted with the backbone frozen (`chatapp.training.route`, what

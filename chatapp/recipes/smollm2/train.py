@@ -3,7 +3,7 @@
 Phase A (dense): LoRA on every linear layer of the blocks (peft, injected into the STT model) and the embedding rows
 of the three tool-marker tokens learn the tool protocol on tool, general (self-distilled) and recall conversations;
 the routers and transition networks already learn from the teacher alongside (their losses read detached
-activations, so they cost little and start phase B warm). Phase B turns on the gated second pass (seeds/stt.md
+activations, so they cost little and start phase B warm). Phase B turns on the gated second pass (docs/stt.md
 §3.1 step 6): each STT layer's output for the LM loss is its routed recomputation, so the adapters learn to
 tolerate the skips while the routers settle. The β schedule spans both phases.
 
@@ -63,7 +63,7 @@ class Recipe:
 
 
 CHECKPOINT_EVERY = 20
-# The teacher of phase B: the top half of each sequence by gate score (fixed capacity, seeds/stt.md §4). With the
+# The teacher of phase B: the top half of each sequence by gate score (fixed capacity, docs/stt.md §4). With the
 # threshold rule on SmolLM2 the gate saturated (β → 100 with a transition network that cannot predict this model's
 # residuals, so the expected-event criterion passes ~90% of tokens at g == 1.0 exactly); a moderate final β keeps g
 # graded so its ranking means something. The second pass follows the teacher's decisions: following the student's
