@@ -16,6 +16,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from chatapp import __version__
+from chatapp.cli_options import DeviceOption, DtypeOption, ModelOption
 from chatapp.errors import ChatappError, ModelDirError, SettingsError, user_message
 from chatapp.lens_command import lens_app
 
@@ -104,15 +105,6 @@ def fail(err: ChatappError) -> typer.Exit:
 
 
 # Options several commands share, typed once.
-ModelOption = Annotated[
-    str | None,
-    typer.Option("--model", help="A model name (tiny) or a model directory (default: the default model)."),
-]
-DeviceOption = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")]
-DtypeOption = Annotated[
-    str | None,
-    typer.Option("--dtype", help="Weight format: auto (default; $CHATAPP_DTYPE), float32, bfloat16, int8 or int4."),
-]
 CompileOption = Annotated[
     bool | None,
     typer.Option(

@@ -22,6 +22,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
+from chatapp.cli_options import DeviceOption, DtypeOption, ModelOption
 from chatapp.errors import SettingsError
 
 if TYPE_CHECKING:
@@ -50,15 +51,6 @@ lens_app = typer.Typer(
     no_args_is_help=True,
 )
 
-ModelOption = Annotated[
-    str | None,
-    typer.Option("--model", help="A model name (tiny) or a model directory (default: the default model)."),
-]
-DeviceOption = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N or auto (default).")]
-DtypeOption = Annotated[
-    str | None,
-    typer.Option("--dtype", help="Weight format: auto (default; $CHATAPP_DTYPE), float32, bfloat16, int8 or int4."),
-]
 
 
 @lens_app.command("show")

@@ -20,7 +20,7 @@ ROOT = Path(chatapp.__file__).resolve().parent
 # Lowest first. `chat` imports the tool protocol (`tools.base`) and nothing above it; the engine takes a chat format
 # through `ChatFormatLike` without importing `chat`, so the two share a level.
 LEVELS: list[set[str]] = [
-    {"errors", "special_tokens", "compute_saved", "byte_level", "lifecycle", "routing_levels"},
+    {"errors", "special_tokens", "compute_saved", "byte_level", "lifecycle", "routing_levels", "cli_options"},
     {"store"},  # everything written under the data directory goes through it (docs/architecture.md)
     {"validation"},
     {"settings"},
