@@ -39,10 +39,6 @@ from chatapp.settings import KERNEL_THREADS_ENV, threads_from_env
 from chatapp.stt.layers import stores_skipped
 from chatapp.stt.weights import Int8Linear
 
-# Most rows one call takes (`MAX_ROWS` in the C file); a larger batch goes through the torch step (there the
-# weight-only kernel's cost is shared by the rows, and a dense product wins from 48 rows up: see
-# `stt.weights.DEQUANT_ROWS`).
-MAX_ROWS = 8
 SOURCE = Path(__file__).with_name("decode_step.c")
 # Reordered float sums (what vectorizes the attention's dot products), but not -ffast-math: a shared library
 # linked with it sets the CPU's flush-to-zero mode for the whole process when it is loaded, which changed the
@@ -361,7 +357,7 @@ def kernel_step(model, ids: torch.Tensor, cache, student: bool, cutoff: float | 
     batch = ids.shape[0]
     arrays = model_arrays(model)
     native = library()
-    if arrays is None or native is None or batch > MAX_ROWS or batch == 0 or not _kernel_layout(cache):
+    if arrays is None or native is None or batch == 0 or not _kernel_layout(cache):
         return None
     cache.reserve(1, 1)  # raises on overflow, as the torch step does
     cos_table, sin_table = rope_tables(model, int(cache.seen.max()) + 1, model.dtype)

@@ -44,7 +44,6 @@ from chatapp.compute_saved import compute_saved, skip_cost
 from chatapp.errors import TrainingError
 from chatapp.stt import STTConfig, STTForCausalLM
 from chatapp.stt.config import SKIP_MODES
-from chatapp.stt.cpu_step import MAX_ROWS
 from chatapp.stt.io import (
     CONFIG_NAME,
     MERGED_ADAPTERS_NAME,
@@ -203,8 +202,7 @@ def self_distilled(loaded: Any, options: RouteOptions, log: Log) -> list[Convers
     settings = GenerationSettings(max_tokens=options.answer_tokens, routing="off")
     start_id, end_id = getattr(chat_format, "python_start_id", None), getattr(chat_format, "python_end_id", None)
     dialogues = options.dialogues
-    # The native step takes up to MAX_ROWS rows a call; more would go through the (slower) torch step.
-    step = MAX_ROWS if loaded.model.kernel_step is not None else GENERATE_BATCH
+    step = GENERATE_BATCH
     messages: list[list[dict[str, Any]]] = [[] for _ in dialogues]
     out: list[Conversation | None] = [None] * len(dialogues)
     for turn in range(max((len(d) for d in dialogues), default=0)):

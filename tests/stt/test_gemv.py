@@ -172,32 +172,52 @@ def test_kernel_step_over_rows_of_very_different_cache_lengths(skip_mode: str, l
 
 @torch.no_grad()
 def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it() -> None:
-    """The products take rows two at a time and an odd one alone (`int8_matmul`): identical rows in one batch,
-    some summed in a pair and one alone, give bit-identical logits, router probabilities and caches."""
+    """The products take rows a tile at a time (two, or four with VNNI) and the rows left over alone
+    (`int8_matmul`): identical rows in one batch, some summed in a tile and one alone, give bit-identical logits,
+    router probabilities and caches."""
     model = int8_model()
+    rows = 5
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
-    cache = model.new_cache(3, 32)
-    model.extend(prompt.repeat(3, 1), torch.tensor([6, 6, 6]), cache)
+    cache = model.new_cache(rows, 32)
+    model.extend(prompt.repeat(rows, 1), torch.tensor([6] * rows), cache)
     generator = torch.Generator().manual_seed(5)
     for _ in range(5):
-        ids = torch.randint(0, VOCAB, (1,), generator=generator).repeat(3)
+        ids = torch.randint(0, VOCAB, (1,), generator=generator).repeat(rows)
         logits, probs, selected = cpu_step.kernel_step(model, ids, cache, True, model.config.router_threshold)
-        for row in (1, 2):
+        for row in range(1, rows):
             assert torch.equal(logits[row], logits[0])
             assert torch.equal(probs[:, row], probs[:, 0]) and torch.equal(selected[:, row], selected[:, 0])
     for layer in range(model.config.num_hidden_layers):
         keys = cache.keys[layer]
-        assert torch.equal(keys[1], keys[0]) and torch.equal(keys[2], keys[0])
+        assert all(torch.equal(keys[row], keys[0]) for row in range(1, rows))
 
 
-def test_decode_goes_through_the_kernel_step_and_leaves_larger_batches_to_torch() -> None:
+def test_decode_goes_through_the_kernel_step_at_every_batch_size() -> None:
+    """A batch of any size decodes in the native step, the rows in tiles and the rows left over alone: 11 rows of
+    mixed lengths, routed, against the torch step."""
     model = int8_model()
     assert cpu_step.attach(model) and model.kernel_step is cpu_step.kernel_step
-    rows = cpu_step.MAX_ROWS + 1
-    cache = prefilled(model, [2] * rows)
-    assert cpu_step.kernel_step(model, torch.zeros(rows, dtype=torch.long), cache, True, 0.5) is None
-    logits = model.decode(torch.zeros(rows, dtype=torch.long), cache).logits  # the torch step
-    assert logits.shape == (rows, VOCAB) and torch.isfinite(logits).all()
+    decode_both(model, [3, 9, 1, 6, 2, 5, 8, 4, 7, 3, 2], steps=4, student=True, cutoff=model.config.router_threshold)
+
+
+def test_the_avx2_products_where_the_cpu_has_vnni_too(tmp_path, monkeypatch) -> None:
+    """A CPU without AVX-512 VNNI takes the AVX2 products: built here with VNNI switched off, the step still equals
+    the torch step, batch 1 and a batch of tiles."""
+    import ctypes
+    import subprocess
+
+    if "avx512_vnni" not in cpu_step._cpu_features():
+        pytest.skip("this CPU builds the AVX2 products anyway (the other tests cover them)")
+    path = tmp_path / "decode_step_avx2.so"
+    subprocess.run([cpu_step.compiler(), *cpu_step.FLAGS, "-mno-avx512vnni", "-o", str(path), str(cpu_step.SOURCE),
+                    "-lm"], check=True)  # fmt: skip
+    library = ctypes.CDLL(str(path))
+    library.chatapp_decode.argtypes = [ctypes.POINTER(cpu_step.DecodeArgs)]
+    library.chatapp_decode.restype = ctypes.c_int
+    monkeypatch.setattr(cpu_step, "_load", lambda: (library, None))
+    model = int8_model("predict")
+    decode_both(model, [5], steps=4, student=True, cutoff=model.config.router_threshold)
+    decode_both(model, [3, 9, 1, 6, 2, 5, 8, 4, 7, 3, 2], steps=4, student=True, cutoff=model.config.router_threshold)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int4"])
