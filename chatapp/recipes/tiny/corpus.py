@@ -793,40 +793,47 @@ class _Generator:
         fields_ = {"k": key, "K": key[0].upper() + key[1:], "v": value}
         question = rng.choice(self.pools.fact_questions[name]).format(**fields_)
         user = _with_request(question, self._request(think, json_answer_), rng)
-        if json_answer_:
-            answer = expected = json_answer(category.topic.format(**fields_), value)
-        else:
-            answer = category.answer.format(**fields_)
-            expected = value
-        if think:
-            answer = _think_text(category.reasoning.format(**fields_)) + answer
-        return Conversation(
-            "fact",
-            [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
-            expected=expected,
-            json_answer=json_answer_,
-            think=think,
-        )
+        sentence, topic = category.answer.format(**fields_), category.topic.format(**fields_)
+        reasoning = category.reasoning.format(**fields_)
+        return _text_conversation("fact", user, sentence, value, topic, reasoning, think, json_answer_)
 
     def _smalltalk(self, think: bool, json_answer_: bool) -> Conversation:
         rng = self.rng
         users, replies, topic = rng.choice(self.pools.smalltalk)
         reply = rng.choice(replies)
         user = _with_request(rng.choice(users), self._request(think, json_answer_), rng)
-        if json_answer_:
-            answer = expected = json_answer(topic, reply)
-        else:
-            answer = expected = reply
-        if think:
-            answer = _think_text(_SMALLTALK_REASONING) + answer
-        return Conversation(
-            "smalltalk",
-            [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
-            expected=expected,
-            json_answer=json_answer_,
-            think=think,
-            alternatives=() if json_answer_ else tuple(replies),
+        return _text_conversation(
+            "smalltalk", user, reply, reply, topic, _SMALLTALK_REASONING, think, json_answer_, alternatives=replies
         )
+
+
+def _text_conversation(
+    kind: Kind,
+    user: str,
+    sentence: str,
+    value: str,
+    topic: str,
+    reasoning: str,
+    think: bool,
+    json_answer_: bool,
+    alternatives: Sequence[str] = (),
+) -> Conversation:
+    """`user` answered without a tool: `sentence`, or when asked for JSON `{"topic": topic, "answer": value}`;
+    after `reasoning` thought first when `think`. `value` is what a right plain answer contains."""
+    if json_answer_:
+        answer = expected = json_answer(topic, value)
+    else:
+        answer, expected = sentence, value
+    if think:
+        answer = _think_text(reasoning) + answer
+    return Conversation(
+        kind,
+        [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+        expected=expected,
+        json_answer=json_answer_,
+        think=think,
+        alternatives=() if json_answer_ else tuple(alternatives),
+    )
 
 
 def generate_corpus(
