@@ -23,7 +23,7 @@ from chatapp.trie.bitmask import bitmask_from_bools
 from chatapp.trie.dfa import DEAD, ByteDFA
 from chatapp.trie.regex import compile_regex
 from chatapp.trie.toktrie import TokTrie
-from chatapp.trie.walk import TokenColumns, _finish_kernel, _walk_kernel
+from chatapp.trie.walk import TokenColumns, walk_into
 
 GENERAL_SLICES = (
     r"[\x20\x0A\x0D\x09]+",
@@ -139,19 +139,5 @@ class SlicedWalker:
         return words[: (self.vocab_size + 31) // 32].copy()
 
     def _walk(self, trie: TokTrie, dfa: ByteDFA, state: int, words: np.ndarray) -> None:
-        if trie.num_nodes == 1:
-            return
-        stack = self._stack
-        _walk_kernel(
-            trie.node_byte,
-            trie.node_token,
-            trie.subtree_size,
-            trie.num_parents,
-            dfa.transitions,
-            state,
-            0,
-            0,
-            stack,
-            words,
-        )
-        _finish_kernel(words, self.vocab_size, trie.duplicate_ids, trie.primary_ids)
+        if trie.num_nodes > 1:
+            walk_into(trie, dfa, state, 0, self._stack, words)

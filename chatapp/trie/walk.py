@@ -82,7 +82,10 @@ def _any_token_below_kernel(
     stack: np.ndarray,
     bogus: int,
 ) -> bool:
-    """The walk of `_walk_kernel`, stopping at the first allowed token strictly below `node`."""
+    """The walk of `_walk_kernel`, stopping at the first allowed token strictly below `node`.
+
+    Its own copy of the loop, not a flag on `_walk_kernel`: the mask walk, the hot one, keeps an inner loop with no
+    early-exit test (numba compiles one body per function)."""
     sp = node_depth
     stack[sp] = state
     p = node + 1
@@ -103,6 +106,24 @@ def _any_token_below_kernel(
     return False
 
 
+def walk_into(trie: TokTrie, dfa: ByteDFA, state: int, node: int, stack: np.ndarray, words: np.ndarray) -> None:
+    """Set in `words` (packed, one spare bit for the interior-node id) the bit of every token below `node` that `dfa`
+    allows from `state` (not DEAD), duplicates included; bits already set stay set. `stack` holds the trie's depth."""
+    _walk_kernel(
+        trie.node_byte,
+        trie.node_token,
+        trie.subtree_size,
+        trie.num_parents,
+        dfa.transitions,
+        state,
+        node,
+        int(trie.node_depth[node]),
+        stack,
+        words,
+    )
+    _finish_kernel(words, trie.vocab_size, trie.duplicate_ids, trie.primary_ids)
+
+
 class CompiledWalker:
     """Reusable scratch space (mask words, depth stack) for compiled walks of one trie."""
 
@@ -117,24 +138,11 @@ class CompiledWalker:
         `state` is the DFA state after the bytes of `node`'s path; `node` 0 (the root) gives the full next-token
         mask, a deeper node the mask restricted to tokens that start with its bytes (token healing).
         """
-        trie = self.trie
         words = self._words
         words.fill(0)
         if state != DEAD:
-            _walk_kernel(
-                trie.node_byte,
-                trie.node_token,
-                trie.subtree_size,
-                trie.num_parents,
-                dfa.transitions,
-                state,
-                node,
-                int(trie.node_depth[node]),
-                self._stack,
-                words,
-            )
-        _finish_kernel(words, trie.vocab_size, trie.duplicate_ids, trie.primary_ids)
-        return words[: (trie.vocab_size + 31) // 32].copy()
+            walk_into(self.trie, dfa, state, node, self._stack, words)
+        return words[: (self.trie.vocab_size + 31) // 32].copy()
 
     def any_token_below(self, dfa: ByteDFA, state: int, node: int) -> bool:
         """Whether some token strictly longer than `node`'s path starts with it and keeps `dfa` alive from `state`

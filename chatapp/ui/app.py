@@ -261,14 +261,19 @@ class ChatApp(App[None]):
             self.notify("The model is still loading: try again in a moment.", severity="warning")
         return self.loading
 
+    def _still_answering(self) -> bool:
+        """Keys that change the conversation or the settings wait for the answer to stop: say so while it runs."""
+        if self.is_generating:
+            self.notify("Still answering: press Esc to stop first.", severity="warning")
+        return self.is_generating
+
     # --- sending --------------------------------------------------------------------------------------------------
     @on(PromptInput.Submitted)
     def _on_submit(self, event: PromptInput.Submitted) -> None:
         if self.loading:
             self._wait_to_send(event.text)
             return
-        if self.is_generating:
-            self.notify("Still answering: press Esc to stop first.", severity="warning")
+        if self._still_answering():
             event.prompt.set_text(event.text)
             return
         if self.editing:
@@ -602,10 +607,7 @@ class ChatApp(App[None]):
         return widgets[-1] if widgets and isinstance(widgets[-1], kind) else None
 
     def action_regenerate(self) -> None:
-        if self._still_loading():
-            return
-        if self.is_generating:
-            self.notify("Still answering: press Esc to stop first.", severity="warning")
+        if self._still_loading() or self._still_answering():
             return
         answer = self._last_widget(AssistantMessage)
         if not isinstance(answer, AssistantMessage):
@@ -618,8 +620,7 @@ class ChatApp(App[None]):
         self._start(stream)
 
     def action_edit_last(self) -> None:
-        if self.is_generating:
-            self.notify("Still answering: press Esc to stop first.", severity="warning")
+        if self._still_answering():
             return
         users = list(self.transcript.query(UserMessage))
         if not users:
@@ -641,10 +642,8 @@ class ChatApp(App[None]):
             widget.remove()
 
     def action_settings(self) -> None:
-        if self._still_loading():
-            return
-        if self.is_generating:  # the settings apply to the next answer; the engine is busy with this one
-            self.notify("Still answering: press Esc to stop first.", severity="warning")
+        # The settings apply to the next answer; the engine is busy with this one.
+        if self._still_loading() or self._still_answering():
             return
 
         def applied(choice: SettingsChoice | None) -> None:
@@ -655,10 +654,7 @@ class ChatApp(App[None]):
         self.push_screen(SettingsScreen(self.backend), applied)
 
     def action_switch_program(self) -> None:
-        if self._still_loading():
-            return
-        if self.is_generating:
-            self.notify("Still answering: press Esc to stop first.", severity="warning")
+        if self._still_loading() or self._still_answering():
             return
 
         def switched(choice: ProgramChoice | None) -> None:
@@ -741,8 +737,7 @@ class ChatApp(App[None]):
 
     def action_compare(self) -> None:
         """f5: regenerate the last answer with STT routing off (same seed and settings) and show where it diverges."""
-        if self.is_generating:
-            self.notify("Still answering: press Esc to stop first.", severity="warning")
+        if self._still_answering():
             return
         answer = self._last_answer()
         if answer is None or not answer.events:

@@ -8,8 +8,8 @@ is reproducible offline. Held-out material is kept apart by construction, not by
   model's own replies to other prompts, so nothing about the evaluation's answers is taught);
 - recall: held-out names, numbers, cities and phrasings.
 
-A tool turn is nanochat-shaped: `[{"type": "python", ...}, {"type": "python_output", ...}, {"type": "text", ...}]`;
-the chat format writes it with the model's tool markers, and the output is the calculator's own text.
+A tool turn is `recipes.chats`' calculator exchange (shared with the tiny recipe); the chat format writes it with the
+model's tool markers.
 """
 
 from __future__ import annotations
@@ -19,9 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from chatapp.tools.calculator import evaluate
-
-Message = dict[str, Any]
+from chatapp.recipes.chats import (
+    LETTER_COUNT_ANSWERS,
+    Calculation,
+    Message,
+    arithmetic,
+    calculate,
+    is_letter_count,
+    letter_count,
+    tool_exchange,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,10 @@ class ToolQuestion:
     expression: str
     result: str
     kind: str  # "arithmetic", "word problem", "percent", "letters"
+
+    @property
+    def call(self) -> Calculation:
+        return Calculation(self.expression, self.result)
 
 
 @dataclass(frozen=True)
@@ -50,13 +61,6 @@ class RecallConversation:
     middle: str
     recall: str
     answer: str  # what the recall answer must contain
-
-
-def calc(expression: str) -> str:
-    result = evaluate(expression)
-    if not result.ok or result.text is None:
-        raise ValueError(f"recipe bug: the calculator refused {expression!r}: {result.reason}")
-    return result.text
 
 
 # ----------------------------------------------------------------------------------------------- arithmetic
@@ -245,7 +249,7 @@ _LETTER_HELD_OUT = [
     "Tell me how many {l}'s are in {w}.",
     "How many r's are in strawberry?",  # the classic, kept whole
 ]
-_LETTER_ANSWERS = ['There are {r} {l}\'s in "{w}".', 'The letter {l} appears {r} times in "{w}".', "{w} has {r} {l}'s."]
+_LETTER_ANSWERS = [*LETTER_COUNT_ANSWERS, "{w} has {n} {c}'s."]
 
 _WORDS_TRAIN = [
     "apple",
@@ -404,24 +408,21 @@ def tool_questions(
         if kind == "arithmetic":
             template, op = rng.choice(arith)
             a, b = _operands(rng, op)
-            expression = f"{a}{op}{b}"
-            result = calc(expression)
-            answer = rng.choice(_ARITH_ANSWERS).format(a=a, b=b, op=_OP_WORDS[op], r=result)
+            call = arithmetic(a, op, b)
+            answer = rng.choice(_ARITH_ANSWERS).format(a=a, b=b, op=_OP_WORDS[op], r=call.result)
             question = template.format(a=a, b=b)
         elif kind == "word problem":
             template, build, sentence = rng.choice(words)
             op = build(7, 3)[1]
             a, b = _operands(rng, op)
-            expression = build(a, b)
-            result = calc(expression)
-            question, answer = template.format(a=a, b=b), sentence.format(a=a, b=b, r=result)
+            call = calculate(build(a, b))
+            question, answer = template.format(a=a, b=b), sentence.format(a=a, b=b, r=call.result)
         elif kind == "percent":
             template, sentence = rng.choice(percents)
             p = rng.choice([5, 10, 12, 15, 18, 20, 25, 30, 40, 50, 75, 8, 3, 35, 60])
             n = rng.choice([rng.randint(2, 99) * 10, rng.randint(10, 999), rng.randint(1, 40) * 25])
-            expression = f"{n}*{p}/100"
-            result = calc(expression)
-            question, answer = template.format(p=p, n=n), sentence.format(p=p, n=n, r=result)
+            call = calculate(f"{n}*{p}/100")
+            question, answer = template.format(p=p, n=n), sentence.format(p=p, n=n, r=call.result)
         else:
             template = rng.choice(letters)
             if "strawberry" in template:
@@ -429,26 +430,16 @@ def tool_questions(
             else:
                 word = rng.choice(vocab)
                 letter = _letter_for(rng, word)
-            expression = f'"{word}".count("{letter}")'
-            result = calc(expression)
+            call = letter_count(word, letter)
             question = template.format(l=letter, w=word)
-            answer = rng.choice(_LETTER_ANSWERS).format(l=letter, w=word, r=result)
-        out.append((ToolQuestion(question, expression, result, kind), answer))
+            answer = rng.choice(_LETTER_ANSWERS).format(n=call.result, c=letter, w=word)
+        out.append((ToolQuestion(question, call.expression, call.result, kind), answer))
     return out
 
 
 def tool_conversation(item: ToolQuestion, answer: str) -> list[Message]:
-    return [
-        {"role": "user", "content": item.question},
-        {
-            "role": "assistant",
-            "content": [
-                {"type": "python", "text": item.expression},
-                {"type": "python_output", "text": item.result},
-                {"type": "text", "text": answer},
-            ],
-        },
-    ]
+    """The question and an answer that calls the calculator straight away."""
+    return tool_exchange(item.question, item.call, answer)
 
 
 # Share of chained conversations that switch between a numeric call and a letter count (see below).
@@ -484,8 +475,8 @@ def chained_conversations(
 
 
 def _is_letter_count(exchange: list[Message]) -> bool:
-    call = exchange[1]["content"]
-    return isinstance(call, list) and ".count(" in call[0]["text"]
+    content = exchange[1]["content"]
+    return isinstance(content, list) and is_letter_count(content[0]["text"])
 
 
 # ------------------------------------------------------------------------------------------------- general

@@ -6,26 +6,34 @@ small fact table owned here, answering in one exact JSON shape when asked for JS
 ``<think>`` … ``</think>`` before answering when asked to think (the shipped TTFA programs drive these formats).
 
 Generalisation is measured on a held-out split that shares no question with training: operands, words, facts' phrasing
-templates and the requests for JSON / thinking are partitioned between the splits (see `Partition`). Everything is
-drawn from a `random.Random` seeded per split, so the same ``(split, n, seed)`` always gives the same conversations.
+templates and the requests for JSON / thinking are partitioned between the splits (`_pools`, by the rules of
+`recipes.chats`). Everything is drawn from a `random.Random` seeded per split, so the same ``(split, n, seed)``
+always gives the same conversations.
 
-Calculator results come from `chatapp.tools.calculator.evaluate`, the engine's own tool, so the model is trained on
-exactly the text it will be shown at run time.
+Calculator calls and their output text are `recipes.chats`' (the engine's own calculator), shared with the SmolLM2
+recipe; the wording around them is this corpus's.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from chatapp.tools.calculator import evaluate
+from chatapp.recipes.chats import (
+    LETTER_COUNT_ANSWERS,
+    SPLITS,
+    Calculation,
+    Split,
+    arithmetic,
+    held_out_number,
+    letter_count,
+    split_list,
+    tool_exchange,
+)
 
-Split = Literal["train", "heldout"]
-SPLITS: tuple[Split, ...] = ("train", "heldout")
 Kind = Literal["arithmetic", "letters", "fact", "smalltalk"]
 
 THINK_OPEN = "<think>"
@@ -59,25 +67,6 @@ class Conversation:
     def prompt(self) -> list[dict[str, Any]]:
         """The messages before the final assistant answer: what a model is given at evaluation time."""
         return self.messages[:-1]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Partitions: what the training split may use and what only the held-out split may use.
-
-
-def _heldout_number(n: int) -> bool:
-    """Operands with this property appear only in held-out questions (about one in five numbers).
-
-    A hash, not a residue: `n % 5 == 3` would make every held-out operand end in 3 or 8, digits training operands
-    would then never end in, which tests an unseen final digit rather than unseen numbers.
-    """
-    return zlib.crc32(str(n).encode()) % 5 == 0
-
-
-def _split_list(items: Sequence[str], split: Split, every: int = 4, train_only: Sequence[str] = ()) -> list[str]:
-    """Every `every`-th item (offset 1) is held-out only; the rest, and `train_only`, are training only."""
-    held = [x for i, x in enumerate(items) if i % every == 1]
-    return held if split == "heldout" else [x for x in items if x not in held] + list(train_only)
 
 
 # Arithmetic: {a} and {b} are operands, phrases per operator. The python expression is always canonical (`a*b`).
@@ -232,11 +221,7 @@ _TRAIN_ONLY_LETTER_TEMPLATES = [
     'Tell me if you can find {c} in "{w}", and how many times.',
 ]
 _LETTER_PREFACES = ["Let me count. ", "I'll count with the calculator. ", "Let me check. ", ""]
-_LETTER_ANSWERS = [
-    'There are {n} {c}\'s in "{w}".',
-    'The letter {c} appears {n} times in "{w}".',
-    "The answer is {n}.",
-]
+_LETTER_ANSWERS = [*LETTER_COUNT_ANSWERS, "The answer is {n}."]
 _WORD_LIST = (
     "strawberry banana apple cherry orange lemon mango papaya grape melon peach pineapple coconut raspberry "
     "blueberry tomato potato carrot pepper onion garlic spinach cabbage broccoli cucumber pumpkin avocado "
@@ -254,7 +239,7 @@ _WORD_LIST = (
     "purple yellow silver golden scarlet emerald crimson turquoise lavender"
 )
 _WORDS = _WORD_LIST.split()
-_HELDOUT_WORDS = frozenset(_split_list(_WORDS, "heldout", every=5))
+_HELDOUT_WORDS = frozenset(split_list(_WORDS, "heldout", every=5))
 
 # Facts the generator owns: (category, key, value).
 _CAPITALS = {
@@ -660,26 +645,18 @@ def _pools(split: Split) -> _Pools:
     heldout = split == "heldout"
     return _Pools(
         split=split,
-        numbers_small=[n for n in range(2, 100) if _heldout_number(n) == heldout],
-        numbers_large=[n for n in range(100, 1000) if _heldout_number(n) == heldout],
-        words=_split_list(_WORDS, split, every=5),
+        numbers_small=[n for n in range(2, 100) if held_out_number(n) == heldout],
+        numbers_large=[n for n in range(100, 1000) if held_out_number(n) == heldout],
+        words=split_list(_WORDS, split, every=5),
         operator_phrases={
-            op: _split_list(t, split, train_only=_TRAIN_ONLY_OPERATOR_PHRASES[op])
-            for op, t in _OPERATOR_PHRASES.items()
+            op: split_list(t, split, train_only=_TRAIN_ONLY_OPERATOR_PHRASES[op]) for op, t in _OPERATOR_PHRASES.items()
         },
-        letter_templates=_split_list(_LETTER_TEMPLATES, split, train_only=_TRAIN_ONLY_LETTER_TEMPLATES),
-        fact_questions={name: _split_list(c.questions, split) for name, c in _FACTS.items()},
-        smalltalk=[(_split_list(users, split), replies, topic) for users, replies, topic in _SMALLTALK],
-        json_requests=_split_list(_JSON_REQUESTS, split),
-        think_requests=_split_list(_THINK_REQUESTS, split, train_only=_TRAIN_ONLY_THINK_REQUESTS),
+        letter_templates=split_list(_LETTER_TEMPLATES, split, train_only=_TRAIN_ONLY_LETTER_TEMPLATES),
+        fact_questions={name: split_list(c.questions, split) for name, c in _FACTS.items()},
+        smalltalk=[(split_list(users, split), replies, topic) for users, replies, topic in _SMALLTALK],
+        json_requests=split_list(_JSON_REQUESTS, split),
+        think_requests=split_list(_THINK_REQUESTS, split, train_only=_TRAIN_ONLY_THINK_REQUESTS),
     )
-
-
-def _calculator(expression: str) -> str:
-    result = evaluate(expression)
-    if not result.ok or result.text is None:  # the generator only writes expressions the calculator accepts
-        raise ValueError(f"calculator refused corpus expression {expression!r}: {result.reason}")
-    return result.text
 
 
 def _with_request(question: str, request: str | None, rng: random.Random) -> str:
@@ -738,7 +715,7 @@ class _Generator:
             while True:
                 b = rng.choice(p.numbers_small)
                 a = b * rng.randint(2, 99)
-                if a < 1000 and _heldout_number(a) == (p.split == "heldout"):
+                if a < 1000 and held_out_number(a) == (p.split == "heldout"):
                     return a, b
         if op == "*":
             a = rng.choice(p.numbers_small)
@@ -748,37 +725,32 @@ class _Generator:
             b = rng.choice(p.numbers_small if rng.random() < 0.5 else p.numbers_large)
         return (a, b) if rng.random() < 0.5 else (b, a)
 
-    def _tool_answer(
-        self, preface: str, expression: str, result: str, answer: str, reasoning: str | None
-    ) -> list[dict[str, str]]:
-        opening = (_think_text(reasoning) if reasoning is not None else "") + preface
-        call = [
-            {"type": "python", "text": expression},
-            {"type": "python_output", "text": result},
-            {"type": "text", "text": answer},
-        ]
-        return [{"type": "text", "text": opening}, *call] if opening else call
+    def _tool_conversation(
+        self,
+        kind: Kind,
+        question: str,
+        call: Calculation,
+        answer: str,
+        preface: str,
+        reasoning: str,
+        think: bool,
+        json_answer_: bool,
+    ) -> Conversation:
+        """The question (with its request) and a calculator answer, the reasoning thought first when `think`."""
+        opening = (_think_text(reasoning) if think else "") + preface
+        user = _with_request(question, self._request(think, json_answer_), self.rng)
+        return Conversation(kind, tool_exchange(user, call, answer, opening), call.result, call.expression, think=think)
 
     def _arithmetic(self, think: bool, json_answer_: bool) -> Conversation:
         rng = self.rng
         op = rng.choice(list(_OPERATOR_PHRASES))
         a, b = self._operands(op)
         question = rng.choice(self.pools.operator_phrases[op]).format(a=a, b=b)
-        expression = f"{a}{op}{b}"
-        result = _calculator(expression)
+        call = arithmetic(a, op, b)
         reasoning = _OPERATOR_REASONING[op].format(a=a, b=b) + " The calculator gives the exact value."
-        answer = rng.choice(_CALC_ANSWERS).format(expr=expression, result=result)
-        content = self._tool_answer(
-            rng.choice(_CALC_PREFACES), expression, result, answer, reasoning if think else None
-        )
-        user = _with_request(question, self._request(think, json_answer_), rng)
-        return Conversation(
-            "arithmetic",
-            [{"role": "user", "content": user}, {"role": "assistant", "content": content}],
-            expected=result,
-            expression=expression,
-            think=think,
-        )
+        answer = rng.choice(_CALC_ANSWERS).format(expr=call.expression, result=call.result)
+        preface = rng.choice(_CALC_PREFACES)
+        return self._tool_conversation("arithmetic", question, call, answer, preface, reasoning, think, json_answer_)
 
     def _invented_word(self) -> str:
         """A random lowercase word that is not a held-out word: random letters, or (when the caller gave the
@@ -806,21 +778,11 @@ class _Generator:
         # Mostly a letter of the word (doubled letters are the interesting case), sometimes one it lacks.
         letter = rng.choice(word) if rng.random() < 0.85 else rng.choice(self.pools.letters)
         question = rng.choice(self.pools.letter_templates).format(c=letter, w=word)
-        expression = f'"{word}".count("{letter}")'
-        result = _calculator(expression)
+        call = letter_count(word, letter)
         reasoning = f'I need to count the letter {letter} in "{word}". The calculator can count it.'
-        answer = rng.choice(_LETTER_ANSWERS).format(n=result, c=letter, w=word)
-        content = self._tool_answer(
-            rng.choice(_LETTER_PREFACES), expression, result, answer, reasoning if think else None
-        )
-        user = _with_request(question, self._request(think, json_answer_), rng)
-        return Conversation(
-            "letters",
-            [{"role": "user", "content": user}, {"role": "assistant", "content": content}],
-            expected=result,
-            expression=expression,
-            think=think,
-        )
+        answer = rng.choice(_LETTER_ANSWERS).format(n=call.result, c=letter, w=word)
+        preface = rng.choice(_LETTER_PREFACES)
+        return self._tool_conversation("letters", question, call, answer, preface, reasoning, think, json_answer_)
 
     def _fact(self, think: bool, json_answer_: bool) -> Conversation:
         rng = self.rng
@@ -831,40 +793,47 @@ class _Generator:
         fields_ = {"k": key, "K": key[0].upper() + key[1:], "v": value}
         question = rng.choice(self.pools.fact_questions[name]).format(**fields_)
         user = _with_request(question, self._request(think, json_answer_), rng)
-        if json_answer_:
-            answer = expected = json_answer(category.topic.format(**fields_), value)
-        else:
-            answer = category.answer.format(**fields_)
-            expected = value
-        if think:
-            answer = _think_text(category.reasoning.format(**fields_)) + answer
-        return Conversation(
-            "fact",
-            [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
-            expected=expected,
-            json_answer=json_answer_,
-            think=think,
-        )
+        sentence, topic = category.answer.format(**fields_), category.topic.format(**fields_)
+        reasoning = category.reasoning.format(**fields_)
+        return _text_conversation("fact", user, sentence, value, topic, reasoning, think, json_answer_)
 
     def _smalltalk(self, think: bool, json_answer_: bool) -> Conversation:
         rng = self.rng
         users, replies, topic = rng.choice(self.pools.smalltalk)
         reply = rng.choice(replies)
         user = _with_request(rng.choice(users), self._request(think, json_answer_), rng)
-        if json_answer_:
-            answer = expected = json_answer(topic, reply)
-        else:
-            answer = expected = reply
-        if think:
-            answer = _think_text(_SMALLTALK_REASONING) + answer
-        return Conversation(
-            "smalltalk",
-            [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
-            expected=expected,
-            json_answer=json_answer_,
-            think=think,
-            alternatives=() if json_answer_ else tuple(replies),
+        return _text_conversation(
+            "smalltalk", user, reply, reply, topic, _SMALLTALK_REASONING, think, json_answer_, alternatives=replies
         )
+
+
+def _text_conversation(
+    kind: Kind,
+    user: str,
+    sentence: str,
+    value: str,
+    topic: str,
+    reasoning: str,
+    think: bool,
+    json_answer_: bool,
+    alternatives: Sequence[str] = (),
+) -> Conversation:
+    """`user` answered without a tool: `sentence`, or when asked for JSON `{"topic": topic, "answer": value}`;
+    after `reasoning` thought first when `think`. `value` is what a right plain answer contains."""
+    if json_answer_:
+        answer = expected = json_answer(topic, value)
+    else:
+        answer, expected = sentence, value
+    if think:
+        answer = _think_text(reasoning) + answer
+    return Conversation(
+        kind,
+        [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+        expected=expected,
+        json_answer=json_answer_,
+        think=think,
+        alternatives=() if json_answer_ else tuple(alternatives),
+    )
 
 
 def generate_corpus(

@@ -14,6 +14,9 @@ not only a colour.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Protocol
+
 from textual.content import Content
 
 from chatapp.engine.lens import ReplyLens, TokenLens
@@ -89,22 +92,40 @@ def layers_view(result: ReplyLens, token: TokenLens) -> Content:
     return Content.assemble(*parts)
 
 
-def depth_lines(result: ReplyLens) -> list[str | tuple[str, str]]:
-    """The stats panel's lines: per routed layer, the mean decision depth of the tokens it skipped vs ran."""
-    splits = result.layer_depths()
-    if not splits:
-        return []
-    parts: list[str | tuple[str, str]] = ["\n", (f"decision depth ({result.lens})  ran / skipped", "dim")]
+class RoutedSplit(Protocol):
+    """A routed layer's mean of some per-token value over the tokens it computed and over those it skipped."""
+
+    @property
+    def computed(self) -> float | None: ...
+    @property
+    def skipped(self) -> float | None: ...
+    @property
+    def computed_tokens(self) -> int: ...
+    @property
+    def skipped_tokens(self) -> int: ...
+
+
+def split_lines(title: str, splits: Iterable[tuple[int, RoutedSplit]], decimals: int) -> list[str | tuple[str, str]]:
+    """A stats-panel table: the dim `title`, then per (layer, split) the computed / skipped means with their counts."""
 
     def mean(value: float | None, count: int) -> str:
-        return f"{value:5.1f} ({count})" if value is not None else f"{'—':>5} (0)"
+        return f"{value:5.{decimals}f} ({count})" if value is not None else f"{'—':>5} (0)"
 
-    for split in splits:
+    parts: list[str | tuple[str, str]] = ["\n", (title, "dim")]
+    for layer, split in splits:
         parts += [
             "\n",
-            (f"  L{split.layer:<3}", "dim"),
+            (f"  L{layer:<3}", "dim"),
             mean(split.computed, split.computed_tokens),
             (" / ", "dim"),
             mean(split.skipped, split.skipped_tokens),
         ]
     return parts
+
+
+def depth_lines(result: ReplyLens) -> list[str | tuple[str, str]]:
+    """The stats panel's lines: per routed layer, the mean decision depth of the tokens it skipped vs ran."""
+    splits = result.layer_depths()
+    if not splits:
+        return []
+    return split_lines(f"decision depth ({result.lens})  ran / skipped", ((s.layer, s) for s in splits), decimals=1)

@@ -15,7 +15,7 @@ from chatapp.engine.reply import Reply
 from chatapp.ui.backend import ProgramInfo
 from chatapp.ui.tokens import display_text
 from chatapp.ui.widgets.heatmap import probability_colour
-from chatapp.ui.widgets.lens import depth_lines, layers_view
+from chatapp.ui.widgets.lens import depth_lines, layers_view, split_lines
 from chatapp.ui.widgets.live import LiveStatic
 from chatapp.ui.widgets.probability import bar
 
@@ -230,17 +230,4 @@ def _layer_surprise_parts(stats: Reply) -> list[str | tuple[str, str]]:
     layers = stats.layer_surprise()
     if not layers:
         return []
-    parts: list[str | tuple[str, str]] = ["\n", ("mean -log p    computed / skipped", "dim")]
-    for layer, surprise in layers.items():
-
-        def mean(value: float | None, count: int) -> str:
-            return f"{value:5.2f} ({count})" if value is not None else f"{'—':>5} (0)"
-
-        parts += [
-            "\n",
-            (f"  L{layer:<3}", "dim"),
-            mean(surprise.computed, surprise.computed_tokens),
-            (" / ", "dim"),
-            mean(surprise.skipped, surprise.skipped_tokens),
-        ]
-    return parts
+    return split_lines("mean -log p    computed / skipped", layers.items(), decimals=2)
