@@ -3,8 +3,8 @@
 Minutes on 2 CPU cores, on any chatapp model directory (a converted GGUF, a Qwen2 directory, the default model):
 
 1. Data: the model's own greedy answers (routing off, float32) to the prompts it is given (`chatapp route` gives
-   the default recipe's general questions, and tool questions when the chat format has tool markers), as whole
-   token sequences with the results the engine forced. Self-distilled text is what the model sees at run time and needs no download. A quarter is held out.
+   the set the model's recipe ships with it, `chatapp.models.route_prompts`, or the user's `--prompts` file), as
+   whole token sequences with the results the engine forced. Self-distilled text is what the model sees at run time and needs no download. A quarter is held out.
 2. One dense pass caches every layer's input. The teacher score of a token at a layer is ‖Δx‖², the block's
    residual (the spec's D_st): the oracle (`benchmarks/stt_oracle.py`, the default model's card) found it ranks
    tokens as well as the TPN error and better than the gate g, and it needs no trained part.
@@ -78,7 +78,7 @@ class RouteOptions:
     predictor_rank: int = 64  # "predict" mode: the rank of each layer's skip predictor (`training.predictor`)
     budget: float = 1.10  # held-out perplexity, student routing / routing off
     rates: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6)
-    # What the model answers, each conversation's user turns (e.g. `data.route_dialogues`): the data.
+    # What the model answers, each conversation's user turns (`training.corpus.read_dialogues`): the data.
     dialogues: list[list[str]] = field(default_factory=list)
     answer_tokens: int = 128
     epochs: int = 40
