@@ -33,8 +33,9 @@ def eval_model(
         ),
     ] = None,
 ) -> None:
-    """Held-out perplexity with routing off / teacher / student, per-layer selected fraction and student F1;
-    task accuracy (tool calls, and what else the model's recipe measures) on its held-out questions."""
+    """Held-out perplexity with routing off / by the teacher gate g / by the router, tokens processed per STT layer
+    and router-vs-gate F1; task accuracy (tool calls, and what else the model's recipe measures) on its held-out
+    questions."""
     from itertools import islice
 
     from rich.table import Table
@@ -43,7 +44,7 @@ def eval_model(
     from chatapp.models import load_engine, resolve_model
     from chatapp.recipes.heldout import held_out_for
     from chatapp.training.corpus import check_corpus_path, load_sequences, token_stream
-    from chatapp.training.evaluation import conversation_batches, evaluate
+    from chatapp.training.evaluation import MODE_LABELS, conversation_batches, evaluate
 
     if corpus is not None:
         check_corpus_path(corpus)
@@ -68,24 +69,24 @@ def eval_model(
     task_rows = held_out.tasks(engine, task_count) if held_out is not None and task_count else None
     console = Console(highlight=False)
     table = Table(title=f"{model_dir} on {data}: {report.tokens} tokens, skip mode {report.skip_mode}")
-    table.add_column("routing")
-    table.add_column("perplexity", justify="right")
-    table.add_column("compute saved", justify="right")
-    table.add_column("STT skipped", justify="right")
-    table.add_column("selected per STT layer")
+    table.add_column("routing by", no_wrap=True)
+    table.add_column("held-out perplexity", justify="right")
+    table.add_column("block compute saved", justify="right")
+    table.add_column("STT-layer tokens skipped", justify="right")
+    table.add_column("tokens processed per STT layer")
     for mode, ppl in report.perplexity.items():
-        fractions = " ".join(f"{f:.2f}" for f in report.selected_fraction[mode])
+        processed = " ".join(f"{f:.0%}" for f in report.selected_fraction[mode])
         saved, skipped = report.compute_saved(mode), report.routed_skipped(mode)
-        table.add_row(mode, f"{ppl:.3f}", f"{saved:.1%}", f"{skipped:.1%}", fractions)
+        table.add_row(MODE_LABELS[mode], f"{ppl:.3f}", f"{saved:.1%}", f"{skipped:.1%}", processed)
     console.print(table)
     console.print(
-        "student vs teacher F1: "
+        "router vs teacher gate per STT layer, F1: "
         + " ".join(f"{f:.2f}" for f in report.student_f1)
         + "  accuracy: "
         + " ".join(f"{a:.2f}" for a in report.student_accuracy)
     )
     if task_rows is not None:
-        tally_table = Table(title=f"{task_count} held-out questions, greedy, student routing")
+        tally_table = Table(title=f"{task_count} held-out questions, greedy, the router deciding")
         tally_table.add_column("task metric")
         tally_table.add_column("accuracy", justify="right")
         for label, tally in task_rows:

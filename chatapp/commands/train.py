@@ -91,6 +91,7 @@ def train(
     from chatapp.models.registry import check_model_output, check_not_builtin
     from chatapp.stt.io import copy_tokenizer_files
     from chatapp.training.corpus import check_corpus_path, load_sequences, split_heldout, token_stream
+    from chatapp.training.evaluation import MODE_LABELS
     from chatapp.training.loop import TrainConfig, init_distributed, latest_checkpoint
     from chatapp.training.loop import train as run_training
 
@@ -133,12 +134,13 @@ def train(
             progress.update(
                 task,
                 completed=report.step,
-                description=f"loss {report.losses['lm']:.3f}  {report.tokens_per_s:,.0f} tok/s  selected [{selected}]",
+                description=f"loss {report.losses['lm']:.3f}  {report.tokens_per_s:,.0f} tok/s  "
+                f"gate selects [{selected}]",
             )
             if report.eval is not None:
-                ppl = "  ".join(f"{mode} {value:.2f}" for mode, value in report.eval.perplexity.items())
+                ppl = ", ".join(f"{MODE_LABELS[mode]} {value:.2f}" for mode, value in report.eval.perplexity.items())
                 progress.console.print(
-                    f"step {report.step}: held-out perplexity {ppl}; student F1 "
+                    f"step {report.step}: held-out perplexity {ppl}; router-vs-gate F1 "
                     + " ".join(f"{f:.2f}" for f in report.eval.student_f1)
                 )
 

@@ -20,7 +20,7 @@ from chatapp.models.smollm2 import PARTS_DIR, PREPARED_STAMP
 from chatapp.stt import STTConfig
 from chatapp.stt.layers import CausalRouter, router_probs, select
 from chatapp.training.corpus import read_dialogues
-from chatapp.training.route import fold_cutoff, teacher_selected, with_routed_layers
+from chatapp.training.route import fold_cutoff, selected_by_score, with_routed_layers
 from tests.training.conftest import ROUTE_PROMPTS, tiny_stt
 
 runner = CliRunner()
@@ -221,12 +221,12 @@ def test_fold_cutoff_shifts_the_router_bias() -> None:
 
 
 @given(st.integers(1, 40), st.floats(0.0, 0.95), st.integers(0, 2**31))
-def test_teacher_skips_the_lowest_scores_never_the_first(n: int, rate: float, seed: int) -> None:
+def test_a_score_skips_the_lowest_scores_never_the_first(n: int, rate: float, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     score = torch.rand(1, n + 3, generator=generator)
     valid = torch.zeros(1, n + 3, dtype=torch.bool)
     valid[0, :n] = True
-    selected = teacher_selected(score, valid, rate)
+    selected = selected_by_score(score, valid, rate)
     skipped = (~selected)[0, :n]
     assert int(skipped.sum()) == min(math.floor(rate * n), n - 1)
     assert selected[0, 0] and selected[0, n:].all()
