@@ -1,7 +1,7 @@
 """Which layers can skip tokens at all? A forward-only oracle over cached layer inputs (issue 27, item 1).
 
 Before training any router, measure the ceiling: for one decoder layer (or a set), skip the 30 / 50 / 70% of the
-tokens a *teacher score* rates lowest, and measure held-out perplexity relative to the dense model (routing off)
+tokens a *score* rates lowest, and measure held-out perplexity relative to the dense model (routing off)
 and a copy probe. The routing is an oracle: it sees the whole sequence and the dense block's output, which no
 causal router can, so a layer that hurts here will hurt under any router at that capacity.
 
@@ -12,7 +12,7 @@ Scores (higher = keep the token; the first token, the attention sink, is always 
   reads the previous token's block output, as in `chatapp.stt.teacher`); STT layers only;
 - `g`: the spec's gate, `PredictiveRouter.gate(D_st, D_ch)` at the end-of-training betas; STT layers only;
 - `dxf`: ‖Δx − f(norm(x))‖² per dimension: what the layer's skip predictor f fails to predict ("predict" mode's
-  teacher score, `chatapp.training.route`); with `--ranks`, one score per predictor rank;
+  update score, `chatapp.training.route`); with `--ranks`, one score per predictor rank;
 - `random`: a seeded uniform draw per layer and token, the baseline any score has to beat.
 
 Skip modes, as `chatapp.stt` defines them: "strict" (a skipped token passes unchanged and is no key in that
@@ -72,7 +72,7 @@ from chatapp.stt import STTConfig, STTForCausalLM
 from chatapp.stt.config import betas_at
 from chatapp.stt.layers import STTLayer, rms_norm, self_attention_sink
 from chatapp.stt.teacher import previous_tokens
-from chatapp.training.route import teacher_selected
+from chatapp.training.route import selected_by_score
 
 SCORES = ("dx", "tpn", "g", "dxf", "random")
 MODES = ("strict", "kv", "predict")
@@ -259,7 +259,7 @@ def routed_run(
         else:  # the stream changed below: score on what this layer actually receives
             y = layer.block(hidden, dense.cos, dense.sin, causal)
             s = layer_scores(model, index, hidden, y, (score,), predictors)[score]
-        selected = teacher_selected(s, batch.valid, plan[index])
+        selected = selected_by_score(s, batch.valid, plan[index])
         skipped += int((~selected & batch.valid).sum())
         hidden = layer.routed(hidden, dense.cos, dense.sin, selected, mode, by_layer.get(index))
     return hidden, skipped
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--more-fractions", default="", help="fractions swept for the first score on --more-layers")
     parser.add_argument("--more-layers", default="", help="the layers of --more-fractions, e.g. 0-3,9,17,25,28,29")
     parser.add_argument(
-        "--scores", default="dx", help=f"teacher scores, of {','.join(SCORES)}; the first ranks the sets"
+        "--scores", default="dx", help=f"token scores, of {','.join(SCORES)}; the first ranks the sets"
     )
     parser.add_argument("--modes", default="strict,kv", help="skip modes: strict, kv, predict")
     parser.add_argument("--ranks", default="64", help="predict mode: the predictors' ranks, each a mode of its own")

@@ -1,4 +1,4 @@
-"""Command-line options more than one command module takes (`cli.py`, `lens_command.py`), typed once."""
+"""Command-line options more than one command module takes (`cli.py`, `lens_command.py`, `commands/`), typed once."""
 
 from __future__ import annotations
 

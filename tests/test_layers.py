@@ -29,8 +29,8 @@ LEVELS: list[set[str]] = [
     {"models"},
     {"training"},  # build-time fitting (`chatapp route`); the runtime never imports it
     {"recipes"},
-    {"batch", "ui", "lens_command"},
-    {"cli_render"},  # the console's rendering of a reply: the CLI side, apart from the engine
+    {"batch", "ui", "lens_command", "commands"},  # commands: the CLI's build and look-up commands
+    {"cli_render", "cli_errors"},  # a reply's and an error's rendering on the console: the CLI side
     {"cli"},
 ]
 LEVEL = {name: level for level, names in enumerate(LEVELS) for name in names}
@@ -149,3 +149,31 @@ def test_training_code_lives_on_the_build_side() -> None:
         text = path.read_text(encoding="utf-8")
         found += [f"{path.relative_to(ROOT)}: {marker}" for marker in BUILD_ONLY if marker in text]
     assert not found, "build-time code in the runtime packages (move it to chatapp/training):\n" + "\n".join(found)
+
+
+def test_no_runtime_or_command_module_imports_a_recipe_when_it_is_imported() -> None:
+    """A recipe is how a shipped model was made: outside `chatapp/recipes` it is imported only inside the function
+    that needs it (`chatapp eval`'s held-out set), never when a module loads."""
+    eager = _imports(eager_only=True)
+    found = [
+        f"{module} -> {target}"
+        for module, targets in eager.items()
+        if _unit(module) != "recipes"
+        for target in targets
+        if _unit(target) == "recipes"
+    ]
+    assert not found, "module-level imports of a recipe:\n" + "\n".join(sorted(found))
+
+
+def test_the_route_command_never_imports_a_recipe() -> None:
+    """`chatapp route` reads its prompts as data (the set a model ships, or the user's file): nothing it imports,
+    directly or through other modules, deferred or not, is a recipe."""
+    edges = _imports()
+    seen, todo = set(), ["chatapp.commands.route"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(edges.get(module, ()))
+    assert "chatapp.training.route" in seen  # the walk follows the command's deferred imports
+    assert not [m for m in seen if _unit(m) == "recipes"], sorted(m for m in seen if _unit(m) == "recipes")

@@ -21,6 +21,9 @@ from chatapp.compute_saved import compute_saved, skip_cost
 from chatapp.stt.layers import select
 
 MODES = ("off", "teacher", "student")
+# What each mode routes by, as reports print it: "teacher" is the spec's gate g (`chatapp.stt.teacher`), which only a
+# full sequence can compute, and "student" the causal router that runs when the model is served.
+MODE_LABELS = {"off": "routing off", "teacher": "teacher gate g", "student": "router"}
 KEPT_MISSES = 8
 
 

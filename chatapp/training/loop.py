@@ -1,7 +1,7 @@
 """The STT training loop: token windows in, a trained model directory out.
 
 Input is a `TokenStream` (concatenated token ids and loss mask; how text becomes ids is the caller's business:
-`recipes.training_data` for corpus files, the tiny recipe for its synthetic corpus). The stream is cut into windows
+`training.corpus` for corpus files, the tiny recipe for its synthetic corpus). The stream is cut into windows
 that start where sequences start (`TokenStream`); every epoch visits them in a seeded permutation, and the batch of
 step s on rank r is a pure function of (seed, s, r): resuming from a checkpoint replays exactly the batches an
 uninterrupted run would have seen, and ranks never share a window (DistributedSampler-style sharding).

@@ -3,15 +3,15 @@
 Minutes on 2 CPU cores, on any chatapp model directory (a converted GGUF, a Qwen2 directory, the default model):
 
 1. Data: the model's own greedy answers (routing off, float32) to the prompts it is given (`chatapp route` gives
-   the default recipe's general questions, and tool questions when the chat format has tool markers), as whole
-   token sequences with the results the engine forced. Self-distilled text is what the model sees at run time and needs no download. A quarter is held out.
-2. One dense pass caches every layer's input. The teacher score of a token at a layer is ‖Δx‖², the block's
-   residual (the spec's D_st): the oracle (`benchmarks/stt_oracle.py`, the default model's card) found it ranks
+   the set the model's recipe ships with it, `chatapp.models.route_prompts`, or the user's `--prompts` file), as
+   whole token sequences with the results the engine forced. Self-distilled text is what the model sees at run time and needs no download. A quarter is held out.
+2. One dense pass caches every layer's input. The update score of a token at a layer is ‖Δx‖², the size of the
+   block's update to it (its residual, the spec's D_st): the oracle (`benchmarks/stt_oracle.py`, the default model's card) found it ranks
    tokens as well as the TPN error and better than the gate g, and it needs no trained part.
 3. Which layers, unless given: each layer alone skips the half of the held-out tokens with the lowest score, in the
    chosen skip mode (the oracle), and the layers whose perplexity suffers least are the candidates.
 4. Routers: each candidate's causal router is fitted from scratch on the cached dense inputs (x_t, x_{t-1}) to the
-   teacher's decision "‖Δx‖² in the upper half of its sequence" (BCE). The backbone is frozen, so an epoch is a pass
+   update score's decision "‖Δx‖² in the upper half of its sequence" (BCE). The backbone is frozen, so an epoch is a pass
    over a few MB of cached features and many epochs are cheap.
 5. Calibration, one cutoff per layer: at a share `rate`, each layer's cutoff is the `rate` quantile of its router's
    probabilities on the fit data. Student-routed held-out perplexity (relative to routing off) and a copy probe
@@ -77,7 +77,7 @@ class RouteOptions:
     predictor_rank: int = 64  # "predict" mode: the rank of each layer's skip predictor (`training.predictor`)
     budget: float = 1.10  # held-out perplexity, student routing / routing off
     rates: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6)
-    # What the model answers, each conversation's user turns (e.g. `data.route_dialogues`): the data.
+    # What the model answers, each conversation's user turns (`training.corpus.read_dialogues`): the data.
     dialogues: list[list[str]] = field(default_factory=list)
     answer_tokens: int = 128
     epochs: int = 40
@@ -146,7 +146,7 @@ class RouteReport:
     tried: list[Measure] = field(default_factory=list)
     chosen: Measure | None = None
     cutoffs: dict[int, float] = field(default_factory=dict)
-    f1: dict[int, float] = field(default_factory=dict)  # student vs teacher decisions, held out, dense stream
+    f1: dict[int, float] = field(default_factory=dict)  # router vs update-score decisions, held out, dense stream
     seconds: dict[str, float] = field(default_factory=dict)
     tune_steps: int = 0
     tuned_dense_ppl: float | None = None  # routing off, after the fine-tune (same held-out replies)
@@ -321,9 +321,9 @@ class Cached:
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def residual_score(self, layer: int, skips: Skips | None = None) -> torch.Tensor:
-        """The teacher score (B, T) of `layer`'s dense block (higher = process): ‖Δx‖² per dimension, the spec's
-        D_st; where `skips` has a predictor for the layer ("predict" mode), what it fails to predict,
+    def update_score(self, layer: int, skips: Skips | None = None) -> torch.Tensor:
+        """The update score (B, T) of `layer`'s dense block (higher = process): how much the block changes each
+        token, ‖Δx‖² per dimension, the spec's D_st; where `skips` has a predictor for the layer ("predict" mode), what it fails to predict,
         ‖Δx − f(norm(x))‖² (the spec's change surprise D_ch, with f as the transition model)."""
         x = self.inputs[layer]
         residual = self.inputs[layer + 1] - x
@@ -360,8 +360,8 @@ def dense_pass(model: STTForCausalLM, batch: Batch) -> Cached:
     return Cached(batch, inputs, cos, sin)
 
 
-def teacher_selected(score: torch.Tensor, valid: torch.Tensor, rate: float) -> torch.Tensor:
-    """The teacher's decisions (B, T): in each row of n valid tokens all but the ⌊rate·n⌋ of lowest score, never
+def selected_by_score(score: torch.Tensor, valid: torch.Tensor, rate: float) -> torch.Tensor:
+    """The decisions a score makes (B, T): in each row of n valid tokens all but the ⌊rate·n⌋ of lowest score, never
     the first (the attention sink). Padding counts as selected (it follows every valid token: it changes nothing)."""
     n = valid.sum(1)
     k = torch.minimum((rate * n).floor().long(), n - 1)
@@ -469,12 +469,12 @@ def fitted_skips(
 
 
 def single_layer_costs(held: HeldOut, layers: Sequence[int], skips: Skips, log: Log) -> dict[int, float]:
-    """Per layer: perplexity ratio with that layer alone skipping `SWEEP_RATE` of tokens by the teacher score."""
+    """Per layer: perplexity ratio with that layer alone skipping `SWEEP_RATE` of tokens by the update score."""
     costs = {}
     for layer in layers:
 
         def decide_for(c: Cached, layer: int = layer) -> dict[int, Callable]:
-            chosen = teacher_selected(c.residual_score(layer, skips), c.batch.valid, SWEEP_RATE)
+            chosen = selected_by_score(c.update_score(layer, skips), c.batch.valid, SWEEP_RATE)
             return {layer: lambda _x: chosen}
 
         costs[layer], _, _ = held.run(decide_for, skips)
@@ -526,11 +526,11 @@ def _layer_of(name: str) -> int | None:
 def fit_router(
     router: CausalRouter, fit: Sequence[Cached], layer: int, options: RouteOptions, skips: Skips
 ) -> float:
-    """Fit `router` to the teacher's decisions at `layer` on the cached dense inputs; returns the final loss."""
+    """Fit `router` to the update score's decisions at `layer` on the cached dense inputs; returns the final loss."""
     currents, previouses, targets = [], [], []
     for c in fit:
         x, valid = c.inputs[layer], c.batch.valid
-        target = teacher_selected(c.residual_score(layer, skips), valid, 0.5)
+        target = selected_by_score(c.update_score(layer, skips), valid, 0.5)
         currents.append(x[valid])
         previouses.append(previous_tokens(x)[valid])
         targets.append(target[valid].float())
@@ -565,17 +565,17 @@ def fit_probs(model: STTForCausalLM, fit: Sequence[Cached], layer: int) -> torch
 
 
 def f1_score(model: STTForCausalLM, held: HeldOut, layer: int, cutoff: float, skips: Skips) -> float:
-    """Student (router >= cutoff) vs teacher (the upper half by ‖Δx‖²) decisions, dense held-out stream."""
+    """Router (probability >= cutoff) vs update-score (the upper half by ‖Δx‖²) decisions, dense held-out stream."""
     true_pos = predicted = actual = 0
     block = model.model.layers[layer]
     with torch.no_grad():
         for c in held.cached:
             valid = c.batch.valid
             student = select(router_probs(block, c.inputs[layer], previous_tokens(c.inputs[layer])), cutoff) & valid
-            teacher = teacher_selected(c.residual_score(layer, skips), valid, 0.5) & valid
-            true_pos += int((student & teacher).sum())
+            target = selected_by_score(c.update_score(layer, skips), valid, 0.5) & valid
+            true_pos += int((student & target).sum())
             predicted += int(student.sum())
-            actual += int(teacher.sum())
+            actual += int(target.sum())
     return 2 * true_pos / max(predicted + actual, 1)
 
 
@@ -642,7 +642,7 @@ def route(
     adapters: Adapters = {}
     if options.tune.steps:
         # The backbone learns to tolerate these routers' skips; then everything downstream of the weights (the
-        # dense passes, the teacher, the routers) is measured again on the tuned backbone, and routed runs are
+        # dense passes, the update scores, the routers) is measured again on the tuned backbone, and routed runs are
         # compared with the untuned model's dense perplexity, so that what the tune cost counts.
         clock = time.perf_counter()
         checkpoint = None

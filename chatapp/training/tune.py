@@ -1,7 +1,7 @@
 """Fine-tune a backbone to tolerate its own routing: LoRA trained with the routers' skips in the loop (issue 27).
 
 The frozen-backbone fit (`chatapp.training.route`) found that most of what skipping costs is the backbone's, not the
-router's: even the teacher's own choice of tokens costs ~14% perplexity at 30% skipped in seven layers of the default
+router's: even the update score's own choice of tokens costs ~14% perplexity at 30% skipped in seven layers of the default
 model. So the backbone learns to do without the skipped work:
 
 - The student is the model with its routers deciding, in the skip mode it will run (in "kv" mode a skipped token's

@@ -31,7 +31,7 @@ from chatapp.models.registry import tiny_model_dir
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["--layers", "3", "--prompts", "8", "--answer-tokens", "8"]  # a route of the tiny model in ~2 s
+FAST = ["--layers", "3", "--conversations", "8", "--answer-tokens", "8"]  # a route of the tiny model in ~2 s
 _NO_OVERRIDE = ["--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
 
 
@@ -183,8 +183,8 @@ def test_2_a_built_in_model_is_never_an_output(tmp_path: Path, no_work) -> None:
         (["--budget", "0.5"], "--budget"),
         (["--skip-mode", "sometimes"], "not a skip mode"),
         (["--max-layers", "0"], "--max-layers"),
-        (["--prompts", "7"], "--prompts"),
-        (["--prompts", "100000"], "--prompts"),
+        (["--conversations", "7"], "--conversations"),
+        (["--conversations", "100000"], "--conversations"),
         (["--answer-tokens", "7"], "--answer-tokens"),
         (["--answer-tokens", "100000000"], "--answer-tokens must be between 8 and 256"),
         (["--tune-steps", "-1"], "--tune-steps"),

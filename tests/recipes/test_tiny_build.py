@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from chatapp.models.loader import load_model
-from chatapp.recipes.tiny.build import SPECIAL_TOKENS, Metrics, Recipe, main, targets
+from chatapp.models.registry import tiny_model_dir
+from chatapp.models.route_prompts import route_prompts_file
+from chatapp.recipes.tiny.build import SPECIAL_TOKENS, Metrics, Recipe, main, route_prompt_set, targets
+from chatapp.training.corpus import read_dialogues
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +26,7 @@ def test_build_writes_a_loadable_model_dir(built: Path) -> None:
         "MODEL_CARD.md",
         "config.json",
         "model.safetensors",
+        "route_prompts.jsonl",
         "tokenizer.json",
     ]
     assert all(p.stat().st_mode & 0o444 == 0o444 for p in built.iterdir())  # shipped files are world-readable
@@ -38,8 +42,15 @@ def test_build_writes_a_loadable_model_dir(built: Path) -> None:
 def test_build_is_reproducible(built: Path, tmp_path: Path) -> None:
     again = tmp_path / "again"
     assert main(["--quick", "--out", str(again)]) == 0
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "route_prompts.jsonl"):
         assert (again / name).read_bytes() == (built / name).read_bytes(), name
+
+
+def test_the_shipped_prompt_set_is_the_one_the_recipe_writes(built: Path) -> None:
+    """`chatapp route tiny` asks the model its own training split's questions: the build writes them beside the
+    weights, and the shipped model's file is the full recipe's."""
+    assert read_dialogues(route_prompts_file(built)) == route_prompt_set(Recipe().quick())
+    assert read_dialogues(route_prompts_file(tiny_model_dir())) == route_prompt_set(Recipe())
 
 
 def test_another_seed_builds_another_model(built: Path, tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
-"""A tiny Qwen2 GGUF converted as a user would (`chatapp convert`), for the routing fit and its fine-tune."""
+"""A tiny Qwen2 GGUF converted as a user would (`chatapp convert`), for the routing fit and its fine-tune, and the
+user's prompts file such a model (no recipe made it) is routed on."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,27 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = CliRunner().invoke(app, ["convert", str(tiny.path), str(folder / "model")])
     assert result.exit_code == 0, result.output
     return folder / "model"
+
+
+ROUTE_PROMPTS = [
+    ["Hello! How are you today?"],
+    ["What is the capital of France?"],
+    ["Give me three tips for sleeping well."],
+    ["Why is the sky blue?"],
+    ["Write a short poem about the sea."],
+    ["How do I boil an egg?"],
+    ["My cat is called Tom.", "What is a good name for a dog?", "What is my cat called?"],
+    ["I was born in 1990.", "How many legs does a spider have?", "In which year was I born?"],
+]
+
+
+@pytest.fixture(scope="module")
+def route_prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Eight conversations as a user writes them for `chatapp route --prompts` (two that recall a fact)."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    lines = [{"messages": [{"role": "user", "content": turn} for turn in turns]} for turns in ROUTE_PROMPTS]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    return path
 
 
 def tiny_stt(vocab_size: int, stt_layers: list[int], **overrides) -> STTForCausalLM:

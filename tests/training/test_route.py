@@ -6,24 +6,35 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from chatapp.cli import app
+from chatapp.commands.route import route_dialogues
+from chatapp.models.registry import tiny_model_dir
+from chatapp.models.route_prompts import route_prompts_file
+from chatapp.models.smollm2 import PARTS_DIR, PREPARED_STAMP
 from chatapp.stt import STTConfig
 from chatapp.stt.layers import CausalRouter, router_probs, select
-from chatapp.training.route import fold_cutoff, teacher_selected, with_routed_layers
-from tests.training.conftest import tiny_stt
+from chatapp.training.corpus import read_dialogues
+from chatapp.training.route import fold_cutoff, selected_by_score, with_routed_layers
+from tests.training.conftest import ROUTE_PROMPTS, tiny_stt
 
 runner = CliRunner()
 
 
-def test_route_a_converted_gguf_then_it_skips(converted: Path, tmp_path: Path) -> None:
-    """convert -> route -> the model loads with trained routers in kv mode, and a reply skips tokens."""
+def _fast(converted: Path, out: Path, prompts: Path) -> list[str]:
+    return ["route", str(converted), "--out", str(out), "--prompts", str(prompts), "--answer-tokens", "12", "--budget", "1e9"]
+
+
+def test_route_a_converted_gguf_then_it_skips(converted: Path, route_prompts: Path, tmp_path: Path) -> None:
+    """convert -> route on the user's prompts -> the model loads with trained routers in kv mode, and a reply
+    skips tokens."""
     out = tmp_path / "routed"
-    args = ["route", str(converted), "--out", str(out), "--prompts", "8", "--answer-tokens", "12", "--budget", "1e9"]
+    args = _fast(converted, out, route_prompts)
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in result.output
@@ -45,11 +56,11 @@ def test_route_a_converted_gguf_then_it_skips(converted: Path, tmp_path: Path) -
     assert decisions and not all(decisions), "a budget of 1e9 routes at the highest rate: some tokens must skip"
 
 
-def test_route_a_converted_gguf_in_predict_mode(converted: Path, tmp_path: Path) -> None:
+def test_route_a_converted_gguf_in_predict_mode(converted: Path, route_prompts: Path, tmp_path: Path) -> None:
     """convert -> route --skip-mode predict -> skipped tokens carry fitted predictors' updates, and the model
     serves them in every path (the served int8 model decodes through the C step)."""
     out = tmp_path / "predict"
-    args = ["route", str(converted), "--out", str(out), "--prompts", "8", "--answer-tokens", "12", "--budget", "1e9"]
+    args = _fast(converted, out, route_prompts)
     result = runner.invoke(app, [*args, "--skip-mode", "predict"])
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
@@ -87,6 +98,98 @@ def test_route_rejects_bad_options(converted: Path, tmp_path: Path) -> None:
     assert result.exit_code == 1 and "does not exist" in result.output
 
 
+def test_route_the_tiny_model_on_the_users_prompts(route_prompts: Path, tmp_path: Path) -> None:
+    """`--prompts FILE`: the model answers the file's user turns (every conversation, none of its own set's), and
+    the fit they make is written."""
+    from tokenizers import Tokenizer
+
+    from chatapp.settings import data_dir
+
+    out = tmp_path / "routed"
+    args = ["route", "tiny", "--out", str(out), "--prompts", str(route_prompts), "--layers", "3", "--answer-tokens", "8"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in result.output and (out / "routing.json").is_file()
+    # The replies the fit learned from (cached by what they depend on): one per conversation of the file.
+    (cache,) = (data_dir() / "routing-data").glob("*.json")
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir() / "tokenizer.json"))
+    texts = [tokenizer.decode(c["ids"]) for c in json.loads(cache.read_text())]
+    assert len(texts) == len(ROUTE_PROMPTS)
+    for turns in ROUTE_PROMPTS:
+        assert sum(all(turn in text for turn in turns) for text in texts) == 1, turns
+
+
+def test_each_built_in_model_ships_its_prompt_set(tmp_path: Path) -> None:
+    """The tiny model's set is in its directory; the default model's in its parts, for a prepared model or a copy;
+    a model no recipe made has none."""
+    tiny = route_prompts_file(tiny_model_dir())
+    assert tiny == tiny_model_dir() / "route_prompts.jsonl" and len(read_dialogues(tiny)) >= 96
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    assert route_prompts_file(prepared) is None
+    (prepared / PREPARED_STAMP).write_text("{}\n")
+    shipped = route_prompts_file(prepared)
+    assert shipped == PARTS_DIR / "route_prompts.jsonl"
+    dialogues = read_dialogues(shipped)
+    assert len(dialogues) >= 96 and any(len(turns) == 3 for turns in dialogues)  # recall conversations too
+
+
+def test_the_conversations_are_drawn_by_the_seed(route_prompts: Path) -> None:
+    everything = route_dialogues("tiny", tiny_model_dir(), None, 4096, 0)
+    assert everything == read_dialogues(tiny_model_dir() / "route_prompts.jsonl")
+    drawn = route_dialogues("tiny", tiny_model_dir(), None, 96, 0)
+    assert len(drawn) == 96 and all(d in everything for d in drawn)
+    assert drawn == route_dialogues("tiny", tiny_model_dir(), None, 96, 0) != route_dialogues(
+        "tiny", tiny_model_dir(), None, 96, 1
+    )
+    assert route_dialogues("tiny", tiny_model_dir(), str(route_prompts), 96, 0) == ROUTE_PROMPTS
+
+
+def _conversations(*turns: object) -> str:
+    return "".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in turns)
+
+
+PROMPT_FILES = {
+    "missing": (None, "does not exist"),
+    "empty": ("\n\n", "holds no conversations"),
+    "bad-json": (_conversations("hi") + "{not json\n", ":2: not valid JSON"),
+    "no-messages": ('{"prompt": "hi"}\n', ":1: expected an object with a 'messages' list"),
+    "no-user-turn": ('{"messages": [{"role": "assistant", "content": "hi"}]}\n', ":1: the conversation has no user"),
+    "not-text": (_conversations("hi", ["a", "list"]), ":2: a user turn is not text"),
+    "too-few": (_conversations("one", "two", "three"), "holds 3 conversations; a routing fit needs at least 8"),
+    "not-utf8": (b"\xff\xfe\n", "not valid UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROMPT_FILES))
+def test_a_bad_prompts_file_is_one_error_and_fix_before_loading(case: str, tmp_path: Path, monkeypatch) -> None:
+    import chatapp.models
+
+    monkeypatch.setattr(chatapp.models, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    content, message = PROMPT_FILES[case]
+    path = tmp_path / "prompts.jsonl"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content, encoding="utf-8")
+    result = runner.invoke(app, ["route", "tiny", "--out", str(tmp_path / "x"), "--prompts", str(path)])
+    assert result.exit_code == 1, result.output
+    assert message in result.output and str(path) in " ".join(result.output.split())
+    assert result.output.count("error:") == 1 and result.output.count("fix:") == 1, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "x").exists()
+
+
+def test_a_model_without_a_prompt_set_asks_for_one(converted: Path, tmp_path: Path, monkeypatch) -> None:
+    import chatapp.models
+
+    monkeypatch.setattr(chatapp.models, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    result = runner.invoke(app, ["route", str(converted), "--out", str(tmp_path / "x")])
+    assert result.exit_code == 1, result.output
+    output = " ".join(result.output.split())
+    assert "has no prompt set of its own" in output and "--prompts prompts.jsonl" in output
+    assert "Traceback" not in result.output
+
+
 @given(st.floats(1e-4, 1 - 1e-4), st.lists(st.floats(-30, 30), min_size=1, max_size=64))
 def test_folded_cutoff_decides_as_the_cutoff(cutoff: float, logits: list[float]) -> None:
     """After folding, probability >= 0.5 exactly where the raw probability was >= the cutoff (away from ties)."""
@@ -118,12 +221,12 @@ def test_fold_cutoff_shifts_the_router_bias() -> None:
 
 
 @given(st.integers(1, 40), st.floats(0.0, 0.95), st.integers(0, 2**31))
-def test_teacher_skips_the_lowest_scores_never_the_first(n: int, rate: float, seed: int) -> None:
+def test_a_score_skips_the_lowest_scores_never_the_first(n: int, rate: float, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     score = torch.rand(1, n + 3, generator=generator)
     valid = torch.zeros(1, n + 3, dtype=torch.bool)
     valid[0, :n] = True
-    selected = teacher_selected(score, valid, rate)
+    selected = selected_by_score(score, valid, rate)
     skipped = (~selected)[0, :n]
     assert int(skipped.sum()) == min(math.floor(rate * n), n - 1)
     assert selected[0, 0] and selected[0, n:].all()

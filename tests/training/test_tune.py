@@ -141,9 +141,11 @@ def test_combined_adapters_apply_both(r1: int, r2: int, seed: int) -> None:
     assert set(combined) == {"m", "only_first", "only_second"}
 
 
-def test_route_with_tune_steps_writes_a_tuned_model_int4_can_serve(converted: Path, tmp_path: Path) -> None:
+def test_route_with_tune_steps_writes_a_tuned_model_int4_can_serve(
+    converted: Path, route_prompts: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "tuned"
-    args = ["route", str(converted), "--out", str(out), "--prompts", "8", "--answer-tokens", "12"]
+    args = ["route", str(converted), "--out", str(out), "--prompts", str(route_prompts), "--answer-tokens", "12"]
     result = runner.invoke(app, [*args, "--budget", "1e9", "--layers", "1", "--tune-steps", "3"])
     assert result.exit_code == 0, result.output
     assert "backbone tuned 3 steps" in result.output

@@ -11,7 +11,8 @@ Stages, each resumable from what it left in `--work` (a killed run picks up wher
    conversations with every layer dense; phase B trains the STT routers and transition networks with the teacher
    (docs/stt.md §3.1, §5) and the gated second pass, so the adapters learn to tolerate the skips
    (`chatapp.recipes.smollm2.train`).
-4. `export`: only what training changed (adapters, token rows, routers) into `chatapp/models/smollm2/`.
+4. `export`: only what training changed (adapters, token rows, routers) into `chatapp/models/smollm2_parts/`, and the
+   prompt set `chatapp route default` fits on (`write_route_prompts`).
 5. `route` (only when asked): the routing refitted with the backbone frozen (`chatapp.training.route`, what
    `chatapp route` runs), exported over phase B's routers. Measured and not shipped (model card, "Routing fit").
 6. `eval`: the held-out metrics of the model card (`chatapp.recipes.smollm2.evaluate`).
@@ -117,6 +118,23 @@ def stage_route(work: Path) -> None:
     ensure_prepared()
 
 
+ROUTE_PROMPTS = 512  # conversations of the shipped prompt set (a route draws 96 by default); at 1024 the distinct
+# general prompts run out and the recall quarter shrinks
+
+
+def write_route_prompts() -> Path:
+    """Ship the prompts `chatapp route default` has the model answer (`chatapp.models.route_prompts`) with the parts:
+    general questions, a third tool questions and a quarter recall conversations (`data.route_dialogues`)."""
+    from chatapp.models.route_prompts import ROUTE_PROMPTS_FILE
+    from chatapp.models.smollm2 import PARTS_DIR
+    from chatapp.training.corpus import write_dialogues
+
+    path = PARTS_DIR / ROUTE_PROMPTS_FILE
+    write_dialogues(path, data.route_dialogues(ROUTE_PROMPTS, 0, tools=True))
+    path.chmod(0o644)  # a shipped file, not a private temporary one
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="runs/smollm2", help="working directory (resumable)")
@@ -146,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         train.export(work, base, log=log)
         train.calibrate(work, ensure_prepared(), general, seed=args.seed, log=log)
         train.export(work, base, log=log)
+        write_route_prompts()
         ensure_prepared()
     if args.stage == "route":  # measured, not shipped: it cost tool and recall accuracy (model card, "Routing fit")
         stage_route(work)

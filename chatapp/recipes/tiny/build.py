@@ -17,12 +17,17 @@ from typing import Any
 
 from chatapp import store
 from chatapp.models.registry import tiny_model_dir
+from chatapp.models.route_prompts import ROUTE_PROMPTS_FILE
 from chatapp.recipes.tiny.corpus import THINK_CLOSE, THINK_OPEN, Conversation, conversation_text, generate_corpus
 from chatapp.recipes.tiny.tokenizer import CHAT_SPECIAL_TOKENS, train_bpe_tokenizer
+from chatapp.training.corpus import write_dialogues
 
 SPECIAL_TOKENS: tuple[str, ...] = (*CHAT_SPECIAL_TOKENS, THINK_OPEN, THINK_CLOSE)
 # The first line of MODEL_CARD.md: how a model directory says the tiny recipe made it (`recipes.heldout.recipe_of`).
 CARD_TITLE = "# chatapp tiny model"
+# Conversations of the prompt set the model ships for `chatapp route` (`chatapp.models.route_prompts`): a route
+# draws 96 of them by default, up to all.
+ROUTE_PROMPTS = 512
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,13 @@ def build_corpus(recipe: Recipe):
     corpus = generate_corpus(recipe.train_conversations, "train", recipe.seed, word_pieces=letter_pieces(tokenizer))
     heldout = generate_corpus(recipe.heldout_conversations, "heldout", recipe.seed)
     return corpus, tokenizer, heldout
+
+
+def route_prompt_set(recipe: Recipe) -> list[list[str]]:
+    """The user turns of the first `ROUTE_PROMPTS` conversations of the training split (the held-out split stays
+    unseen for the evaluation): what `chatapp route tiny` has the model answer."""
+    conversations = generate_corpus(ROUTE_PROMPTS, "train", recipe.seed)
+    return [[m["content"] for m in c.messages if m["role"] == "user"] for c in conversations]
 
 
 def build_config(recipe: Recipe, vocab_size: int):
@@ -323,6 +335,7 @@ def _build(recipe: Recipe, out_dir: Path, log) -> Metrics:
         metrics = evaluate_model_dir(staging, heldout, log)
         card = model_card(recipe, metrics, train_seconds, time.perf_counter() - started, tokenizer.get_vocab_size())
         (staging / "MODEL_CARD.md").write_text(card, encoding="utf-8")
+        write_dialogues(staging / ROUTE_PROMPTS_FILE, route_prompt_set(recipe))
         _make_readable(staging)
     log(f"wrote {out_dir} in {time.perf_counter() - started:.0f}s")
     return metrics

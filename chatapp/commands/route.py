@@ -1,0 +1,163 @@
+"""`chatapp route MODEL`: fit a model's STT routing (`chatapp.training.route`) and write the routed model.
+
+The fit has the model answer a set of prompts: the set its recipe registered with it (`chatapp.models.route_prompts`)
+or the user's own `--prompts FILE.jsonl`. This command reads prompts as data and never imports a recipe: any model
+directory routes the same way, and a model no recipe made (a converted GGUF) only needs a prompts file.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+
+from chatapp.errors import TrainingError
+
+if TYPE_CHECKING:
+    from chatapp.training.corpus import Dialogue
+
+err_console = Console(stderr=True, highlight=False)
+MIN_CONVERSATIONS = 8  # a quarter is held out to calibrate on: fewer leaves too little to measure
+MAX_CONVERSATIONS = 4096  # every conversation's layer inputs are cached for the fit: bounded memory
+
+
+def _layer_list(value: str | None) -> list[int] | None:
+    """`--layers`: a comma-separated list of layer indices, or None (whether each exists is `RouteOptions.check`)."""
+    if value is None:
+        return None
+    try:
+        return list(dict.fromkeys(int(part) for part in value.split(",") if part.strip()))
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a comma-separated list of layer numbers (e.g. 3,4,5)") from None
+
+
+def route_dialogues(model: str, model_dir: Path, prompts: str | None, count: int, seed: int) -> list[Dialogue]:
+    """The conversations the fit has the model answer: `count` of the `--prompts` file's, else of the set the
+    model's recipe registered, drawn by `seed` (all of them when the set is smaller); `TrainingError` when there is
+    no set, or it is too small to hold a quarter out."""
+    from chatapp.models.route_prompts import route_prompts_file
+    from chatapp.training.corpus import read_dialogues
+
+    example = f"chatapp route {model} --prompts prompts.jsonl"
+    if prompts is not None:
+        source, dialogues = prompts, read_dialogues(prompts)
+    elif (registered := route_prompts_file(model_dir)) is not None:
+        source, dialogues = str(registered), read_dialogues(registered, "prompt set")
+    else:
+        raise TrainingError(
+            f"{model_dir} has no prompt set of its own to fit routing on (no chatapp recipe made it)",
+            hint=f'pass conversations to fit on: `{example}`, one {{"messages": [...]}} per line (the user turns '
+            "are asked; the model writes the replies)",
+        )
+    if len(dialogues) < MIN_CONVERSATIONS:
+        raise TrainingError(
+            f"{source} holds {len(dialogues)} conversations; a routing fit needs at least {MIN_CONVERSATIONS} "
+            "(a quarter is held out to calibrate on)",
+            hint=f"add conversations to {source}",
+        )
+    if count >= len(dialogues):
+        return dialogues
+    return random.Random(seed).sample(dialogues, count)
+
+
+def route(
+    model: Annotated[str, typer.Argument(help="The model to route: a name (default, tiny) or a model directory.")],
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out",
+            help="Write the routed model here: a new or empty directory, or one chatapp wrote (default: a new routed "
+            "copy MODEL-routed in the data directory, listed by `chatapp models`).",
+        ),
+    ] = None,
+    layers: Annotated[
+        str | None,
+        typer.Option(
+            "--layers",
+            help="Candidate layers, cheapest first, e.g. 4,6,3 (default: chosen by measuring each layer alone).",
+        ),
+    ] = None,
+    max_layers: Annotated[int, typer.Option("--max-layers", min=1, help="At most this many routed layers.")] = 12,
+    skip_mode: Annotated[
+        str, typer.Option("--skip-mode", help="kv: a skipped token still writes its K/V; strict: the spec's mode.")
+    ] = "kv",
+    budget: Annotated[
+        float, typer.Option("--budget", min=1.0, help="Held-out perplexity allowed, routed / routing off.")
+    ] = 1.10,
+    prompts: Annotated[
+        str | None,
+        typer.Option(
+            "--prompts",
+            metavar="FILE.jsonl",
+            help='Conversations the model answers to fit and measure on: one {"messages": [...]} per line, as '
+            "`chatapp train` reads (the user turns are asked; the model writes the replies). Default: the set the "
+            "model's recipe ships with it; needed for a model without one (e.g. one `chatapp convert` wrote).",
+        ),
+    ] = None,
+    conversations: Annotated[
+        int,
+        typer.Option(
+            "--conversations",
+            min=MIN_CONVERSATIONS,
+            max=MAX_CONVERSATIONS,
+            help="How many of the prompt set's conversations to use, drawn by --seed (all when it holds fewer).",
+        ),
+    ] = 96,
+    answer_tokens: Annotated[int, typer.Option("--answer-tokens", min=8, help="Tokens per reply.")] = 128,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the conversations drawn and of the fit.")] = 0,
+    tune_steps: Annotated[
+        int,
+        typer.Option(
+            "--tune-steps",
+            min=0,
+            help="Fine-tune the model (LoRA) this many steps to tolerate its routing before the routers are fitted "
+            "again and calibrated (~10 s a step on 2 CPU cores; resumable). 0: the weights stay frozen.",
+        ),
+    ] = 0,
+) -> None:
+    """Fit the STT routing of a model and calibrate one cutoff per layer on held-out perplexity and a copy probe
+    (minutes on a CPU, the weights frozen; --tune-steps fine-tunes them to the routing too). Works on any model
+    directory, e.g. one `chatapp convert` wrote; the model itself is never rewritten unless --out names it."""
+    from dataclasses import replace
+
+    from chatapp.models import load_model, resolve_model
+    from chatapp.models.loader import check_model_dir
+    from chatapp.models.registry import check_model_output, new_routed_copy
+    from chatapp.settings import data_dir, locks_dir
+    from chatapp.training.route import RouteOptions, write_routed
+    from chatapp.training.route import route as fit_routing
+    from chatapp.training.tune import TuneOptions
+
+    # Every option, the model directory, the prompts and the output are checked before the model loads (and the
+    # fit's minutes).
+    options = RouteOptions(
+        layers=_layer_list(layers),
+        max_layers=max_layers,
+        skip_mode=skip_mode,
+        budget=budget,
+        answer_tokens=answer_tokens,
+        seed=seed,
+        tune=TuneOptions(steps=tune_steps),
+    )
+    source = resolve_model(model)
+    config = check_model_dir(source)
+    layer_count, context = config.get("num_hidden_layers"), config.get("max_position_embeddings")
+    if isinstance(layer_count, int) and isinstance(context, int):  # else loading names what is wrong with it
+        options.check(layer_count, context)
+    target = Path(out).expanduser() if out is not None else new_routed_copy(model, source)
+    check_model_output(target, "--out directory" if out is not None else "routed copy")
+    options = replace(options, dialogues=route_dialogues(model, source, prompts, conversations, seed))
+    locks = locks_dir()
+
+    loaded = load_model(source, dtype="float32")  # the fit reads the model's own activations, not a lossy format's
+    log = lambda line: err_console.print(f"[dim]{line}[/dim]")  # noqa: E731
+    # The replies the fit learns from are written by the model as it is served (its default format).
+    speaker = load_model(source)
+    routed = fit_routing(loaded, options, log, cache_dir=data_dir() / "routing-data", speaker=speaker)
+    write_routed(routed, source, target, locks)
+    typer.echo(f"{routed.report.summary()}\nwrote {target}")
+    if out is None:
+        typer.echo(f"a routed copy of {model}: run it with --model {target.name} (`chatapp models` lists it)")

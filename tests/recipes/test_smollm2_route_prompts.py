@@ -1,0 +1,19 @@
+"""The prompt set the default model ships for `chatapp route default` is the one its recipe writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from chatapp.models.route_prompts import ROUTE_PROMPTS_FILE
+from chatapp.models.smollm2 import PARTS_DIR
+from chatapp.recipes.smollm2 import build, data
+from chatapp.training.corpus import read_dialogues, write_dialogues
+
+
+def test_the_shipped_set_is_the_recipes(tmp_path: Path) -> None:
+    expected = data.route_dialogues(build.ROUTE_PROMPTS, 0, tools=True)
+    assert read_dialogues(PARTS_DIR / ROUTE_PROMPTS_FILE) == expected
+    recall = [turns for turns in expected if len(turns) == 3]
+    assert len(recall) == build.ROUTE_PROMPTS // 4  # a quarter recall a fact two turns back
+    write_dialogues(tmp_path / "again.jsonl", expected)
+    assert (tmp_path / "again.jsonl").read_bytes() == (PARTS_DIR / ROUTE_PROMPTS_FILE).read_bytes()
