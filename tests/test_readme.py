@@ -119,3 +119,28 @@ def test_readme_example(example: Example, default_model_home: Path, tmp_path: Pa
     for shown in example.shown:
         pattern = shown_pattern(shown)
         assert any(pattern.search(line) for line in lines), f"{example.id}: no line like {shown!r} in\n{output}"
+
+
+LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lowercased, punctuation dropped (not `-` or `_`), spaces to `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    return {_anchor(line.lstrip("#")) for line in path.read_text(encoding="utf-8").splitlines() if line.startswith("#")}
+
+
+@pytest.mark.parametrize("page", [README, *sorted((REPO / "docs").glob("*.md"))], ids=lambda page: page.name)
+def test_links_point_at_files_and_headings_that_exist(page: Path) -> None:
+    for match in LINK.finditer(page.read_text(encoding="utf-8")):
+        target = match["target"]
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        assert resolved.exists(), f"{page.name}: link to {target}: no such file"
+        if anchor:
+            assert anchor in _anchors(resolved), f"{page.name}: link to {target}: no such heading"
