@@ -1,5 +1,5 @@
 """TTFA step cost: the batched on-device automaton against a host-side per-row automaton, and its share of a
-decode step of a model of the default model's shape.
+decode step of a model of the tiny model's shape.
 
 The host-side side is how vLLM's think-budget logits processor works: copy the sampled tokens to the host, run a
 Python state machine per row, copy the result back. The batched side is `Automaton.step` (gathers, no host sync).
@@ -25,12 +25,12 @@ ROUNDS = 3
 
 
 def model_config():
-    """The default model's shape (its build recipe), or a comparable STT shape if that recipe is not there."""
+    """The tiny model's shape (its build recipe), or a comparable STT shape if that recipe is not there."""
     try:
         from chatapp.recipes.tiny.build import Recipe, build_config
 
         recipe = Recipe()
-        return build_config(recipe, vocab_size=recipe.vocab_size), "default recipe"
+        return build_config(recipe, vocab_size=recipe.vocab_size), "tiny recipe"
     except ImportError:
         from chatapp.stt import STTConfig
 

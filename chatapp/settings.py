@@ -144,7 +144,7 @@ def _home_override() -> Path | None:
 
 
 def config_dir() -> Path:
-    """Directory for user configuration (settings.toml, user TTFA programs)."""
+    """Directory for user configuration (shown by `chatapp info` and the TUI's help; nothing is read from it yet)."""
     if (home := _home_override()) is not None:
         return home / "config"
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")

