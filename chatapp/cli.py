@@ -44,9 +44,8 @@ CompileOption = Annotated[
     bool | None,
     typer.Option(
         "--compile/--no-compile",
-        help="Use the compiled decode step before the first token: the one saved for this machine, or compile and "
-        "save it (needs g++; 20-60 s once; loading a saved one takes ~4 s, for ~1.8x faster decoding). "
-        "--no-compile: eager. Default: $CHATAPP_COMPILE, else eager for one reply, a saved step for a batch.",
+        help="CUDA: compile the decode step (torch.compile) before the first token. On a CPU the step is one "
+        "native call (int8) or eager, never compiled. Default: $CHATAPP_COMPILE, else no.",
     ),
 ]
 ProgramOption = Annotated[

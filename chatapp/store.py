@@ -1,5 +1,5 @@
-"""Everything the app writes under its data directory (prepared models, the compiled-step store, converted models,
-stored served formats) is written here, and read back through the checks here.
+"""Everything the app writes under its data directory (prepared models, converted and routed models, stored
+served formats) is written here, and read back through the checks here.
 
 A target (a directory) is built in a staging directory beside it and renamed into place, so a reader sees either
 no target or a whole one; a completeness stamp inside it says so. Writers of one target take a lock on a lock file

@@ -82,8 +82,12 @@ def route(
     ] = None,
     max_layers: Annotated[int, typer.Option("--max-layers", min=1, help="At most this many routed layers.")] = 12,
     skip_mode: Annotated[
-        str, typer.Option("--skip-mode", help="kv: a skipped token still writes its K/V; predict: K/V plus a fitted predicted update; "
-            "strict: the spec's mode.")
+        str,
+        typer.Option(
+            "--skip-mode",
+            help="kv: a skipped token still writes its K/V; predict: K/V plus a fitted predicted update; "
+            "strict: the spec's mode.",
+        ),
     ] = "kv",
     budget: Annotated[
         float, typer.Option("--budget", min=1.0, help="Held-out perplexity allowed, routed / routing off.")

@@ -12,9 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,14 +26,13 @@ if TYPE_CHECKING:
     from chatapp.chat import AnyChatFormat
     from chatapp.engine.engine import Engine
     from chatapp.stt import STTForCausalLM, served
-    from chatapp.stt.decode import DecodeSteps
 
 # The weight format when no `dtype` is passed (a `--dtype` option wins over it): auto, float32, bfloat16, int8.
 DTYPE_ENV = "CHATAPP_DTYPE"
 # torch's CPU thread count for generation (see `configure_threads`).
 THREADS_ENV = "CHATAPP_THREADS"
-# "1" compiles the decode step (`chatapp.stt.decode.compile_decode`) at load when no `compile` argument says
-# otherwise; "0" never compiles it, not even in the background (`wants_compiled_step`).
+# "1" compiles the CUDA decode step (`chatapp.stt.decode.compile_decode`) at load when no `compile` argument says
+# otherwise.
 COMPILE_ENV = "CHATAPP_COMPILE"
 
 
@@ -93,16 +89,10 @@ def load_model(
     `dtype` is the weight format (`chatapp.stt.weights`): "float32", "bfloat16", "int8" or "int4"; None or "auto" takes
     `$CHATAPP_DTYPE` when set, else the per-device default (`stt.weights.default_format`, by the checkpoint's size).
     A quantized format is read from its stored served format (`_served_model`), converted from the float32 weights
-    and stored the first time. An int8 model on a CPU decodes each step in one native call (`stt.cpu_step`), from its
-    first token and with nothing to compile. `compile` (None: `$CHATAPP_COMPILE`, else no) compiles the torch decode
-    step now (for int8, the batches the native step does not take): the one saved for this machine, or compiled and
-    saved. Otherwise the model decodes eagerly; the TUI switches an int4 model to the compiled step in the
-    background (`compile_in_background`).
-
-    Loading a saved step costs ~4 s (deserializing torch's compiled graphs and their kernels) and 120 MB, for
-    batch-1 decode ~1.8x as fast. Measured on the default model (README, start-up): `chatapp generate` of 1 token
-    7.4 s with it, 2.5 s without; of 128 tokens 9.0 s and 5.5 s; `chatapp batch` of 32 x 128 tokens 22-24 s and
-    20-22 s (batched decode gains little from it). So a command decodes eagerly unless asked.
+    and stored the first time. What the decode step runs is the model's `DecodeRuntime`, filled in here, one path
+    per device: an int8 model on a CPU decodes every batch in one native call a step (`stt.cpu_step`), from its
+    first token and with nothing to compile; other CPU formats run the torch step eagerly; on CUDA `compile` (None:
+    `$CHATAPP_COMPILE`, else no) compiles the torch step's blocks first.
     """
     import torch
 
@@ -289,157 +279,26 @@ def env_flag(name: str) -> bool:
     raise ModelDirError(f"{name}={os.environ[name]!r} is not a yes/no value", hint=f"set {name}=1 or {name}=0")
 
 
-def wants_compiled_step(model: STTForCausalLM) -> bool:
-    """Whether `model` should decode with the compiled step unasked: unless `$CHATAPP_COMPILE` says either way (1
-    compiles at load, 0 never), for a model in a quantized format on a CPU, where the compiled step measured ~1.5x
-    faster than eager at batch 1 (README). Only the TUI's engine, which lives long, switches to it unasked, in the
-    background (`compile_in_background`: the saved one, or compiled and saved, 20-60 s on 2 cores); a command
-    decodes eagerly unless `--compile` asks (loading a saved step costs more than one reply gains)."""
-    from chatapp.stt.weights import weight_format
-
-    if os.environ.get(COMPILE_ENV, "").strip() or model.kernel_step is not None:
-        return False  # asked either way, or decoding in one kernel call already (int8 on a CPU: `stt.cpu_step`)
-    return model.device.type == "cpu" and weight_format(model) in ("int8", "int4")
-
-
-def compiled_steps_dir(model: STTForCausalLM) -> Path:
-    """Where the compiled decode step of `model` is saved: one directory per `precompile.artifact_key`."""
-    from chatapp.settings import data_dir
-    from chatapp.stt.precompile import artifact_key
-
-    return data_dir() / "compiled" / artifact_key(model)
-
-
-def saved_or_new_compiled_steps(
-    model: STTForCausalLM, *, compile_if_missing: bool
-) -> tuple[DecodeSteps | None, str | None]:
-    """(decode steps, what was done): the compiled decode step saved for this model and machine, loaded; or, when
-    there is none (or it cannot be read) and `compile_if_missing`, compiled now and saved for later processes.
-    (None, None) when there is nothing to load and nothing was to be compiled. Compile failures propagate."""
-    import torch
-
-    from chatapp.stt import precompile
-    from chatapp.stt.decode import compiled_decode_steps
-
-    start = time.perf_counter()
-    if not precompile.available():
-        if not compile_if_missing:
-            return None, None
-        steps = compiled_decode_steps(model)
-        return steps, f"the decode step is compiled ({_seconds(start)}); torch {torch.__version__} cannot save it"
-    directory = compiled_steps_dir(model)
-    try:
-        compiled = precompile.load(directory)
-    except precompile.PrecompileError as err:
-        if not compile_if_missing:
-            return None, f"the decode step stays eager: {_first_line(err)}"
-        compiled = None
-    if compiled is not None:
-        return precompile.steps_from(compiled), f"the saved compiled decode step is loaded ({_seconds(start)})"
-    if not compile_if_missing:
-        return None, None
-    compiled = precompile.precompile(model)
-    try:
-        precompile.save(compiled, directory)
-        saved = f"saved in {directory}"
-    except (OSError, RuntimeError) as err:  # a full or read-only disk: this process still has it
-        saved = f"not saved: {_first_line(err)}"
-    return precompile.steps_from(compiled), f"the decode step is compiled ({_seconds(start)}), {saved}"
-
-
-def _seconds(start: float) -> str:
-    elapsed = time.perf_counter() - start
-    return f"{elapsed:.1f} s" if elapsed < 10 else f"{elapsed:.0f} s"
-
-
-def compiled_in_child(model: STTForCausalLM, source: Path) -> tuple[DecodeSteps | None, str | None]:
-    """`saved_or_new_compiled_steps` with the compile, when one is needed, in a child process
-    (`chatapp.models.compile_step`, which says why): the model at `source` in `model`'s format, whose artifacts
-    then load here. Raises RuntimeError with the child's message when it could not compile."""
-    import subprocess
-
-    from chatapp.stt import precompile
-    from chatapp.stt.weights import weight_format
-
-    steps, note = saved_or_new_compiled_steps(model, compile_if_missing=False)
-    if steps is not None or not precompile.available() or model.device.type != "cpu":
-        return steps, note
-    start = time.perf_counter()
-    command = [sys.executable, "-m", "chatapp.models.compile_step", str(source), weight_format(model)]
-    # One compile worker: the replies keep the other core.
-    env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": "1", COMPILE_ENV: "0"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines()
-        raise RuntimeError(lines[-1] if lines else f"the compiling process exited with status {done.returncode}")
-    steps, _ = saved_or_new_compiled_steps(model, compile_if_missing=False)
-    if steps is None:
-        return None, "the decode step stays eager: the step compiled apart does not fit this model"
-    where = compiled_steps_dir(model)
-    return steps, f"the decode step is compiled in a process of its own ({_seconds(start)}), saved in {where}"
-
-
-def compile_in_background(
-    model: STTForCausalLM,
-    log: Callable[[str], None] | None = None,
-    *,
-    compile_if_missing: bool = True,
-    source: Path | None = None,
-) -> threading.Thread:
-    """Switch `model` to its compiled decode step from a daemon thread: the saved one loaded, or (with
-    `compile_if_missing`) one compiled and saved: in a child process when the model's directory `source` is given
-    (`compiled_in_child`; a compile in this process holds the GIL the replies need), else in the thread. Until it is
-    ready the model keeps decoding eagerly in the calling thread, so replies never wait for it. A failure (no C++
-    compiler, say) leaves the model eager and is reported through `log` (default: stdout), one line, as is what
-    was done and how long it took."""
-    from chatapp.stt.decode import configure_compiler
-
-    log = log or (lambda line: print(line, flush=True))
-    configure_compiler()  # in this thread too: it runs the compiled step, and any recompile happens here
-
-    def run() -> None:
-        if model.compiled_steps is not None:  # compiled at load (`$CHATAPP_COMPILE=1`)
-            log(model.compile_note or "the decode step is compiled")
-            return
-        try:
-            if source is not None and compile_if_missing:
-                steps, note = compiled_in_child(model, source)
-            else:
-                steps, note = saved_or_new_compiled_steps(model, compile_if_missing=compile_if_missing)
-        except Exception as err:  # torch.compile's failures have no common type (compiler missing, backend errors)
-            log(f"the decode step stays eager: compiling it failed: {_first_line(err)}")
-            return
-        if steps is not None:
-            model.compiled_steps = steps
-        model.compile_note = note
-        if note:
-            log(note)
-
-    thread = threading.Thread(target=run, name="chatapp-compile-decode", daemon=True)
-    thread.start()
-    return thread
-
-
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
     return text.splitlines()[0][:1000] if text else type(err).__name__
 
 
 def _compile_decode(model: STTForCausalLM, model_dir: Path) -> None:
-    """Compile the decode step now (on a CPU: load the saved one, or compile and save it), or say why it cannot be
-    and how to go on without it."""
+    """Compile the torch decode step now (CUDA), or say why it cannot be and how to go on without it. On a CPU
+    there is nothing to compile: the int8 step runs natively, other formats eagerly (docs/cpu-kernel.md)."""
     from chatapp.stt.decode import compile_decode
 
+    if model.device.type != "cuda":
+        _notice("--compile / $CHATAPP_COMPILE compiles the CUDA decode step; on a CPU the step is not compiled")
+        return
     try:
-        if model.device.type == "cpu":
-            model.compiled_steps, _ = saved_or_new_compiled_steps(model, compile_if_missing=True)
-        else:
-            compile_decode(model)
+        compile_decode(model)
     except Exception as err:  # torch.compile's failures have no common type (compiler missing, backend errors)
-        model.compiled_steps = None
+        model.runtime.compiled = None
         raise ModelDirError(
             f"compiling the decode step of {model_dir} failed: {_first_line(err)}",
-            hint=f"on a CPU torch.compile needs a C++ compiler (g++); or run without --compile / {COMPILE_ENV}=1",
+            hint=f"run without --compile / {COMPILE_ENV}=1: the step then runs eagerly",
         ) from None
 
 

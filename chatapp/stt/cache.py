@@ -67,6 +67,9 @@ class KVCache:
         # Per STT layer, the previous token's layer input: the causal router's x_{t-1} (zeros at the start).
         self.prev_hidden = torch.zeros(num_stt_layers, batch_size, hidden_size, device=device, dtype=dtype)
         self.host_bound = 0
+        # The native decode step's (L, B, S + 1, H_kv, Dh) views of keys and values (`stt.cpu_step.cache_arrays`),
+        # with the identities of the lists they were made from.
+        self.native_views: tuple | None = None
 
     # ----------------------------------------------------------------------------------------------- properties
     @property
@@ -170,6 +173,7 @@ class KVCache:
         new.seen = self.seen.index_select(0, index)
         new.prev_hidden = self.prev_hidden.index_select(1, index)
         new.host_bound = self.host_bound
+        new.native_views = None
         return new
 
     def mark(self) -> CacheMark:

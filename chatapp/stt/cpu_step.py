@@ -121,12 +121,9 @@ def _stack(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def model_arrays(model) -> ModelArrays | None:
-    """`model`'s arrays for `chatapp_decode`, gathered once and cached on it; None when the kernel cannot run it: not on
-    a CPU, a cache that is not float32, a projection or the LM head not int8, an STT layer without a causal router,
-    layers of different shapes."""
-    cached = getattr(model, "_kernel_arrays", None)
-    if cached is not None and cached[0] == id(model.lm_head):
-        return cached[1]
+    """`model`'s arrays for `chatapp_decode` (its int8 levels become views of the stacks); None when the kernel cannot
+    run it: not on a CPU, a cache that is not float32, a projection or the LM head not int8, an STT layer without a
+    causal router, layers of different shapes."""
     layers = model.model.layers
     if model.device.type != "cpu" or model.kv_dtype != torch.float32 or not isinstance(model.lm_head, Int8Linear):
         return None
@@ -184,18 +181,17 @@ def model_arrays(model) -> ModelArrays | None:
         "predictor_rank": arrays["p_down"].shape[1] if "p_down" in arrays else 0,
         **{name: _ptr(array) for name, array in arrays.items()},
     }  # fmt: skip
-    model._kernel_arrays = (id(model.lm_head), ModelArrays(arrays, fields))
-    return model._kernel_arrays[1]
+    return ModelArrays(arrays, fields)
 
 
 def cache_arrays(cache) -> tuple[np.ndarray, np.ndarray]:
     """The cache's keys and values as (L, B, S + 1, H_kv, Dh) arrays: its own blocks when its layers are views of
     one (`KVCache` allocates them so), else stacked once and the layers made views of the stack."""
-    cached = getattr(cache, "_kernel_arrays", None)
+    cached = cache.native_views
     if cached is not None and cached[0] == (id(cache.keys), id(cache.values)):
         return cached[1]
     arrays = (_layer_block(cache.keys), _layer_block(cache.values))
-    cache._kernel_arrays = ((id(cache.keys), id(cache.values)), arrays)
+    cache.native_views = ((id(cache.keys), id(cache.values)), arrays)
     return arrays
 
 
@@ -327,9 +323,40 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         library = ctypes.CDLL(str(path))
     except OSError as err:
         return None, f"the int8 decode kernel could not be built ({err}); decoding with torch's int8 step"
+    if (mismatch := layout_mismatch(library)) is not None:
+        return None, (
+            f"the int8 decode kernel was not loaded: its DecodeArgs differs from cpu_step.DecodeArgs ({mismatch}); "
+            "decoding with torch's int8 step"
+        )
     library.chatapp_decode.argtypes = [ctypes.POINTER(DecodeArgs)]
     library.chatapp_decode.restype = ctypes.c_int
     return library, None
+
+
+def layout_mismatch(library: ctypes.CDLL) -> str | None:
+    """Where the library's `DecodeArgs` (as its compiler laid it out: `chatapp_decode_layout`) and this module's
+    ctypes mirror differ, in a phrase; None when every field has the same name, offset and size, in order, and the
+    structs the same size."""
+    describe = library.chatapp_decode_layout
+    describe.restype = ctypes.c_int64
+    describe.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_char_p)] + [ctypes.POINTER(ctypes.c_int64)] * 2
+    name, offset, size = ctypes.c_char_p(), ctypes.c_int64(), ctypes.c_int64()
+
+    def field(at: int) -> tuple[str, int, int]:
+        describe(at, ctypes.byref(name), ctypes.byref(offset), ctypes.byref(size))
+        return (name.value or b"").decode(), offset.value, size.value
+
+    ours = [(n, getattr(DecodeArgs, n).offset, getattr(DecodeArgs, n).size) for n, _ in DecodeArgs._fields_]
+    count = describe(-1, ctypes.byref(name), ctypes.byref(offset), ctypes.byref(size))
+    if size.value != ctypes.sizeof(DecodeArgs):
+        return f"{size.value} bytes in C, {ctypes.sizeof(DecodeArgs)} here"
+    theirs = [field(at) for at in range(count)]
+    for (c_name, c_offset, c_size), (py_name, py_offset, py_size) in zip(theirs, ours, strict=False):
+        if (c_name, c_offset, c_size) != (py_name, py_offset, py_size):
+            return f"C has {c_name} at byte {c_offset} ({c_size} bytes), Python {py_name} at {py_offset} ({py_size})"
+    if count != len(ours):
+        return f"{count} fields in C, {len(ours)} here"
+    return None
 
 
 def library() -> ctypes.CDLL | None:
@@ -348,43 +375,55 @@ def _ptr(array: np.ndarray) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ the step
-@torch.no_grad()
-def kernel_step(model, ids: torch.Tensor, cache, student: bool, cutoff: float | torch.Tensor):
-    """`decode.decode_step` (same arguments, same results, the logits in float32) as one `chatapp_decode` call;
-    None for a call it does not take (more than `MAX_ROWS` rows), which the caller runs through the torch step."""
-    from chatapp.stt.decode import rope_tables
+class NativeStep:
+    """`decode.decode_step` (same arguments, same results, the logits in float32) as one `chatapp_decode` call over
+    one model's arrays: what `attach` puts in the model's `DecodeRuntime`."""
 
-    batch = ids.shape[0]
-    arrays = model_arrays(model)
-    native = library()
-    if arrays is None or native is None or batch == 0 or not _kernel_layout(cache):
+    def __init__(self, arrays: ModelArrays, native: ctypes.CDLL) -> None:
+        self.arrays, self.native = arrays, native
+
+    @torch.no_grad()
+    def __call__(self, model, ids: torch.Tensor, cache, student: bool, cutoff: float | torch.Tensor):
+        from chatapp.stt.decode import rope_tables
+
+        batch = ids.shape[0]
+        if batch == 0 or not _kernel_layout(cache):
+            return None
+        cache.reserve(1, 1)  # raises on overflow, as the torch step does
+        cos_table, sin_table = rope_tables(model, int(cache.seen.max()) + 1, model.dtype)
+        cos, sin = _f32(cos_table[cache.seen].reshape(batch, -1)), _f32(sin_table[cache.seen].reshape(batch, -1))
+        keys, values = cache_arrays(cache)
+        x = model.model.embed_tokens(ids).float().contiguous()
+        cutoffs = torch.as_tensor(cutoff, dtype=torch.float32).expand(batch).contiguous()
+        stt_count = cache.prev_hidden.shape[0]
+        previous = _f32(cache.prev_hidden)
+        inputs = torch.empty((stt_count, batch, x.shape[1]), dtype=torch.float32)
+        probs = torch.ones((stt_count, batch), dtype=torch.float32)
+        selected = torch.ones((stt_count, batch), dtype=torch.bool)
+        logits = torch.empty((batch, self.arrays.fields["vocab"]), dtype=torch.float32)
+        lengths, positions, seen = cache.lengths.numpy(), cache.positions.numpy(), cache.seen.numpy()
+        args = DecodeArgs(
+            batch=batch, slots=keys.shape[2], student=bool(student),
+            store_skipped=stores_skipped(model.config.skip_mode), threads=_threads(), x=x.data_ptr(),
+            keys=_ptr(keys), values=_ptr(values), lengths=_ptr(lengths), positions=_ptr(positions), seen=_ptr(seen),
+            previous=_ptr(previous), inputs=inputs.data_ptr(), cos=_ptr(cos), sin=_ptr(sin),
+            cutoff=cutoffs.data_ptr(), logits=logits.data_ptr(), probs=probs.data_ptr(),
+            selected=selected.data_ptr(), **self.arrays.fields,
+        )  # fmt: skip
+        if self.native.chatapp_decode(ctypes.byref(args)) != 0:
+            raise MemoryError("the int8 decode kernel could not allocate its scratch memory")
+        cache.prev_hidden.copy_(inputs)
+        # float32 as computed: rounding 49k logits to the model's bfloat16 cost 0.4 ms a step, and sampling takes
+        # them back to float32.
+        return logits, probs[..., None], selected[..., None]
+
+
+def kernel_step(model, ids: torch.Tensor, cache, student: bool, cutoff: float | torch.Tensor):
+    """One decode step of `model` through its native step (attached first when it has none: `attach`); None when
+    the kernel cannot serve the model or the call."""
+    if not isinstance(model.runtime.native, NativeStep) and not attach(model):
         return None
-    cache.reserve(1, 1)  # raises on overflow, as the torch step does
-    cos_table, sin_table = rope_tables(model, int(cache.seen.max()) + 1, model.dtype)
-    cos, sin = _f32(cos_table[cache.seen].reshape(batch, -1)), _f32(sin_table[cache.seen].reshape(batch, -1))
-    keys, values = cache_arrays(cache)
-    x = model.model.embed_tokens(ids).float().contiguous()
-    cutoffs = torch.as_tensor(cutoff, dtype=torch.float32).expand(batch).contiguous()
-    stt_count = cache.prev_hidden.shape[0]
-    previous = _f32(cache.prev_hidden)
-    inputs = torch.empty((stt_count, batch, x.shape[1]), dtype=torch.float32)
-    probs = torch.ones((stt_count, batch), dtype=torch.float32)
-    selected = torch.ones((stt_count, batch), dtype=torch.bool)
-    logits = torch.empty((batch, arrays.fields["vocab"]), dtype=torch.float32)
-    lengths, positions, seen = cache.lengths.numpy(), cache.positions.numpy(), cache.seen.numpy()
-    args = DecodeArgs(
-        batch=batch, slots=keys.shape[2], student=bool(student), store_skipped=stores_skipped(model.config.skip_mode),
-        threads=_threads(), x=x.data_ptr(), keys=_ptr(keys), values=_ptr(values), lengths=_ptr(lengths),
-        positions=_ptr(positions), seen=_ptr(seen), previous=_ptr(previous), inputs=inputs.data_ptr(), cos=_ptr(cos),
-        sin=_ptr(sin), cutoff=cutoffs.data_ptr(), logits=logits.data_ptr(), probs=probs.data_ptr(),
-        selected=selected.data_ptr(), **arrays.fields,
-    )  # fmt: skip
-    if native.chatapp_decode(ctypes.byref(args)) != 0:
-        raise MemoryError("the int8 decode kernel could not allocate its scratch memory")
-    cache.prev_hidden.copy_(inputs)
-    # float32 as computed: rounding 49k logits to the model's bfloat16 cost 0.4 ms a step, and sampling takes them
-    # back to float32.
-    return logits, probs[..., None], selected[..., None]
+    return model.runtime.native(model, ids, cache, student, cutoff)
 
 
 def _kernel_layout(cache) -> bool:
@@ -397,16 +436,24 @@ def _threads() -> int:
 
 
 def serves(model) -> bool:
-    """Whether `kernel_step` can decode `model` (see `model_arrays`): the library built, the model's layout taken."""
+    """Whether the native step can decode `model` (see `model_arrays`): the library built, the model's layout
+    taken. Gathers the arrays only when it is not attached yet."""
+    if isinstance(model.runtime.native, NativeStep):
+        return True
     return library() is not None and model_arrays(model) is not None
 
 
 def attach(model) -> bool:
-    """Decode `model` through `kernel_step` when the kernel `serves` it; whether it was attached."""
-    if not serves(model):
+    """Decode `model` in one native call a step (its `DecodeRuntime.native`) when the kernel serves it; whether it
+    is attached."""
+    if isinstance(model.runtime.native, NativeStep):
+        return True
+    native = library()
+    arrays = model_arrays(model) if native is not None else None
+    if arrays is None:
         return False
-    model.kernel_step = kernel_step
-    model.compile_note = "the decode step runs as one native call (int8 kernel)"
+    model.runtime.native = NativeStep(arrays, native)
+    model.runtime.note = "the decode step runs as one native call (int8 kernel)"
     return True
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -80,16 +80,17 @@ class LayerWrite:
 
 
 def rope_tables(model, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary (cos, signed sin) tables of at least `needed` positions, shaped (P, 1, Dh), cached on the model.
+    """Rotary (cos, signed sin) tables of at least `needed` positions, shaped (P, 1, Dh), kept in the model's
+    `DecodeRuntime`.
 
     Built by the model's own rotary module, so a lookup equals what it computes for that position. The table
     doubles when it runs short and is rebuilt when the rotary buffer moves (device) or the dtype changes.
     """
     rotary = model.model.rotary_emb
-    cached = getattr(model, "_rope_tables", None)
+    runtime = model.runtime
     key = (rotary.inv_freq.device, dtype)
-    if cached is not None and cached[0] == key and cached[1].shape[0] >= needed:
-        return cached[1], cached[2]
+    if runtime.rope is not None and runtime.rope[0] == key and runtime.rope[1].shape[0] >= needed:
+        return runtime.rope[1], runtime.rope[2]
     size = max(256, 1 << (max(needed, 1) - 1).bit_length())
     positions = torch.arange(size, device=rotary.inv_freq.device)[None]
     probe = torch.empty(0, device=rotary.inv_freq.device, dtype=dtype)
@@ -97,8 +98,8 @@ def rope_tables(model, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, t
     half = cos.shape[-1] // 2
     # rotate_half(x) * sin == roll(x, half) * signed_sin with signed_sin = [-sin[:half], sin[half:]].
     signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
-    model._rope_tables = (key, cos[0, :, None], signed[:, None])
-    return model._rope_tables[1], model._rope_tables[2]
+    runtime.rope = (key, cos[0, :, None], signed[:, None])
+    return runtime.rope[1], runtime.rope[2]
 
 
 def step_state(model, cache: KVCache, span: int) -> StepState:
@@ -171,13 +172,32 @@ def stack_step(
 @dataclass(frozen=True)
 class DecodeSteps:
     """The functions a decode step runs its blocks with: `block_step` and `stack_step` themselves, or their
-    compiled copies (`compile_decode`, kept on the model as `compiled_steps`)."""
+    compiled copies (`compile_decode`, kept in the model's `DecodeRuntime`)."""
 
     block: Callable[..., torch.Tensor]
     stack: Callable[..., tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]
 
 
 EAGER_STEPS = DecodeSteps(block_step, stack_step)
+
+# A whole decode step in one call: (model, ids, cache, student, cutoff) -> `decode_step`'s results, or None for a
+# call it does not take (`stt.cpu_step.NativeStep`).
+NativeStep = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
+
+
+@dataclass
+class DecodeRuntime:
+    """How one model decodes, in one object (`STTForCausalLM.runtime`): the loader fills it in
+    (`chatapp.models.loader.load_model`) and `decode_step` reads it. A model built any other way decodes eagerly
+    with the torch step. Nothing else about decoding is kept on the module."""
+
+    native: NativeStep | None = None  # the whole step in one call, tried first (int8 on a CPU: `stt.cpu_step`)
+    compiled: DecodeSteps | None = None  # the torch step's blocks compiled (CUDA: `compile_decode`)
+    note: str = "the decode step runs eagerly (torch)"  # how it runs, for `--verbose` and logs
+    # Derived once and kept: the step's plans and their readers by (student, layers), and the rotary tables.
+    plans: dict[tuple[bool, int], list[Segment]] = field(default_factory=dict)
+    readers: dict[tuple[bool, int], list[tuple[int | None, ...]]] = field(default_factory=dict)
+    rope: tuple | None = None
 
 
 class CompiledByShape:
@@ -240,7 +260,7 @@ def decode_plan(model, student: bool) -> list[Segment]:
     it, so that a layer whose decision is the same for every row (at batch 1, always) costs no call of its own:
     it heads the stack of the layers after it (`routed_segment`)."""
     key = (student, len(model.model.layers))
-    cached = getattr(model, "_decode_plans", {})
+    cached = model.runtime.plans
     if key in cached:
         return cached[key]
     routed = set(model.stt_layer_indices) if student else set()
@@ -252,7 +272,7 @@ def decode_plan(model, student: bool) -> list[Segment]:
             stop += 1
         plan.append(Segment(start, stop, start in routed))
         start = stop
-    model._decode_plans = {**cached, key: plan}
+    cached[key] = plan
     return plan
 
 
@@ -262,7 +282,7 @@ def plan_readers(model, student: bool) -> list[tuple[int | None, ...]]:
     its input before the segment, to decide it), then the next segment's STT layer when that one is routed (it reads
     this segment's output), else None. So every router runs inside a stack call, compiled with it."""
     key = (student, len(model.model.layers))
-    cached = getattr(model, "_plan_readers", {})
+    cached = model.runtime.readers
     if key in cached:
         return cached[key]
     plan, stt = decode_plan(model, student), set(model.stt_layer_indices)
@@ -271,7 +291,7 @@ def plan_readers(model, student: bool) -> list[tuple[int | None, ...]]:
         own = [i if i in stt and not (segment.routed and i == segment.start) else None for i in range(*segment[:2])]
         after = plan[k + 1] if k + 1 < len(plan) and plan[k + 1].routed else None
         readers.append((*own, None if after is None else after.start))
-    model._plan_readers = {**cached, key: readers}
+    cached[key] = readers
     return readers
 
 
@@ -416,15 +436,15 @@ def routed_layer(
 
 
 def compile_decode(model) -> None:
-    """Run `model`'s decode with `block_step` and `stack_step` compiled by torch.compile (inductor; on a CPU it
-    needs a C++ compiler), compiled now rather than at the first reply (`compiled_decode_steps`)."""
-    model.compiled_steps = compiled_decode_steps(model)
+    """Run `model`'s decode with `block_step` and `stack_step` compiled by torch.compile (inductor), compiled now
+    rather than at the first reply (`compiled_decode_steps`)."""
+    model.runtime.compiled = compiled_decode_steps(model)
+    model.runtime.note = "the decode step's blocks are compiled (torch.compile)"
 
 
 def compiled_decode_steps(model) -> DecodeSteps:
     """`block_step` and `stack_step` compiled for `model` in this process and warmed up, Dynamo's guards on,
-    without switching the model over to them: `compile_decode` (CUDA), and on a CPU whose torch cannot save a
-    compiled step (`chatapp.stt.precompile.available`; otherwise the step is compiled once and saved there).
+    without switching the model over to them (`compile_decode` does: the CUDA step).
 
     The graphs serve every layer: the step functions see tensors and modules of one shape, no layer index
     (torch.compile treats a module's parameters as inputs), and a dense layer's parts have an STT layer's types.
@@ -442,8 +462,7 @@ def compiled_decode_steps(model) -> DecodeSteps:
 
 def warm_up(model, steps: DecodeSteps) -> None:
     """Decode one token with `steps` in every call shape a decode step of `model` makes, as the engine decodes, so
-    that compiling (`compiled_decode_steps`) or capturing (`precompile.capture_calls`) them leaves none for the
-    first reply.
+    that compiling them (`compiled_decode_steps`) leaves none for the first reply.
 
     As the engine: the cache made and the step run in inference mode (tensors made there carry other dispatch keys,
     which compiled graphs' guards check; the engine makes its caches there), a few tokens already cached (one key
@@ -485,8 +504,8 @@ def configure_compiler() -> None:
     # No size and stride assertion on every input of every call: a stack of 3 blocks has ~90 inputs (each module's
     # tensors), and the checks cost ~70 us a call, 3.5% of a step of the default model at batch 1 in int4 (2-core
     # EPYC, 1 thread). What they would catch, a graph given shapes it was not made for, cannot happen: a call goes
-    # to the graph compiled for its call shape (`CompiledByShape`, `precompile.ShapeDispatch`), within which sizes
-    # are dynamic, and the inputs' layouts are the step's own (tests/stt/test_precompile.py).
+    # to the graph compiled for its call shape (`CompiledByShape`), within which sizes are dynamic, and the inputs'
+    # layouts are the step's own.
     torch._inductor.config.size_asserts = False
 
 
@@ -504,13 +523,14 @@ def decode_step(
     runs every row. `steps`: the block functions to run (default: the model's compiled ones when it has them, else
     eager).
     """
-    if steps is None and model.kernel_step is not None:  # the int8 step as one native call (`stt.cpu_step`)
-        result = model.kernel_step(model, ids, cache, student, cutoff)
+    runtime = model.runtime
+    if steps is None and runtime.native is not None:  # the int8 step as one native call (`stt.cpu_step`)
+        result = runtime.native(model, ids, cache, student, cutoff)
         if result is not None:
             return result
     span = max(cache.reserve(1, 1), 1)
     state = step_state(model, cache, span)
-    steps = steps or model.compiled_steps or EAGER_STEPS
+    steps = steps or runtime.compiled or EAGER_STEPS
     layers, blocks = model.model.layers, block_parts(model)
     stt_slot = {index: slot for slot, index in enumerate(model.stt_layer_indices)}
     x = model.model.embed_tokens(ids)

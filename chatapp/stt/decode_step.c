@@ -17,6 +17,7 @@
  * Parallel loops (OpenMP) run output channels (a product) or (row, K/V head) pairs (attention).
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,6 +67,39 @@ typedef struct {
     float *probs;                             /* (L_stt, B) */
     uint8_t *selected;                        /* (L_stt, B) */
 } DecodeArgs;
+
+/* The struct's layout as this compiler laid it out, field by field in order, for the loader to check against its
+ * ctypes mirror (`cpu_step.DecodeArgs`) before the first call: a field added, removed or retyped on one side only
+ * refuses to load, where it would otherwise read the wrong memory. `offsetof` of a field the struct lacks does not
+ * compile. */
+#define FIELD(name) {#name, offsetof(DecodeArgs, name), sizeof(((DecodeArgs *)0)->name)}
+static const struct {
+    const char *name;
+    int64_t offset, size;
+} LAYOUT[] = {
+    FIELD(batch), FIELD(hidden), FIELD(layers), FIELD(heads), FIELD(kv_heads), FIELD(head_dim), FIELD(qkv_rows),
+    FIELD(up_rows), FIELD(vocab), FIELD(slots), FIELD(stt_count), FIELD(router_width), FIELD(has_bias),
+    FIELD(student), FIELD(store_skipped), FIELD(threads), FIELD(predictor_rank), FIELD(x), FIELD(norm1),
+    FIELD(eps1), FIELD(qkv_w), FIELD(qkv_s), FIELD(qkv_b), FIELD(o_w), FIELD(o_s), FIELD(norm2), FIELD(eps2),
+    FIELD(up_w), FIELD(up_s), FIELD(down_w), FIELD(down_s), FIELD(r_norm_c), FIELD(r_eps_c), FIELD(r_norm_p),
+    FIELD(r_eps_p), FIELD(r_up_w), FIELD(r_up_b), FIELD(r_out_w), FIELD(r_out_b), FIELD(p_down), FIELD(p_up),
+    FIELD(p_bias), FIELD(stt_slot), FIELD(keys), FIELD(values), FIELD(lengths), FIELD(positions), FIELD(seen),
+    FIELD(previous), FIELD(inputs), FIELD(cos), FIELD(sin), FIELD(cutoff), FIELD(final_norm), FIELD(final_eps),
+    FIELD(head_w), FIELD(head_s), FIELD(logits), FIELD(probs), FIELD(selected),
+};
+#undef FIELD
+
+/* The number of fields; with `at` in range, that field's name, offset and size. The struct's whole size is field
+ * -1's (name "sizeof"), so a field left out of LAYOUT at the end shows too. */
+int64_t chatapp_decode_layout(int64_t at, const char **name, int64_t *offset, int64_t *size) {
+    const int64_t count = (int64_t)(sizeof(LAYOUT) / sizeof(LAYOUT[0]));
+    if (at == -1) {
+        *name = "sizeof", *offset = 0, *size = (int64_t)sizeof(DecodeArgs);
+    } else if (at >= 0 && at < count) {
+        *name = LAYOUT[at].name, *offset = LAYOUT[at].offset, *size = LAYOUT[at].size;
+    }
+    return count;
+}
 
 /* The products. Activations are quantized as llama.cpp quantizes them for its own quantized products (Q8_0):
  * each row in blocks of QBLOCK values, a block's values rounded to int8 levels of one float32 scale, its largest

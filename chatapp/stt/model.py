@@ -16,7 +16,7 @@ so it is read on the host once per STT layer; on the CPU the read is free and a 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +27,7 @@ from torch import nn
 
 from chatapp.stt.cache import KVCache
 from chatapp.stt.config import STTConfig
-from chatapp.stt.decode import DecodeSteps, decode_step
+from chatapp.stt.decode import DecodeRuntime, decode_step
 from chatapp.stt.io import load_model, save_model
 from chatapp.stt.layers import (
     DecoderBlock,
@@ -94,15 +94,11 @@ class STTForCausalLM(nn.Module):
         self._init_base_weights()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # How the model is served, set where it is loaded (`chatapp.models.loader`) and nowhere else:
-        # the weight format its projections are in (`stt.weights.prepare_weights`, `stt.served`; None: as built,
-        # float32 or whatever `.to()` made it), the compiled decode step it runs (`stt.decode.DecodeSteps`; None:
-        # eager) and what was done about that step, for a log or `--verbose`.
+        # How the model is served, set where it is loaded (`chatapp.models.loader`) and nowhere else: the weight
+        # format its projections are in (`stt.weights.prepare_weights`, `stt.served`; None: as built, float32 or
+        # whatever `.to()` made it) and what its decode step runs (`stt.decode.DecodeRuntime`; as built: eager).
         self.weight_format: str | None = None
-        self.compiled_steps: DecodeSteps | None = None
-        # A whole decode step in one call, which `decode.decode_step` tries first (`stt.cpu_step.kernel_step`).
-        self.kernel_step: Callable | None = None
-        self.compile_note: str | None = None
+        self.runtime = DecodeRuntime()
 
     @classmethod
     def empty(cls, config: STTConfig) -> STTForCausalLM:

@@ -16,7 +16,7 @@ engine process loads the model while the app draws and takes keys). Until `ready
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -222,15 +222,10 @@ class EngineBackend(BackendState):
 
     @classmethod
     def load(cls, model: str | Path | None, *, device: str | None = None) -> EngineBackend:
-        """Load a model by name or directory (raises `ModelDirError` naming what is missing).
-
-        The compiled decode step is left to `compile_in_background` (unless `$CHATAPP_COMPILE=1` asks for it now):
-        loading a saved one costs ~2 s, mostly importing torch's compiler, and the app is usable without it; the
-        user writes the first message meanwhile."""
+        """Load a model by name or directory (raises `ModelDirError` naming what is missing)."""
         from chatapp.models import load_engine, resolve_model
-        from chatapp.models.loader import COMPILE_ENV, env_flag
 
-        engine = load_engine(model, device=device, compile=env_flag(COMPILE_ENV))
+        engine = load_engine(model, device=device)
         return cls(engine, model_dir=resolve_model(model))
 
     def prepare_in_background(self) -> threading.Thread:
@@ -239,18 +234,6 @@ class EngineBackend(BackendState):
         thread = threading.Thread(target=self._engine.prepare_tool_grammars, name="chatapp-prepare", daemon=True)
         thread.start()
         return thread
-
-    def compile_in_background(self, log: Callable[[str], None] | None = None) -> threading.Thread | None:
-        """Switch to the compiled decode step in the background when the model wants it
-        (`chatapp.models.loader.wants_compiled_step`): one was loaded with the model (the thread only logs
-        so), or the saved one is loaded, or it is compiled in a child process and saved now, replies running eagerly
-        until it is done. Returns the thread, or None
-        when the model wants none."""
-        from chatapp.models.loader import compile_in_background, wants_compiled_step
-
-        if not wants_compiled_step(self._engine.model):
-            return None
-        return compile_in_background(self._engine.model, log, source=self._model_dir)
 
     # --- session ----------------------------------------------------------------------------------------------
     def builtin_programs(self) -> Sequence[str]:

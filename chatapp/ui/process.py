@@ -335,8 +335,8 @@ class ProcessBackend(BackendState):
 # --- the child ------------------------------------------------------------------------------------------------
 
 
-# Seconds without a request after which the engine starts switching to the compiled decode step (see `serve`).
-COMPILE_AFTER_IDLE = 3.0
+# Seconds without a request after which the engine prepares what the first tool call needs (see `serve`).
+PREPARE_AFTER_IDLE = 3.0
 
 
 def start_engine(
@@ -411,18 +411,14 @@ def serve(
         )
         return
     conn.send(("ok", (backend.info, backend.settings, tuple(backend.builtin_programs()), backend.program)))
-    # Work the first replies would otherwise wait for, done while the user writes: the tool grammar's index
-    # (~0.5 s), then the compiled decode step (loading a saved one ~4 s of mostly interpreter-bound work; the
-    # first time on a machine, compiling it, 20-60 s, saved for every later process). Replies decode eagerly until
-    # it is ready; what was done goes to the engine log. Both start once the user has been quiet for
-    # `COMPILE_AFTER_IDLE` seconds or the first reply is done, whichever comes first: started at once, they made a
-    # message typed straight away wait for them (its answer 5.6 s after `chatapp run` was typed, not 4.6).
-    compile_started = False
+    # Work the first tool call would otherwise wait for, done while the user writes: the tool grammar's index
+    # (~0.5 s). It starts once the user has been quiet for `PREPARE_AFTER_IDLE` seconds or the first reply is done,
+    # whichever comes first: started at once, it made a message typed straight away wait for it.
+    prepared = False
     while True:
-        if not compile_started and not conn.poll(COMPILE_AFTER_IDLE):
+        if not prepared and not conn.poll(PREPARE_AFTER_IDLE):
             backend.prepare_in_background()
-            backend.compile_in_background()
-            compile_started = True
+            prepared = True
         try:
             method, args = conn.recv()
         except (EOFError, OSError):
@@ -466,10 +462,9 @@ def serve(
         else:
             conn.send(("open", None))
             _pump(conn, backend, result)
-            if not compile_started:
+            if not prepared:
                 backend.prepare_in_background()
-                backend.compile_in_background()
-                compile_started = True
+                prepared = True
 
 
 def _switch_program(conn: Connection, backend: Any, name_or_path: str | None) -> Any:

@@ -114,19 +114,11 @@ def test_generate_logprobs_prints_a_table(model_dir) -> None:
     assert "Traceback" not in bad.output
 
 
-def test_generate_and_batch_say_when_the_decode_step_cannot_compile(model_dir, tmp_path, monkeypatch) -> None:
-    """`--compile` asks for the compiled decode step; when torch.compile cannot run (no C++ compiler), both
-    commands exit 1 naming the cause and the way on, with no traceback and no records lost."""
-    import chatapp.stt.precompile as precompile
+def test_compile_on_a_cpu_is_a_notice_and_the_reply_comes(model_dir) -> None:
+    """`--compile` compiles the CUDA decode step; on a CPU the step is native (int8) or eager, so the command says
+    so in one notice and answers as without it."""
+    args = ["generate", "Hello", "--model", str(model_dir), "--max-tokens", "4"]
+    plain, compiled = CliRunner().invoke(app, args), CliRunner().invoke(app, [*args, "--compile"])
+    assert plain.exit_code == 0 and compiled.exit_code == 0, compiled.output
+    assert "on a CPU the step is not compiled" in compiled.stderr and compiled.stdout == plain.stdout
 
-    def no_compiler(model) -> None:
-        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found in cpp_builder.py")
-
-    monkeypatch.setattr(precompile, "precompile", no_compiler)
-    result = CliRunner().invoke(app, ["generate", "Hello", "--model", str(model_dir), "--compile"])
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    assert "No working C++ compiler found" in result.output and "--compile" in result.output
-    lines = tmp_path / "in.jsonl"
-    lines.write_text('{"id": "a", "prompt": "Hi"}\n')
-    result = CliRunner().invoke(app, ["batch", str(lines), "--model", str(model_dir), "--compile", "-o", str(tmp_path / "out.jsonl")])
-    assert result.exit_code == 1 and "No working C++ compiler found" in result.output

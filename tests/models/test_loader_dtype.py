@@ -49,118 +49,33 @@ def greedy_replies(engine, prompt: str) -> list[int]:
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile needs g++")
-def test_compiled_decode_gives_the_eager_tokens(tiny_model_dir: Path, monkeypatch) -> None:
-    """`compile=True` runs the decode step's blocks through torch.compile: same tokens as eager, student routing on
-    (stacks of dense layers between routed ones; a routed subset of rows is a shape of its own), in batch and
-    alone."""
+def test_compiled_decode_gives_the_eager_tokens(tiny_model_dir: Path) -> None:
+    """The CUDA step's blocks through torch.compile (`compile_decode`), its logic checked on a CPU: same tokens as
+    eager, student routing on (stacks of dense layers between routed ones; a routed subset of rows is a shape of
+    its own), in batch and alone."""
     from chatapp.models import load_engine
+    from chatapp.stt.decode import compile_decode
 
-    monkeypatch.delenv(COMPILE_ENV, raising=False)
     eager = load_engine(tiny_model_dir, "cpu")
-    compiled = load_engine(tiny_model_dir, "cpu", compile=True)
-    assert eager.model.compiled_steps is None
-    assert compiled.model.compiled_steps is not None
+    compiled = load_engine(tiny_model_dir, "cpu")
+    compile_decode(compiled.model)
+    assert eager.model.runtime.compiled is None and compiled.model.runtime.compiled is not None
     for prompt in ("What is 12 times 7?", "How many r's are in strawberry?"):
         assert greedy_replies(compiled, prompt) == greedy_replies(eager, prompt)
 
 
-def test_compile_env_and_failures_are_clear(tiny_model_dir: Path, monkeypatch) -> None:
-    import chatapp.stt.precompile as precompile
-
+def test_one_decode_path_per_format_on_a_cpu(tiny_model_dir: Path, monkeypatch, capsys) -> None:
+    """int8 decodes in one native call a step, other formats run the torch step eagerly; nothing is compiled on
+    a CPU, asked or not (a notice says so), and a bad $CHATAPP_COMPILE is refused before any work."""
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    int8 = load_model(tiny_model_dir, device="cpu", dtype="int8").model
+    assert int8.runtime.native is not None and "native call" in int8.runtime.note
+    for fmt in ("float32", "bfloat16", "int4"):
+        runtime = load_model(tiny_model_dir, device="cpu", dtype=fmt).model.runtime
+        assert runtime.native is None and runtime.compiled is None and "eagerly" in runtime.note
+    asked = load_model(tiny_model_dir, device="cpu", dtype="int4", compile=True).model
+    assert asked.runtime.compiled is None
+    assert "on a CPU the step is not compiled" in capsys.readouterr().err
     monkeypatch.setenv(COMPILE_ENV, "perhaps")
     with pytest.raises(ChatappError, match="CHATAPP_COMPILE='perhaps' is not a yes/no value"):
         load_model(tiny_model_dir, device="cpu")
-    monkeypatch.setenv(COMPILE_ENV, "0")
-    assert getattr(load_model(tiny_model_dir, device="cpu").model, "compiled_steps", None) is None
-
-    def no_compiler(model) -> None:
-        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
-
-    monkeypatch.setattr(precompile, "precompile", no_compiler)
-    with pytest.raises(ChatappError, match="No working C\\+\\+ compiler found") as info:
-        load_model(tiny_model_dir, device="cpu", compile=True)
-    assert "without --compile" in info.value.hint
-
-
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile needs g++")
-def test_background_compile_switches_the_model_over_when_warm(tiny_model_dir: Path, monkeypatch) -> None:
-    """The TUI's engine compiles the decode step in the background (`EngineBackend.compile_in_background`: a thread
-    that waits for a child process), for a quantized model on a CPU unless $CHATAPP_COMPILE says otherwise; the
-    model decodes eagerly meanwhile and gives the same tokens once it is switched over."""
-    from chatapp.models.loader import wants_compiled_step
-    from chatapp.ui.backend import EngineBackend
-
-    monkeypatch.delenv(COMPILE_ENV, raising=False)
-    # int8 decodes in one native call from the start (`stt.cpu_step`): nothing to compile in the background.
-    monkeypatch.setenv(DTYPE_ENV, "int8")
-    int8 = EngineBackend.load(tiny_model_dir, device="cpu")
-    lines: list[str] = []
-    assert int8._engine.model.kernel_step is not None and int8.compile_in_background(lines.append) is None, lines
-    monkeypatch.setenv(DTYPE_ENV, "int4")
-    backend = EngineBackend.load(tiny_model_dir, device="cpu")
-    engine = backend._engine
-    eager = greedy_replies(engine, "What is 12 times 7?")
-    lines.clear()
-    thread = backend.compile_in_background(lines.append)
-    assert thread is not None
-    thread.join(timeout=600)
-    assert engine.model.compiled_steps is not None, lines
-    assert lines and lines[0].startswith("the decode step is compiled") and "saved in" in lines[0], lines
-    # In a child process: a compile in the engine's own process holds the GIL the replies need.
-    assert "in a process of its own" in lines[0], lines
-    assert greedy_replies(engine, "What is 12 times 7?") == eager
-
-    # A later command decodes eagerly unless asked (loading the step costs more than one reply gains); asked, it
-    # loads the saved step instead of compiling it.
-    assert getattr(load_model(tiny_model_dir, device="cpu").model, "compiled_steps", None) is None
-    later = load_model(tiny_model_dir, device="cpu", compile=True).model
-    assert later.compiled_steps is not None
-    tui = EngineBackend.load(tiny_model_dir, device="cpu")
-    lines.clear()
-    tui.compile_in_background(lines.append).join(timeout=120)
-    assert lines and lines[0].startswith("the saved compiled decode step is loaded"), lines
-    assert greedy_replies(tui._engine, "What is 12 times 7?") == eager
-
-    monkeypatch.setenv(COMPILE_ENV, "0")  # never
-    assert not wants_compiled_step(engine.model)
-    monkeypatch.setenv(COMPILE_ENV, "1")  # compiled at load instead
-    assert not wants_compiled_step(engine.model)
-    monkeypatch.delenv(COMPILE_ENV)
-    assert not wants_compiled_step(load_model(tiny_model_dir, device="cpu", dtype="float32").model)
-
-
-def test_a_failed_background_compile_leaves_the_model_eager(tiny_model_dir: Path, monkeypatch) -> None:
-    import chatapp.stt.precompile as precompile
-    from chatapp.models.loader import compile_in_background
-
-    def no_compiler(model) -> None:
-        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
-
-    monkeypatch.setattr(precompile, "precompile", no_compiler)
-    model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
-    lines: list[str] = []
-    compile_in_background(model, lines.append).join(timeout=60)
-    assert model.compiled_steps is None
-    assert lines == ["the decode step stays eager: compiling it failed: InvalidCxxCompiler: No working C++ compiler found"]
-
-
-def test_a_corrupt_saved_step_costs_a_note_and_is_compiled_anew(tiny_model_dir: Path, monkeypatch):
-    """A saved step that cannot be read (a torn file) costs a note, never a reply: the TUI's engine decodes eagerly
-    meanwhile and compiles and saves it again."""
-    import chatapp.stt.precompile as precompile
-    from chatapp.models.loader import compile_in_background, compiled_steps_dir, saved_or_new_compiled_steps
-
-    monkeypatch.delenv(COMPILE_ENV, raising=False)
-    model = load_model(tiny_model_dir, device="cpu", dtype="int8").model
-    assert model.compiled_steps is None  # a command decodes eagerly
-    directory = compiled_steps_dir(model)
-    directory.mkdir(parents=True)
-    (directory / precompile.MANIFEST).write_text('{"steps": [{"kind": "stack", "shape": [1, true], "file": "x"}]}')
-    steps, note = saved_or_new_compiled_steps(model, compile_if_missing=False)
-    assert steps is None
-    assert note.startswith("the decode step stays eager: cannot load the compiled decode step in")
-    calls = []
-    monkeypatch.setattr(precompile, "precompile", lambda m: calls.append(m) or {})
-    lines: list[str] = []
-    compile_in_background(model, lines.append).join(timeout=60)
-    assert calls == [model] and lines[0].startswith("the decode step is compiled"), lines

@@ -196,7 +196,7 @@ def test_decode_goes_through_the_kernel_step_at_every_batch_size() -> None:
     """A batch of any size decodes in the native step, the rows in tiles and the rows left over alone: 11 rows of
     mixed lengths, routed, against the torch step."""
     model = int8_model()
-    assert cpu_step.attach(model) and model.kernel_step is cpu_step.kernel_step
+    assert cpu_step.attach(model) and isinstance(model.runtime.native, cpu_step.NativeStep)
     decode_both(model, [3, 9, 1, 6, 2, 5, 8, 4, 7, 3, 2], steps=4, student=True, cutoff=model.config.router_threshold)
 
 
@@ -218,6 +218,29 @@ def test_the_avx2_products_where_the_cpu_has_vnni_too(tmp_path, monkeypatch) -> 
     model = int8_model("predict")
     decode_both(model, [5], steps=4, student=True, cutoff=model.config.router_threshold)
     decode_both(model, [3, 9, 1, 6, 2, 5, 8, 4, 7, 3, 2], steps=4, student=True, cutoff=model.config.router_threshold)
+
+
+def test_a_struct_that_drifted_apart_refuses_to_load(monkeypatch) -> None:
+    """The library reports its `DecodeArgs` layout and the loader compares it with the ctypes mirror: a field left
+    out, or retyped, on one side is refused by name, and the torch step decodes (the notice says why)."""
+    import ctypes
+
+    native = cpu_step.library()
+    assert native is not None and cpu_step.layout_mismatch(native) is None
+    fields = cpu_step.DecodeArgs._fields_
+
+    class Missing(ctypes.Structure):
+        _fields_ = [f for f in fields if f[0] != "predictor_rank"]
+
+    class Retyped(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_int32 if n == "threads" else t) for n, t in fields]
+
+    for mirror, named in ((Missing, "predictor_rank"), (Retyped, "threads")):
+        monkeypatch.setattr(cpu_step, "DecodeArgs", mirror)
+        problem = cpu_step.layout_mismatch(native)
+        assert problem is not None and (named in problem or "bytes in C" in problem), problem
+        library, notice = cpu_step._load.__wrapped__()
+        assert library is None and "DecodeArgs differs" in notice
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int4"])
@@ -261,7 +284,7 @@ def test_without_the_library_the_torch_step_decodes_and_the_loader_says_why(monk
     assert torch.isfinite(model.decode(torch.zeros(2, dtype=torch.long), cache).logits).all()
 
     loaded = load_model("tiny", "cpu", "int8")
-    assert loaded.model.kernel_step is None
+    assert loaded.model.runtime.native is None
     assert "notice: the int8 decode kernel could not be built (no C compiler)" in capsys.readouterr().err
 
 
