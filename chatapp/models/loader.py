@@ -310,7 +310,7 @@ def configure_threads(num_parameters: int) -> int:
     A small model's decode step is hundreds of tiny ops, and every multi-threaded op waits for the whole thread
     pool: on a CPU shared with another busy process that wait is a scheduler time slice. Measured on the 2-core
     box at load ~8 (the tiny model, `chatapp generate IN.jsonl`, the same run): one thread 175 tokens/s at batch 1
-    and 1157 at batch 16; two threads 12.9 and 16.8. On a quiet box one thread is as fast for this model (README).
+    and 1157 at batch 16; two threads 12.9 and 16.8. On a quiet box one thread is as fast for this model.
     """
     import torch
 

@@ -1,22 +1,22 @@
 """The int8 decode step on a CPU as one call of native code (`decode_step.c`, built here with the C compiler).
 
-`decode.decode_step` runs a step as ~25 torch calls of compiled or eager blocks with torch ops between them
-(routers, step state, bookkeeping): at batch 1 on a 2-core CPU that bookkeeping and torch's int8 kernel were
-most of a step. For a model whose projections and LM head are int8 (`stt.weights.Int8Linear`) on a CPU, the
-loader attaches `kernel_step` instead (`attach`): the whole step, routing and cache bookkeeping included, is one
-call of `chatapp_decode` over the model's own weight arrays, and every command decodes through it from its first
-token (README, "int8 decodes in one native call", has the rates).
+`decode.decode_step` runs a step as ~25 torch calls of blocks with torch ops between them (routers, step state,
+bookkeeping): at batch 1 on a 2-core CPU that bookkeeping and torch's int8 kernel were most of a step. For a model
+whose projections and LM head are int8 (`stt.weights.Int8Linear`) on a CPU, the loader attaches a `NativeStep`
+instead (`attach`, into the model's `decode.DecodeRuntime`): the whole step of every batch size, routing and cache
+bookkeeping included, is one call of `chatapp_decode` over the model's own weight arrays, and every command decodes
+through it from its first token (docs/cpu-kernel.md; the rates: docs/benchmarks.md).
 
 The C file is compiled once per machine (`-O3 -march=native -fopenmp`, ~3 s; `make run` and `make test` do it
 first) into `_build/` beside it, or the data directory where the package is read-only, under a name that hashes
 the source, the flags and the CPU's features, so an edited file or another CPU gets its own build. Loading it is
-a `dlopen`: no JIT, nothing held in memory beyond the code. Without a C compiler the kernel is not attached and
-the torch step decodes (`library_problem` says why, `chatapp info` shows it).
+a `dlopen` and a check that the library's `DecodeArgs` has this module's layout (`layout_mismatch`): no JIT,
+nothing held in memory beyond the code. Without a C compiler, or with a layout that differs, the kernel is not
+attached and the torch step decodes (`library_problem` says why, `chatapp info` shows it).
 
-The model's arrays are gathered once (`model_arrays`, cached on the model) and a cache's once
-(`cache_arrays`, cached on the cache): numpy views of the same memory, int8 levels shared with the modules, the
-small float vectors (scales, biases, norm weights, routers) as float32 copies. Calls the kernel does not take
-(more rows than `MAX_ROWS`) go through the torch step.
+The model's arrays are gathered once (`model_arrays`, kept by its `NativeStep`) and a cache's once
+(`cache_arrays`, kept on the cache): numpy views of the same memory, int8 levels shared with the modules, the
+small float vectors (scales, biases, norm weights, routers) as float32 copies.
 """
 
 from __future__ import annotations

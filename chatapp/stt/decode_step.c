@@ -6,8 +6,9 @@
  * kernel (`_weight_int8pack_mm`) is written for AVX-512 and streamed weights at 7.5-14 GB/s on a 2-core AVX2 EPYC,
  * and each of the ~40 small torch ops of a block costs a few microseconds of dispatch. Here a product quantizes its
  * input rows as llama.cpp does (blocks of 32 int8 levels with a scale each) and sums each block in int32 with the
- * int8 weight rows, each weight row read once for two rows of the batch (`DOT_ROWS`); everything else (norms,
- * rotary, attention, softmax, routers) is float32 in plain loops.
+ * int8 weight rows, a batch's rows in tiles that read each weight once for several rows (`DOT_ROWS`, `DOT_TILE`);
+ * everything else (norms, rotary, attention, softmax, routers) is float32 in plain loops. It serves every batch
+ * size: it is the only decode path of an int8 model on a CPU.
  *
  * The arithmetic is the eager torch step's with the int8 weights dequantized exactly (`q * scale`, one scale per
  * output channel, applied after the sum), the products' inputs quantized as above, and float32 elsewhere where the
@@ -109,9 +110,10 @@ int64_t chatapp_decode_layout(int64_t at, const char **name, int64_t *offset, in
  * weights) this made the default model's products 1.4-1.6x as fast at one row and 2.1-2.4x at eight on the 2-core
  * AVX2 EPYC (18 -> 26 GB/s of weights for the 3072 x 576 gate/up product): the float path was bound by its own
  * instructions, not by memory. The rounding adds ~0.5% of a row's largest value to a product's result, as it does
- * in llama.cpp; README (quality guard) measures what it does to the replies. A weight row is read once for
- * ROW_BLOCK rows, and each row is summed in the same order whatever ROW_BLOCK is, so a row's result does not depend
- * on the rows beside it (tests/stt/test_gemv.py).
+ * in llama.cpp; docs/benchmarks.md (cpu_decode.py, the quality guard) measures what it does to the replies. A
+ * weight row is read once for ROW_BLOCK rows, and each row is summed in the same order whatever ROW_BLOCK is, so a
+ * row's result does not depend on the rows beside it (tests/stt/test_gemv.py). With AVX-512 VNNI the products
+ * below take over (`DOT_TILE`).
  *
  * Without AVX2, or for a row length that is not a multiple of QBLOCK, the products take float32 activations, in
  * plain loops for the compiler to vectorize. */

@@ -192,7 +192,7 @@ def self_distilled(loaded: Any, options: RouteOptions, log: Log) -> list[Convers
     """The model's own greedy replies, routing off, to `options.dialogues` (tool calls run, results forced), turn by
     turn: each later user turn follows the model's own earlier replies. A conversation scores its last reply.
     `loaded` writes them: the model as it is served (the CLI passes its default format, which on a CPU decodes in
-    one native call a step, ~3x the float32 torch step at 8 rows) or the float32 model itself."""
+    one native call a step of any batch size) or the float32 model itself."""
     from chatapp.engine.engine import Engine
     from chatapp.settings import GenerationSettings
 
