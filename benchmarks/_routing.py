@@ -65,7 +65,9 @@ def route_synthetically(
     config.skip_mode = skip_mode
     config.train_causal_router = True
     config.routing_trained = True
-    model.__dict__.pop("_decode_plans", None)
+    # The decode step's plans follow which layers are STT layers: derived again from these (`stt.decode.decode_plan`).
+    model.runtime.plans.clear()
+    model.runtime.readers.clear()
     target = math.log(config.router_threshold / (1 - config.router_threshold))
     for _ in range(rounds):
         probs = decoded_router_probs(model, prompt, new_tokens)  # (L_stt, T)

