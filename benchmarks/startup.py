@@ -18,18 +18,27 @@ Peak memory is each process's own maximum resident set (its ru_maxrss, measured 
 process's, which holds the model. The default model must be prepared, and its stored served format written, before
 a run (any `chatapp generate` does both); a first round is run and dropped as a warm-up.
 
-Run: .venv/bin/python benchmarks/startup.py [--rounds 5] [--tokens 128] [--tui-only]
+- `chatapp batch` of 32 prompts x `--tokens` tokens (greedy), the JSONL written to a scratch file;
+- with `--before DIR` (a checkout of an earlier commit, e.g. `git worktree add /tmp/before COMMIT`), every
+  chatapp side again from that tree (`python -m chatapp` with its own code first on the path, and a data
+  directory of its own under `--before-home`, so that the two trees' stored served formats do not replace each
+  other; the prepared default model is linked into it), in the same rounds: the table then shows after / before
+  for each command, which is how a change shows that no user command got slower.
+
+Run: .venv/bin/python benchmarks/startup.py [--rounds 5] [--tokens 128] [--tui-only] [--before DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +50,20 @@ CHATAPP = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-m", "chatapp
 STORY = "Tell me a long story about a dragon who learns to bake bread."
 
 
+BATCH_PROMPTS = 32
+TOPICS = ["the sea", "prime numbers", "Paris", "a red fox", "rain", "the moon", "chess", "bread"]
+
+
 @dataclass
 class Side:
     name: str
     argv: list[str] | None  # None: a side with its own runner (the TUI)
     job: str  # sides with the same job are compared
+    env: dict[str, str] | None = None  # the environment the command runs in (None: this process's)
+    # Where it runs (None: here). A `--before` side runs in its tree: `python -m` puts the working directory first
+    # on the path, so from this checkout it would import this checkout's code whatever PYTHONPATH says.
+    cwd: Path | None = None
+    before: Side | None = None  # the same command from the `--before` tree
     walls: list[float] = field(default_factory=list)
     peaks: list[float] = field(default_factory=list)  # MB
 
@@ -63,9 +81,9 @@ LAUNCHER = (
 )
 
 
-def run_process(argv: list[str]) -> tuple[float, float]:
+def run_process(argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[float, float]:
     """(wall seconds, peak resident MB) of one process, its output discarded; a failure stops the benchmark."""
-    done = subprocess.run([sys.executable, "-c", LAUNCHER, *argv], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", LAUNCHER, *argv], capture_output=True, text=True, env=env, cwd=cwd)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-2000:]}")
     wall, peak = done.stderr.strip().splitlines()[-1].split()
@@ -83,24 +101,71 @@ def llama_one_shot(gguf: Path, prompt: str, tokens: int) -> list[str]:
     return [sys.executable, "-c", script]
 
 
-def tui_first_answer(timeout: float = 120.0) -> tuple[float, float, float]:
+def batch_file(directory: Path, tokens: int) -> Path:
+    """`BATCH_PROMPTS` chat prompts whose replies run to the limit (stories, explanations), one JSONL line each,
+    greedy, `tokens` tokens at most."""
+    path = directory / "prompts.jsonl"
+    lines = []
+    for i in range(BATCH_PROMPTS):
+        topic = TOPICS[i % len(TOPICS)]
+        prompt = f"Write a long story about {topic}." if i % 2 else f"Explain {topic} in great detail, step by step."
+        lines.append(json.dumps({"id": i, "prompt": prompt, "temperature": 0, "max_tokens": tokens}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def before_side(side: Side, tree: Path, home: Path) -> Side:
+    """`side`'s command run from the checkout `tree` (its code first on the path) with the data directory `home`."""
+    argv = None if side.argv is None else [sys.executable, "-m", "chatapp", *side.argv[len(CHATAPP) :]]
+    env = {**os.environ, "PYTHONPATH": str(tree), "CHATAPP_HOME": str(home)}
+    return Side(f"{side.name} (before)", argv, side.job, env, tree)
+
+
+def before_home(home: Path) -> Path:
+    """A data directory for the `--before` tree with this one's prepared default model linked in (read only:
+    the tree writes its own stored served format beside it)."""
+    from chatapp.models.smollm2 import prepared_dir
+
+    models = home / "data" / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    link = models / prepared_dir().name
+    if not link.exists():
+        link.symlink_to(prepared_dir())
+    return home
+
+
+def tui_first_answer(
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    command: list[str] | None = None,
+    cwd: Path | None = None,
+) -> tuple[float, float, float]:
     """(seconds from typing `chatapp run` until the first answer is on screen, the engine process's peak MB, seconds
     until the message box was drawn).
 
     The message is typed as soon as the prompt is drawn; the answer counts as shown when "Paris" is on screen."""
     session = f"chatapp-startup-{os.getpid()}"
-    env = {**os.environ, "TEXTUAL_ANIMATIONS": "none"}
+    env = {**(env or os.environ), "TEXTUAL_ANIMATIONS": "none"}
     subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
     start = time.perf_counter()
+    # tmux's server keeps the environment it started with: the command sets what differs itself.
+    exports = " ".join(f"{name}={env[name]}" for name in ("PYTHONPATH", "CHATAPP_HOME") if name in env)
+    line = (
+        " ".join(["env", exports, *(command or [*CHATAPP, "run"])])
+        if exports
+        else " ".join(command or [*CHATAPP, "run"])
+    )
+    where = ["-c", str(cwd)] if cwd is not None else []
     subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "48", " ".join([*CHATAPP, "run"])],
-        check=True, env=env,
+        ["tmux", "new-session", "-d", "-s", session, *where, "-x", "160", "-y", "48", line], check=True, env=env
     )
     typed = False
     drawn = float("nan")
     try:
         while time.perf_counter() - start < timeout:
-            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+            screen = subprocess.run(
+                ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True
+            ).stdout
             if not typed and "enter send" in screen:  # the message box is drawn: the app takes keys
                 drawn = time.perf_counter() - start
                 subprocess.run(["tmux", "send-keys", "-t", session, "What is the capital of France?", "Enter"])
@@ -135,6 +200,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--no-tui", action="store_true", help="leave out the `chatapp run` side")
     parser.add_argument("--tui-only", action="store_true", help="only the `chatapp run` side")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="a checkout of an earlier commit: every chatapp side runs from it too, after / before",
+    )
+    parser.add_argument(
+        "--before-home",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "chatapp-before-home",
+        help="the data directory of the --before sides",
+    )
     args = parser.parse_args()
 
     sys.path.insert(0, str(HERE))
@@ -145,9 +222,21 @@ def main() -> None:
     sides = [
         Side("chatapp --help", [*CHATAPP, "--help"], "help"),
         Side("chatapp generate, 1 token", [*CHATAPP, "generate", "Hi", "--max-tokens", "1"], "one"),
-        Side(f"chatapp generate, {args.tokens} tokens",
-             [*CHATAPP, "generate", STORY, "--max-tokens", str(args.tokens)], "story"),
+        Side(
+            f"chatapp generate, {args.tokens} tokens",
+            [*CHATAPP, "generate", STORY, "--max-tokens", str(args.tokens)],
+            "story",
+        ),
     ]
+    scratch = Path(tempfile.mkdtemp(prefix="chatapp-startup-"))
+    prompts = batch_file(scratch, args.tokens)
+    sides.append(
+        Side(
+            f"chatapp batch, {BATCH_PROMPTS} x {args.tokens} tokens",
+            [*CHATAPP, "batch", str(prompts), "-o", "-"],  # records to stdout, which the launcher discards
+            "batch",
+        )
+    )
     if importlib.util.find_spec("llama_cpp") is not None:
         gguf = gguf_path()
         sides += [
@@ -160,13 +249,21 @@ def main() -> None:
         sides = []
     if not args.no_tui and shutil.which("tmux"):
         sides.append(Side("chatapp run: first answer shown", None, "tui"))
+    if args.before is not None:
+        home = before_home(args.before_home)
+        for side in [s for s in sides if s.name.startswith("chatapp")]:
+            side.before = before_side(side, args.before.resolve(), home)
+            sides.insert(sides.index(side) + 1, side.before)
     drawn: list[float] = []  # the TUI side's seconds until its message box was drawn
 
     print(machine())
     for round_ in range(args.rounds + 1):  # round 0 warms the page cache and is dropped
         for side in sides:
             if side.argv:
-                wall, peak = run_process(side.argv)
+                wall, peak = run_process(side.argv, side.env, side.cwd)
+            elif side.env is not None:  # the TUI from the --before tree
+                command = [sys.executable, "-m", "chatapp", "run"]
+                wall, peak, _ = tui_first_answer(env=side.env, command=command, cwd=side.cwd)
             else:
                 wall, peak, first_draw = tui_first_answer()
                 if round_:
@@ -177,16 +274,22 @@ def main() -> None:
         print(f"round {round_}{' (warm-up, dropped)' if not round_ else ''} done", file=sys.stderr)
 
     reference = {s.job: s for s in sides if s.name.startswith("llama.cpp")}
-    print(f"\n{'side':40s} {'wall s (median)':>16s} {'peak RSS MB':>12s} {'wall / llama.cpp':>17s}")
+    print(
+        f"\n{'side':48s} {'wall s (median)':>16s} {'peak RSS MB':>12s} {'wall / llama.cpp':>17s} "
+        f"{'after / before':>15s}"
+    )
     for side in sides:
         wall, peak = statistics.median(side.walls), statistics.median(side.peaks)
         ref = reference.get(side.job)
         ratio = f"{wall / statistics.median(ref.walls):.2f}x" if ref and ref is not side else ""
-        print(f"{side.name:40s} {wall:16.2f} {peak:12.0f} {ratio:>17s}")
+        change = f"{wall / statistics.median(side.before.walls):.2f}x" if side.before else ""
+        print(f"{side.name:48s} {wall:16.2f} {peak:12.0f} {ratio:>17s} {change:>15s}")
     if drawn:
         print(f"{'chatapp run: message box drawn':40s} {statistics.median(drawn):16.2f}")
-        print("TUI rounds (drawn s / first answer s): "
-              + ", ".join(f"{d:.2f}/{w:.2f}" for d, w in zip(drawn, sides[-1].walls, strict=True)))
+        print(
+            "TUI rounds (drawn s / first answer s): "
+            + ", ".join(f"{d:.2f}/{w:.2f}" for d, w in zip(drawn, sides[-1].walls, strict=True))
+        )
 
 
 if __name__ == "__main__":

@@ -190,6 +190,17 @@ def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it() -> None:
     for layer in range(model.config.num_hidden_layers):
         keys = cache.keys[layer]
         assert all(torch.equal(keys[row], keys[0]) for row in range(1, rows))
+    # And a row alone (one channel at a time, no tile) gets the numbers it got in the batch.
+    alone = model.new_cache(1, 32)
+    model.extend(prompt, torch.tensor([6]), alone)
+    generator = torch.Generator().manual_seed(5)
+    batch_cache = model.new_cache(rows, 32)
+    model.extend(prompt.repeat(rows, 1), torch.tensor([6] * rows), batch_cache)
+    for _ in range(5):
+        ids = torch.randint(0, VOCAB, (1,), generator=generator)
+        one = cpu_step.kernel_step(model, ids, alone, True, model.config.router_threshold)
+        many = cpu_step.kernel_step(model, ids.repeat(rows), batch_cache, True, model.config.router_threshold)
+        assert torch.equal(one[0][0], many[0][rows - 1]) and torch.equal(one[1][:, 0], many[1][:, rows - 1])
 
 
 def test_decode_goes_through_the_kernel_step_at_every_batch_size() -> None:
