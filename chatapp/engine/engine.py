@@ -148,7 +148,7 @@ class Engine:
         for i, ids in enumerate(prompt_ids):
             self._check_fits(i, 0, len(ids))
         initial = max(len(ids) for ids in prompt_ids) + max(s.max_tokens for s in per_prompt) + CACHE_SLACK
-        with torch.inference_mode():  # as every cache the engine makes or edits (a compiled step guards on it)
+        with torch.inference_mode():  # as every cache the engine makes or edits (a compiled CUDA step guards on it)
             cache = self.model.new_cache(len(prompt_ids), min(self.context_size, initial))
         rows = [
             self._new_row(p * num_samples + s, per_prompt[p], None if constraints is None else constraints[p])

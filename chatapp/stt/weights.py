@@ -71,7 +71,7 @@ def default_format(device: torch.device, num_parameters: int) -> str:
     been measured yet). int8 because its decode step runs as one native call (`stt.cpu_step`) on any CPU, with nothing
     to compile, and on the CPU measured decodes faster than every other format's step, compiled or not, within the
     quality guard (the rates and the guard: docs/benchmarks.md, "cpu_decode.py"; the kernel: docs/cpu-kernel.md).
-    int4 stays a choice (`--dtype int4`): on AVX-512 its compiled step led the torch formats."""
+    int4 stays a choice (`--dtype int4`): eager, it is the torch step's fastest format at batch 1."""
     if device.type != "cpu" or fits_in_cache(num_parameters):
         return "float32"
     return "int8"
