@@ -7,7 +7,6 @@ directory routes the same way, and a model no recipe made (a converted GGUF) onl
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -38,7 +37,7 @@ def route_dialogues(model: str, model_dir: Path, prompts: str | None, count: int
     """The conversations the fit has the model answer: `count` of the `--prompts` file's, else of the set the
     model's recipe registered, drawn by `seed` (all of them when the set is smaller); `TrainingError` when there is
     no set, or it is too small to hold a quarter out."""
-    from chatapp.models.route_prompts import route_prompts_file
+    from chatapp.models.route_prompts import drawn, route_prompts_file
     from chatapp.training.corpus import read_dialogues
 
     example = f"chatapp route {model} --prompts prompts.jsonl"
@@ -58,9 +57,7 @@ def route_dialogues(model: str, model_dir: Path, prompts: str | None, count: int
             "(a quarter is held out to calibrate on)",
             hint=f"add conversations to {source}",
         )
-    if count >= len(dialogues):
-        return dialogues
-    return random.Random(seed).sample(dialogues, count)
+    return drawn(dialogues, count, seed)
 
 
 def route(

@@ -11,11 +11,15 @@ keeps it): preparing the model again never loses it. A model no recipe made (a c
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
+from typing import TypeVar
 
 from chatapp.models.smollm2 import PARTS_DIR, PREPARED_STAMP
 
 ROUTE_PROMPTS_FILE = "route_prompts.jsonl"
+
+T = TypeVar("T")
 
 
 def route_prompts_file(model_dir: Path) -> Path | None:
@@ -28,3 +32,11 @@ def route_prompts_file(model_dir: Path) -> Path | None:
     if shipped.is_file() and (model_dir / PREPARED_STAMP).is_file():
         return shipped
     return None
+
+
+def drawn(dialogues: list[T], count: int, seed: int) -> list[T]:
+    """The `count` conversations a fit uses, drawn by `seed` (all of them when the set holds no more): what
+    `chatapp route --conversations N --seed S` answers, and what the recipe's routing stage answers."""
+    if count >= len(dialogues):
+        return dialogues
+    return random.Random(seed).sample(dialogues, count)

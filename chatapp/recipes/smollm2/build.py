@@ -99,23 +99,46 @@ def _finished(text: str, stopped: bool) -> str:
 
 
 def stage_route(work: Path) -> None:
-    """Fit the routing of the prepared model with its backbone frozen (`chatapp route default --skip-mode predict
-    --max-layers 16`: layers chosen by each one's cost alone, predictors and routers fitted on the served model's own
-    replies), ship the routers and predictors (`train.export_routing`) and prepare the model again from the new
-    parts."""
+    """Fit the routing of the prepared model with its backbone frozen and ship it, as `chatapp route default
+    --skip-mode predict --conversations 320 --max-layers 16` does (layers chosen by each one's cost alone,
+    predictors and routers fitted on the served model's own replies to 320 of the shipped prompt set's
+    conversations), then run prompts densely and cut at `SHIPPED_THRESHOLD` (the model card's "Predict-mode
+    routing": the tasks that copy from earlier turns held there), export the routers and predictors
+    (`train.export_routing`) and prepare the model again from the new parts."""
+    import dataclasses
+    import json
+
     from chatapp.models.loader import load_model
-    from chatapp.models.smollm2 import ensure_prepared
+    from chatapp.models.route_prompts import ROUTE_PROMPTS_FILE, drawn
+    from chatapp.models.smollm2 import PARTS_DIR, ensure_prepared
     from chatapp.recipes.smollm2.train import export_routing
+    from chatapp.training.corpus import read_dialogues
     from chatapp.training.route import RouteOptions, route, write_routed
 
     loaded = load_model(ensure_prepared(), dtype="float32")
     speaker = load_model(ensure_prepared())  # the served format writes the replies, as `chatapp route` does
-    options = RouteOptions(skip_mode="predict", max_layers=16, dialogues=data.route_dialogues(96, 0, tools=True))
+    dialogues = drawn(read_dialogues(PARTS_DIR / ROUTE_PROMPTS_FILE, "prompt set"), SHIPPED_CONVERSATIONS, 0)
+    options = dataclasses.replace(RouteOptions(skip_mode="predict", max_layers=16), dialogues=dialogues)
     routed = route(loaded, options, log, cache_dir=work / "routing-data", speaker=speaker)
     log(routed.report.summary())
     write_routed(routed, loaded.path, work / "routed")
+    config_path = work / "routed" / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    levels = config.get("routing_levels") or {}
+    config |= {
+        "route_prompt": False,
+        "router_threshold": SHIPPED_THRESHOLD,
+        "routing_levels": {**levels, "quality": SHIPPED_THRESHOLD},
+    }
+    config_path.write_text(json.dumps(config, indent=2), encoding="utf-8")
     export_routing(work / "routed", log=log)
     ensure_prepared()
+
+
+SHIPPED_CONVERSATIONS = 320
+# The shipped cut: below the fit's calibrated 0.5, where recall and a letter count right after arithmetic held
+# (model card, "Predict-mode routing").
+SHIPPED_THRESHOLD = 0.15
 
 
 ROUTE_PROMPTS = 512  # conversations of the shipped prompt set (a route draws 96 by default); at 1024 the distinct

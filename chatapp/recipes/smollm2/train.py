@@ -400,8 +400,9 @@ def export_routing(model_dir: Path, *, log: Callable[[str], None]) -> Path:
     save_file(parts, str(PARTS_DIR / PARTS_FILE), metadata={"format": "pt"})
     keys = ("stt_layers", "skip_mode", "router_threshold", "routing_trained", "causal_router_hidden_size")
     manifest["stt"].update({key: config[key] for key in keys})
-    for key in ("predictor_rank", "routing_levels"):  # "predict" mode's predictors, the levels `route` measured
-        if config.get(key) is not None:
+    # "predict" mode's predictors, the levels `route` measured, and whether prompts are routed (default: yes)
+    for key in ("predictor_rank", "routing_levels", "route_prompt"):
+        if config.get(key) is not None and not (key == "route_prompt" and config[key]):
             manifest["stt"][key] = config[key]
         else:
             manifest["stt"].pop(key, None)
