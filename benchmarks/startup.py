@@ -21,8 +21,9 @@ a run (any `chatapp generate` does both); a first round is run and dropped as a 
 - `chatapp batch` of 32 prompts x `--tokens` tokens (greedy), the JSONL written to a scratch file;
 - with `--before DIR` (a checkout of an earlier commit, e.g. `git worktree add /tmp/before COMMIT`), every
   chatapp side again from that tree (`python -m chatapp` with its own code first on the path, and a data
-  directory of its own under `--before-home`, so that the two trees' stored served formats do not replace each
-  other; the prepared default model is linked into it), in the same rounds: the table then shows after / before
+  directory of its own under `--before-home`, where it prepares its own default model from its own parts in the
+  warm-up round, so that neither tree's prepared model or stored served format replaces the other's), in the same
+  rounds: the table then shows after / before
   for each command, which is how a change shows that no user command got slower.
 
 Run: .venv/bin/python benchmarks/startup.py [--rounds 5] [--tokens 128] [--tui-only] [--before DIR]
@@ -122,15 +123,9 @@ def before_side(side: Side, tree: Path, home: Path) -> Side:
 
 
 def before_home(home: Path) -> Path:
-    """A data directory for the `--before` tree with this one's prepared default model linked in (read only:
-    the tree writes its own stored served format beside it)."""
-    from chatapp.models.smollm2 import prepared_dir
-
-    models = home / "data" / "models"
-    models.mkdir(parents=True, exist_ok=True)
-    link = models / prepared_dir().name
-    if not link.exists():
-        link.symlink_to(prepared_dir())
+    """A data directory of the `--before` tree's own: it prepares its default model there from its own parts in the
+    warm-up round (a link to this tree's prepared model would not do: the two trees' parts may differ)."""
+    (home / "data").mkdir(parents=True, exist_ok=True)
     return home
 
 

@@ -327,10 +327,13 @@ class SkipPredictor(nn.Module):
 
     def __init__(self, config: STTConfig) -> None:
         super().__init__()
-        # Built without drawing from the global RNG (`skip_init`), so a model's other weights are the same whether
-        # or not it has predictors; zero, the update starts as none.
-        self.down = nn.utils.skip_init(nn.Linear, config.hidden_size, config.predictor_rank, bias=False)
-        self.up = nn.utils.skip_init(nn.Linear, config.predictor_rank, config.hidden_size, bias=True)
+        # Built with the global RNG's state put back after (what nn.Linear draws is zeroed below), so a model's other
+        # weights are the same whether or not it has predictors; zero, the update starts as none. Not `skip_init`:
+        # on the meta device (`STTForCausalLM.empty`, every load) its `to_empty` imported torch's symbolic-shapes
+        # machinery, 0.35 s of each command's start.
+        with torch.random.fork_rng(devices=[]):
+            self.down = nn.Linear(config.hidden_size, config.predictor_rank, bias=False)
+            self.up = nn.Linear(config.predictor_rank, config.hidden_size, bias=True)
         for tensor in (self.down.weight, self.up.weight, self.up.bias):
             nn.init.zeros_(tensor)
 
