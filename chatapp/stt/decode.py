@@ -182,7 +182,7 @@ EAGER_STEPS = DecodeSteps(block_step, stack_step)
 
 # A whole decode step in one call: (model, ids, cache, student, cutoff) -> `decode_step`'s results, or None for a
 # call it does not take (`stt.cpu_step.NativeStep`).
-NativeStep = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
+OneCallStep = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
 
 
 @dataclass
@@ -191,7 +191,7 @@ class DecodeRuntime:
     (`chatapp.models.loader.load_model`) and `decode_step` reads it. A model built any other way decodes eagerly
     with the torch step. Nothing else about decoding is kept on the module."""
 
-    native: NativeStep | None = None  # the whole step in one call, tried first (int8 on a CPU: `stt.cpu_step`)
+    native: OneCallStep | None = None  # the whole step in one call, tried first (int8 on a CPU: `stt.cpu_step`)
     compiled: DecodeSteps | None = None  # the torch step's blocks compiled (CUDA: `compile_decode`)
     note: str = "the decode step runs eagerly (torch)"  # how it runs, for `--verbose` and logs
     # Derived once and kept: the step's plans and their readers by (student, layers), and the rotary tables.
