@@ -962,19 +962,26 @@ def recall_conversations(
 
 def route_dialogues(count: int, seed: int, tools: bool) -> list[list[str]]:
     """What `chatapp route` has a model answer, as each conversation's user turns: general prompts, a third tool
-    questions when the model has a tool (training phrasings: the held-out ones stay unseen for the evaluation), and
-    a quarter recall conversations (a fact, an unrelated question, the question that recalls the fact), so that the
-    fit sees answers that read back across turns."""
+    questions when the model has a tool (training phrasings: the held-out ones stay unseen for the evaluation), a
+    sixth chains of tool questions (`chained_conversations`' shapes: a letter count after arithmetic is where a
+    routed or tuned model repeats the earlier call), and a quarter recall conversations (a fact, an unrelated
+    question, the question that recalls the fact), so that the fit sees answers that read back across turns."""
     rng = random.Random(seed)
     recall_count = count // 4
-    tool_count = (count - recall_count) // 3 if tools else 0
-    general = general_prompts(rng, count - tool_count)
+    chain_count = count // 6 if tools else 0
+    tool_count = (count - recall_count - chain_count) // 3 if tools else 0
+    general = general_prompts(rng, count - tool_count - chain_count)
     tool = [q.question for q, _ in tool_questions(rng, tool_count, held_out=False, kinds=TRAIN_KINDS)]
-    singles = general[: count - tool_count - recall_count] + tool
-    middles = general[count - tool_count - recall_count :]
+    singles = general[: count - tool_count - chain_count - recall_count] + tool
+    middles = general[count - tool_count - chain_count - recall_count :]
     dialogues = [[prompt] for prompt in singles]
     for middle in middles:
         kind, fact, recall, _ = rng.choice(_FACTS_TRAIN)
         dialogues.append([fact.format(x=_fact_value(rng, kind, held_out=False)), middle, recall])
+    if chain_count:
+        exchanges = [tool_conversation(q, a) for q, a in tool_questions(rng, 2 * chain_count, False, TRAIN_KINDS)]
+        asked = [[{"role": "user", "content": p}] for p in general[: chain_count // 2]]
+        for chain in chained_conversations(rng, chain_count, exchanges, asked):
+            dialogues.append([m["content"] for m in chain if m["role"] == "user"])
     rng.shuffle(dialogues)
     return dialogues
