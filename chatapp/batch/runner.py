@@ -49,8 +49,10 @@ def sample_seed(seed: int, sample: int) -> int:
 class BatchEngine(Protocol):
     """What the runner needs from `chatapp.engine.Engine`."""
 
-    @property
-    def stt_layers(self) -> list[int]: ...
+    def new_reply(self, row: int = 0) -> Reply:
+        """An empty fold for one row: it carries the model's layer count, skip cost and tool markers, so a record's
+        compute saved and tool calls are the engine's (`Engine.new_reply`)."""
+        ...
 
     def generate(
         self,
@@ -230,7 +232,7 @@ class RowGenerator:
                     yield from self.run(part)
 
     def _stream(self, jobs: Sequence[RowJob]) -> Iterator[tuple[int, Reply]]:
-        replies = [Reply(index, stt_layers=self.engine.stt_layers) for index in range(len(jobs))]
+        replies = [self.engine.new_reply(index) for index in range(len(jobs))]
         programs = [job.program for job in jobs]
         constraints = [job.constraint for job in jobs]
         steps = self.engine.generate(

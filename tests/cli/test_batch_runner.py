@@ -35,6 +35,9 @@ class ScriptedEngine:
     def __init__(self) -> None:
         self.batch_sizes: list[int] = []
 
+    def new_reply(self, row: int = 0) -> Reply:
+        return Reply(row, num_layers=4, stt_layers=self.stt_layers)
+
     @staticmethod
     def plan(prompt: list[int], settings: GenerationSettings) -> list[int]:
         rng = random.Random(f"{prompt}/{settings.seed}/{settings.temperature}")

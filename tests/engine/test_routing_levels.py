@@ -125,3 +125,20 @@ def test_a_model_that_does_not_route_prompts_routes_only_what_it_generates(route
     dense = list(engine.generate(["Hello there, how are you?"], settings.with_(routing="off")))
     first = next(event.token for step in dense for event in step.tokens)
     assert next(event.token for step in steps for event in step.tokens) == first  # the prompt ran dense
+
+
+def test_batch_records_count_compute_saved_as_the_reply_fold_does(leveled_dir: Path, tmp_path: Path) -> None:
+    """A record's compute saved is its per-layer routing folded by the one definition (`chatapp.compute_saved`) over
+    all of the model's layers, net of the skip cost: not zero while its STT layers skip."""
+    config = STTConfig.from_pretrained(leveled_dir)
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "prompt": f"Say {i}", "max_tokens": 8}) + "\n" for i in range(3)))
+    result = runner.invoke(app, ["batch", str(source), "--model", str(leveled_dir), "--routing", "quality"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(records) == 3
+    for record in records:
+        skipped = sum(1 - share for share in record["routing"].values())
+        expected = compute_saved(skipped, 1, config.num_hidden_layers, skip_cost(config))
+        assert record["compute_saved"] == pytest.approx(expected, abs=1e-5)
+    assert any(record["compute_saved"] > 0 for record in records)

@@ -94,6 +94,19 @@ def test_int4_keeps_the_adapters_apart_and_the_default_format_is_the_cpus(model_
     assert "1665" in out
 
 
+def test_batch_records_carry_the_models_tool_calls_and_compute_saved(model_dir: Path, tmp_path: Path) -> None:
+    """A batch record reads the default model's own tool markers (`<jupyter_code>`) and its routing: the calculator
+    call and its result are in `tool_calls`, and `compute_saved` is positive where its layers skipped."""
+    source = tmp_path / "in.jsonl"
+    questions = ["A train travels 60 km per hour for 2.5 hours. How far does it go?", "Tell me a short story."]
+    source.write_text("".join(json.dumps({"id": i, "prompt": q}) + "\n" for i, q in enumerate(questions)))
+    result = CliRunner().invoke(app, ["batch", str(source), "--model", str(model_dir), "--max-tokens", "48"])
+    assert result.exit_code == 0, result.output
+    train, story = (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))
+    assert train["tool_calls"] == [{"tool": "calculator", "expression": "60*2.5", "result": "150"}]
+    assert story["stt_skipped"] > 0 and story["compute_saved"] > 0, story
+
+
 def test_default_model_is_the_prepared_smollm2(default_home: Path) -> None:
     out = generate("What is the capital of France?")
     assert "Paris" in out

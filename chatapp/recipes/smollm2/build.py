@@ -105,7 +105,6 @@ def stage_route(work: Path) -> None:
     conversations), then run prompts densely and cut at `SHIPPED_THRESHOLD` (the model card's "Predict-mode
     routing": the tasks that copy from earlier turns held there), export the routers and predictors
     (`train.export_routing`) and prepare the model again from the new parts."""
-    import dataclasses
     import json
 
     from chatapp.models.loader import load_model
@@ -114,11 +113,14 @@ def stage_route(work: Path) -> None:
     from chatapp.recipes.smollm2.train import export_routing
     from chatapp.training.corpus import read_dialogues
     from chatapp.training.route import RouteOptions, route, write_routed
+    from chatapp.training.tune import TuneOptions
 
     loaded = load_model(ensure_prepared(), dtype="float32")
     speaker = load_model(ensure_prepared())  # the served format writes the replies, as `chatapp route` does
     dialogues = drawn(read_dialogues(PARTS_DIR / ROUTE_PROMPTS_FILE, "prompt set"), SHIPPED_CONVERSATIONS, 0)
-    options = dataclasses.replace(RouteOptions(skip_mode="predict", max_layers=16), dialogues=dialogues)
+    options = RouteOptions(
+        skip_mode="predict", max_layers=16, dialogues=dialogues, tune=TuneOptions(steps=SHIPPED_TUNE_STEPS)
+    )
     routed = route(loaded, options, log, cache_dir=work / "routing-data", speaker=speaker)
     log(routed.report.summary())
     write_routed(routed, loaded.path, work / "routed")
@@ -136,6 +138,7 @@ def stage_route(work: Path) -> None:
 
 
 SHIPPED_CONVERSATIONS = 320
+SHIPPED_TUNE_STEPS = 200  # LoRA steps with the routing in the loop (`chatapp route --tune-steps`), ~40 min on 2 cores
 # The shipped cut: below the fit's calibrated 0.5, where recall and a letter count right after arithmetic held
 # (model card, "Predict-mode routing").
 SHIPPED_THRESHOLD = 0.15
