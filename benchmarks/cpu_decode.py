@@ -38,7 +38,7 @@ llama.cpp is not a dependency: it builds from source (about 10 minutes on 2 core
 Run: .venv/bin/python benchmarks/cpu_decode.py --model DIR [--threads 2] [--rounds 3] [--batches 1,8,32]
      [--formats float32,bfloat16,int8,int4] [--compiled int8,int4] [--skip-quality] [--skip-speed]
      [--skip-ttft] [--skip-routing] [--routing-formats int4] [--routing-steps eager,kernel,compiled]
-     [--routing-layers 3,4,5 --routing-rate 0.5 --skip-mode kv]
+     [--routing-layers 3,4,5 --routing-rate 0.5 --skip-mode kv] [--routing-text chat|prose]
 Routing comparison alone: --skip-quality --skip-speed --skip-ttft --formats float32 --no-transformers
 """
 
@@ -101,6 +101,9 @@ QUESTIONS = [
     "What should I pack for a weekend hiking trip?", "Explain the water cycle.", "What is an API?",
     "Describe the taste of a lemon.", "What is the tallest mountain in the world?", "How do airplanes stay in the air?",
 ]
+
+
+ROUTING_QUESTION = "Explain the water cycle."  # the routing comparison's chat prompt (`--routing-text chat`)
 
 
 def chat_prompts(tokenizer, model_dir: Path) -> list[list[int]]:
@@ -434,7 +437,12 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
     batch 1 on the same model, format and step (`--routing-steps`: the torch step eager, the native step, the
     torch step compiled in this process), interleaved; and the time to first token of a `--ttft-tokens` prompt on
     vs off, each format decoding as the app does (`app_step`)."""
-    prompt = prompts_for(1, args.prompt_tokens)
+    # "chat": a question in the model's chat format, so the tokens timed are the model's own reply (what the app
+    # decodes, and the text its routers skip least of); "prose": `--prompt-tokens` of documentation text, continued.
+    if args.routing_text == "chat":
+        prompt = [chat_prompts(tokenizer, model_dir)[QUESTIONS.index(ROUTING_QUESTION)]]
+    else:
+        prompt = prompts_for(1, args.prompt_tokens)
     models = routing_models(model_dir, args, prompt[0])
     model = next(iter(models.values()))
     config = model.config
@@ -478,9 +486,14 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
         if args.routing_layers
         else f"the model's own routing, layers {config.stt_layers}"
     )
+    text = (
+        f"the model's reply to {ROUTING_QUESTION!r}"
+        if args.routing_text == "chat"
+        else f"{args.prompt_tokens}-token prose prompt"
+    )
     lines = [
         f"Routing on at each level vs off, batch 1: {how}, skip mode {config.skip_mode!r}, levels "
-        f"{routing_levels(config)}; {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {args.threads} "
+        f"{routing_levels(config)}; {text}, {args.new_tokens} new tokens, {args.threads} "
         f"threads, median of {args.rounds} interleaved rounds (on/off: the median of each round's ratio). Skipped "
         f"shares are net of what a skipped token still computes (`chatapp.compute_saved`).",
         "",
@@ -533,6 +546,9 @@ def main() -> None:
                              "step, as the app runs it on a CPU), compiled (the torch step compiled in this process)")
     parser.add_argument("--routing-layers", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                         help="route these layers synthetically (default: the model's own routing, as it is)")
+    parser.add_argument("--routing-text", choices=("chat", "prose"), default="chat",
+                        help="what the routing comparison decodes: the model's reply to a chat question (default) or a "
+                        "continuation of --prompt-tokens of prose")
     parser.add_argument("--routing-rate", type=float, default=0.5, help="share of tokens the synthetic routers skip")
     parser.add_argument("--skip-mode", choices=["strict", "kv"], default=None,
                         help="skip mode of the routing comparison (default: the model's; kv when synthetic)")

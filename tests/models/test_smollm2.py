@@ -113,9 +113,9 @@ def test_default_model_is_the_prepared_smollm2(default_home: Path) -> None:
 
 
 def test_routing_on_held_out_chat(model_dir: Path) -> None:
-    """The shipped routing (issue 39): at least 8 routed layers that process 40-80% of the tokens on average, at
-    least 8% of all block work skipped net (12% measured), perplexity within 10% of routing off; at 0.4 the routers
-    still split every layer's tokens between 10% and 90%: they learned to route."""
+    """The shipped routing (issue 39): at least 12 routed layers (16 ship) that process 40-80% of the tokens on
+    average, at least 12% of all block work skipped net (18% measured), perplexity within 10% of routing off; at 0.4
+    the routers still split every layer's tokens between 10% and 90%: they learned to route."""
     import random
 
     from chatapp.models import load_engine
@@ -133,10 +133,10 @@ def test_routing_on_held_out_chat(model_dir: Path) -> None:
         [{"role": "user", "content": "Hi, I'm Noor."}, {"role": "assistant", "content": "Hello Noor! How can I help?"}],
     ]
     shipped = stt_report(engine, chats)
-    assert len(engine.model.config.stt_layers) >= 8 and engine.model.config.skip_mode == "predict"
+    assert len(engine.model.config.stt_layers) >= 12 and engine.model.config.skip_mode == "predict"
     assert shipped["ppl_student_over_off"] <= 1.10, shipped
     assert 0.4 <= shipped["student_fraction_mean"] <= 0.8, shipped
-    assert shipped["compute_saved"] >= 0.08, shipped
+    assert shipped["compute_saved"] >= 0.12, shipped
     engine.model.config.router_threshold = 0.4
     calibrated = stt_report(engine, chats)
     fractions = calibrated["student_fraction_per_layer"]
