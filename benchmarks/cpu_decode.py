@@ -441,8 +441,9 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
     # decodes, and the text its routers skip least of); "prose": `--prompt-tokens` of documentation text, continued.
     if args.routing_text == "chat":
         prompt = [chat_prompts(tokenizer, model_dir)[QUESTIONS.index(ROUTING_QUESTION)]]
+        text = f"the model's reply to {ROUTING_QUESTION!r}"
     else:
-        prompt = prompts_for(1, args.prompt_tokens)
+        prompt, text = prompts_for(1, args.prompt_tokens), f"{args.prompt_tokens}-token prose prompt"
     models = routing_models(model_dir, args, prompt[0])
     model = next(iter(models.values()))
     config = model.config
@@ -485,11 +486,6 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
         f"layers {args.routing_layers} routed synthetically to skip {args.routing_rate:.0%} (`_routing.py`)"
         if args.routing_layers
         else f"the model's own routing, layers {config.stt_layers}"
-    )
-    text = (
-        f"the model's reply to {ROUTING_QUESTION!r}"
-        if args.routing_text == "chat"
-        else f"{args.prompt_tokens}-token prose prompt"
     )
     lines = [
         f"Routing on at each level vs off, batch 1: {how}, skip mode {config.skip_mode!r}, levels "
