@@ -18,7 +18,7 @@ see the same machine load), and the table reports medians:
   in each format (batch B reads them once for B tokens);
 - time to first token for a `--ttft-tokens` prompt (1,000 by default), chatapp formats (each decoding its first
   token as the app does: int8 through the native step) vs transformers;
-- routing on vs off (`--routing-formats`, int4 by default): decode tokens/s at batch 1 with the student's routing
+- routing on vs off (`--routing-formats`, by default int8 through the native step: what a CPU serves): decode tokens/s at batch 1 with the student's routing
   and without, on the same model, format and step (`--routing-steps`: the torch step eager, the native step,
   the compiled torch step), interleaved, with the
   share of the routed layers' tokens skipped and of all block computations (`chatapp.compute_saved`), and the
@@ -37,7 +37,7 @@ llama.cpp is not a dependency: it builds from source (about 10 minutes on 2 core
 
 Run: .venv/bin/python benchmarks/cpu_decode.py --model DIR [--threads 2] [--rounds 3] [--batches 1,8,32]
      [--formats float32,bfloat16,int8,int4] [--compiled int8,int4] [--skip-quality] [--skip-speed]
-     [--skip-ttft] [--skip-routing] [--routing-formats int4] [--routing-steps eager,kernel,compiled]
+     [--skip-ttft] [--skip-routing] [--routing-formats int8] [--routing-steps eager,kernel,compiled]
      [--routing-layers 3,4,5 --routing-rate 0.5 --skip-mode kv] [--routing-text chat|prose]
 Routing comparison alone: --skip-quality --skip-speed --skip-ttft --formats float32 --no-transformers
 """
@@ -535,9 +535,9 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-routing", action="store_true")
-    parser.add_argument("--routing-formats", type=lambda s: s.split(","), default=["int4"],
-                        help="formats of the routing on/off comparison")
-    parser.add_argument("--routing-steps", type=lambda s: s.split(","), default=["eager", "kernel"],
+    parser.add_argument("--routing-formats", type=lambda s: s.split(","), default=["int8"],
+                        help="formats of the routing on/off comparison (default: the one a CPU serves)")
+    parser.add_argument("--routing-steps", type=lambda s: s.split(","), default=["kernel"],
                         help="decode steps of the routing comparison: eager (the torch step), kernel (int8's native "
                              "step, as the app runs it on a CPU), compiled (the torch step compiled in this process)")
     parser.add_argument("--routing-layers", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
