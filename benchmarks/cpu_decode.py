@@ -21,8 +21,9 @@ see the same machine load), and the table reports medians:
 - routing on vs off (`--routing-formats`, by default int8 through the native step: what a CPU serves): decode tokens/s at batch 1 with the student's routing
   and without, on the same model, format and step (`--routing-steps`: the torch step eager, the native step,
   the compiled torch step), interleaved, with the
-  share of the routed layers' tokens skipped and of all block computations (`chatapp.compute_saved`), and the
-  time to first token of the `--ttft-tokens` prompt on vs off. The model routes as it is, or, with
+  share of the routed layers' tokens skipped and of all block computations (`chatapp.compute_saved`), the skip
+  path's bounds whatever the text (`skip_bounds`: every router on and every token computed, every routed token
+  skipped), and the time to first token of the `--ttft-tokens` prompt on vs off. The model routes as it is, or, with
   `--routing-layers`, those layers are routed synthetically to skip about `--routing-rate` of their tokens in
   `--skip-mode` (`_routing.py`: the speed of skipping, not its quality);
 - the quality guard for the lossy formats: greedy agreement with float32 over 32 prompts x 64 tokens (teacher-
@@ -506,11 +507,46 @@ def routing_section(model_dir: Path, tokenizer, prompts_for: Callable[[int, int]
             off, on = (statistics.median(rates[(fmt, step, r)]) for r in (OFF_LEVEL, level))
             lines.append(f"| {fmt} | {step} | {level} | {off:.1f} | {on:.1f} | "
                          f"{statistics.median(ratios[(fmt, step, level)]):.2f}x | {routed_share:.0%} | {all_share:.1%} |")
+    lines += ["", *skip_bounds(models, steps, prompt[0], args.rounds, cost)]
     lines += ["", f"Time to first token, {args.ttft_tokens}-token prompt, batch 1 (median of "
               f"{args.ttft_rounds or args.rounds}):", "", "| format | off ms | on ms | on/off time |", "|---|---:|---:|---:|"]
     for fmt in models:
         off, on = (statistics.median(ttft[(fmt, r)]) * 1e3 for r in ("off", "student"))
         lines.append(f"| {fmt} | {off:.0f} | {on:.0f} | {on / off:.2f} |")
+    return lines
+
+
+def skip_bounds(models, steps: dict[str, dict[str, Step]], prompt: list[int], rounds: int, cost: float,
+                steps_timed: int = 128) -> list[str]:
+    """What the skip path can give at batch 1, the text aside: `steps_timed` decode steps of one token after
+    `prompt`, routing off, with every router running and every token computed (cutoff 0: the routers' own cost),
+    and with every routed token skipped (a cutoff above 1), interleaved; beside the share of block work the
+    accounting (`chatapp.compute_saved`) says the last one skips."""
+    sides = {"off": ("off", 0.0), "computed": ("student", 0.0), "skipped": ("student", 1.1)}
+    times: dict[tuple[str, str, str], list[float]] = {}
+    token = torch.tensor([prompt[-1]])
+    for _ in range(rounds):
+        for fmt, model in models.items():
+            for name, step in steps[fmt].items():
+                for side, (routing, cutoff) in sides.items():
+                    cache = model.new_cache(1, len(prompt) + steps_timed + 1)
+                    with torch.inference_mode(), step.used_by(model):
+                        model.extend(torch.tensor([prompt]), torch.tensor([len(prompt)]), cache, routing="off")
+                        start = time.perf_counter()
+                        for _ in range(steps_timed):
+                            model.decode(token, cache, routing=routing, threshold=cutoff)
+                        times.setdefault((fmt, name, side), []).append((time.perf_counter() - start) / steps_timed)
+    lines = [f"The skip path's bounds, batch 1: ms per decode step ({steps_timed} steps after the prompt, median of "
+             f"{rounds}) with routing off, with the routers on and every token computed, and with every routed "
+             "token skipped; the last beside the share of all block work the accounting says it skips.", "",
+             "| format | step | off ms | routers on, all computed ms | all routed tokens skipped ms | off / skipped "
+             "| all block work skipped |", "|---|---|---:|---:|---:|---:|---:|"]
+    for fmt, model in models.items():
+        share = compute_saved(len(model.config.stt_layers), 1, model.config.num_hidden_layers, cost)
+        for name in steps[fmt]:
+            off, on, skipped = (statistics.median(times[(fmt, name, side)]) * 1e3 for side in sides)
+            lines.append(f"| {fmt} | {name} | {off:.2f} | {on:.2f} | {skipped:.2f} | {off / skipped:.2f}x "
+                         f"| {share:.1%} |")
     return lines
 
 
