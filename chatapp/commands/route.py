@@ -119,6 +119,14 @@ def route(
             "again and calibrated (~10 s a step on 2 CPU cores; resumable). 0: the weights stay frozen.",
         ),
     ] = 0,
+    dense_prompts: Annotated[
+        bool | None,
+        typer.Option(
+            "--dense-prompts/--routed-prompts",
+            help="Prompts through every layer and only the replies routed (fitted, calibrated and tuned on the "
+            "replies' tokens), or every token routed. Default: as the model's config says (route_prompt).",
+        ),
+    ] = None,
 ) -> None:
     """Fit the STT routing of a model and calibrate one cutoff per layer on held-out perplexity and a copy probe
     (minutes on a CPU, the weights frozen; --tune-steps fine-tunes them to the routing too). Works on any model
@@ -143,6 +151,7 @@ def route(
         answer_tokens=answer_tokens,
         seed=seed,
         tune=TuneOptions(steps=tune_steps),
+        dense_prompts=dense_prompts,
     )
     source = resolve_model(model)
     config = check_model_dir(source)

@@ -17,6 +17,10 @@ Minutes on 2 CPU cores, on any chatapp model directory (a converted GGUF, a Qwen
    probabilities on the fit data. Student-routed held-out perplexity (relative to routing off) and a copy probe
    (does every digit the model copied into a tool call survive?) choose the rate and how many candidates route:
    the most block work skipped within the perplexity `budget` with the copy probe intact.
+   With the prompts dense (`RouteOptions.dense_prompts`, a model whose config says `route_prompt` false), the
+   routers decide on the replies' tokens alone, so every step from the layer sweep on (router targets, quantiles,
+   held-out runs, compute saved, the tune) reads those tokens and runs the prompts through every layer: a prompt's
+   tokens are easier to skip than a reply's, and a fit that counts them sets cutoffs that skip less of the replies.
 6. Each layer's cutoff is folded into its router's output bias, so the probability 0.5 means "at this layer's
    cutoff": the model keeps one `router_threshold` (0.5), which the app's routing-threshold setting moves for all
    layers at once.
@@ -83,6 +87,10 @@ class RouteOptions:
     epochs: int = 40
     seed: int = 0
     tune: TuneOptions = field(default_factory=TuneOptions)  # the backbone's fine-tune (`tune.steps` 0: none)
+    # Prompts through every layer, only the replies routed (`STTConfig.route_prompt` false): the fit then routes,
+    # fits, calibrates, counts and tunes on the replies' tokens alone, as the model will be served. None: as the
+    # model's config says.
+    dense_prompts: bool | None = None
 
     def check(self, layer_count: int, context: int) -> None:
         """`TrainingError` naming the first option a model of `layer_count` layers and a context of `context`
@@ -137,6 +145,7 @@ class RouteReport:
 
     skip_mode: str
     data: str
+    dense_prompts: bool  # only the replies' tokens routed (and counted in compute saved)
     fit_tokens: int
     held_out_tokens: int
     dense_ppl: float  # routing off, the model as given
@@ -278,15 +287,18 @@ def backbone_digest(model: STTForCausalLM, options: RouteOptions) -> str:
 
 @dataclass
 class Batch:
-    """Right-padded conversations: ids and valid (B, T); scored and copy (B, T - 1) as in `Conversation`."""
+    """Right-padded conversations: ids and valid (B, T); scored and copy (B, T - 1) as in `Conversation`; routable
+    (B, T), the tokens the routers decide on: every valid one, or with the prompts dense the reply's alone (from its
+    first token, which the model always samples, on; the results the engine forced in it included, as served)."""
 
     ids: torch.Tensor
     valid: torch.Tensor
     scored: torch.Tensor
     copy: torch.Tensor
+    routable: torch.Tensor
 
 
-def batches(conversations: Sequence[Conversation], pad: int) -> list[Batch]:
+def batches(conversations: Sequence[Conversation], pad: int, dense_prompts: bool = False) -> list[Batch]:
     """Conversations sorted by length in batches of at most `PADDED_POSITIONS` padded positions."""
     order = sorted(conversations, key=lambda c: len(c.ids))
     groups: list[list[Conversation]] = [[]]
@@ -301,13 +313,16 @@ def batches(conversations: Sequence[Conversation], pad: int) -> list[Batch]:
         valid = torch.zeros(len(group), width, dtype=torch.bool)
         scored = torch.zeros(len(group), width - 1, dtype=torch.bool)
         copy = torch.zeros(len(group), width - 1, dtype=torch.bool)
+        routable = torch.zeros(len(group), width, dtype=torch.bool)
         for b, conv in enumerate(group):
             n = len(conv.ids)
             ids[b, :n] = torch.tensor(conv.ids)
             valid[b, :n] = True
             scored[b, : n - 1] = torch.tensor(conv.scored, dtype=torch.bool)
             copy[b, : n - 1] = torch.tensor(conv.copy, dtype=torch.bool)
-        out.append(Batch(ids, valid, scored, copy))
+            reply = next((t + 1 for t, s in enumerate(conv.scored) if s), n) if dense_prompts else 0
+            routable[b, reply:n] = True
+        out.append(Batch(ids, valid, scored, copy, routable))
     return out
 
 
@@ -378,9 +393,9 @@ def routed_pass(
 ) -> tuple[torch.Tensor, dict[int, int]]:
     """The final hidden state with the layers of `decide` routed (`decide[layer](layer_input)` gives the selected
     tokens (B, T)) and the others dense, from the cached input of the lowest routed layer; and per routed layer the
-    number of valid tokens it skipped."""
+    number of tokens it skipped (of the routable ones: the others run every block)."""
     start = min(decide)
-    hidden, valid = cached.inputs[start], cached.batch.valid
+    hidden, routable = cached.inputs[start], cached.batch.routable
     causal = self_attention_sink()
     skipped: dict[int, int] = {}
     for index in range(start, len(model.model.layers)):
@@ -388,7 +403,7 @@ def routed_pass(
         if index not in decide:
             hidden = layer.block(hidden, cached.cos, cached.sin, causal)
             continue
-        selected = decide[index](hidden) | ~valid
+        selected = decide[index](hidden) | ~routable
         skipped[index] = int((~selected).sum())
         hidden = layer.routed(hidden, cached.cos, cached.sin, selected, skips.mode, skips.predictors.get(index))
     return hidden, skipped
@@ -423,7 +438,7 @@ class HeldOut:
         """`reference_nll`: the per-token loss routed runs are compared with (default: this model's dense one; a
         tuned backbone is compared with the model before tuning, so that what tuning cost counts too)."""
         self.model, self.cached = model, cached
-        self.tokens = sum(int(c.batch.valid.sum()) for c in cached)
+        self.tokens = sum(int(c.batch.routable.sum()) for c in cached)  # what compute saved counts over
         self.scored = sum(int(c.batch.scored.sum()) for c in cached)
         self.probes = sum(int(c.batch.copy.any(1).sum()) for c in cached)
         dense = Scores()
@@ -474,7 +489,7 @@ def single_layer_costs(held: HeldOut, layers: Sequence[int], skips: Skips, log: 
     for layer in layers:
 
         def decide_for(c: Cached, layer: int = layer) -> dict[int, Callable]:
-            chosen = selected_by_score(c.update_score(layer, skips), c.batch.valid, SWEEP_RATE)
+            chosen = selected_by_score(c.update_score(layer, skips), c.batch.routable, SWEEP_RATE)
             return {layer: lambda _x: chosen}
 
         costs[layer], _, _ = held.run(decide_for, skips)
@@ -529,11 +544,11 @@ def fit_router(
     """Fit `router` to the update score's decisions at `layer` on the cached dense inputs; returns the final loss."""
     currents, previouses, targets = [], [], []
     for c in fit:
-        x, valid = c.inputs[layer], c.batch.valid
-        target = selected_by_score(c.update_score(layer, skips), valid, 0.5)
-        currents.append(x[valid])
-        previouses.append(previous_tokens(x)[valid])
-        targets.append(target[valid].float())
+        x, routable = c.inputs[layer], c.batch.routable
+        target = selected_by_score(c.update_score(layer, skips), routable, 0.5)
+        currents.append(x[routable])
+        previouses.append(previous_tokens(x)[routable])
+        targets.append(target[routable].float())
     current, previous, target = torch.cat(currents), torch.cat(previouses), torch.cat(targets)
     generator = torch.Generator().manual_seed(options.seed * 1000 + layer)
     optimizer = torch.optim.AdamW(router.parameters(), lr=2e-3, weight_decay=0.01)
@@ -557,10 +572,10 @@ def fit_router(
 
 @torch.no_grad()
 def fit_probs(model: STTForCausalLM, fit: Sequence[Cached], layer: int) -> torch.Tensor:
-    """The layer's router probabilities over every valid fit token (dense stream), flat."""
+    """The layer's router probabilities over every routable fit token (dense stream), flat."""
     block = model.model.layers[layer]
     return torch.cat(
-        [router_probs(block, c.inputs[layer], previous_tokens(c.inputs[layer]))[c.batch.valid] for c in fit]
+        [router_probs(block, c.inputs[layer], previous_tokens(c.inputs[layer]))[c.batch.routable] for c in fit]
     )
 
 
@@ -570,9 +585,9 @@ def f1_score(model: STTForCausalLM, held: HeldOut, layer: int, cutoff: float, sk
     block = model.model.layers[layer]
     with torch.no_grad():
         for c in held.cached:
-            valid = c.batch.valid
-            student = select(router_probs(block, c.inputs[layer], previous_tokens(c.inputs[layer])), cutoff) & valid
-            target = selected_by_score(c.update_score(layer, skips), valid, 0.5) & valid
+            routable = c.batch.routable
+            student = select(router_probs(block, c.inputs[layer], previous_tokens(c.inputs[layer])), cutoff) & routable
+            target = selected_by_score(c.update_score(layer, skips), routable, 0.5) & routable
             true_pos += int((student & target).sum())
             predicted += int(student.sum())
             actual += int(target.sum())
@@ -605,16 +620,18 @@ def route(
     fit_rows = [c for i, c in enumerate(conversations) if i % 4 != 3]
     pad = conversations[0].ids[0]
     seconds = {"self-distill": time.perf_counter() - clock}
+    dense = not getattr(model.config, "route_prompt", True) if options.dense_prompts is None else options.dense_prompts
 
     clock = time.perf_counter()
-    fit = [dense_pass(model, b) for b in batches(fit_rows, pad)]
-    held = HeldOut(model, [dense_pass(model, b) for b in batches(held_rows, pad)])
+    fit = [dense_pass(model, b) for b in batches(fit_rows, pad, dense)]
+    held = HeldOut(model, [dense_pass(model, b) for b in batches(held_rows, pad, dense)])
     report = RouteReport(
         skip_mode=options.skip_mode,
         data=(
             f"{len(conversations)} self-distilled replies (greedy, routing off, <= {options.answer_tokens} tokens) "
             f"to general{' and tool' if held.probes else ''} prompts; every 4th held out"
         ),
+        dense_prompts=dense,
         fit_tokens=sum(int(c.batch.valid.sum()) for c in fit),
         held_out_tokens=held.tokens,
         dense_ppl=math.exp(held.dense_nll),
@@ -648,7 +665,10 @@ def route(
         checkpoint = None
         if cache_dir is not None:
             cache_dir.mkdir(parents=True, exist_ok=True)
-            key = json.dumps([backbone_digest(model, options), candidates, options.skip_mode, list(options.rates)])
+            key = json.dumps(
+                [backbone_digest(model, options), candidates, options.skip_mode, list(options.rates)]
+                + (["dense prompts"] if dense else [])
+            )
             checkpoint = cache_dir / f"tune-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
         adapters = tune_backbone(routed, fit, candidates, probs, options, log, checkpoint)
         seconds["tune"] = time.perf_counter() - clock
@@ -718,6 +738,7 @@ def route(
     if best is None:
         return Routed(with_routed_layers(model, [], options.skip_mode), report, adapters)
     final = with_routed_layers(model, best.layers, options.skip_mode, skips)
+    final.config.route_prompt = not dense
     report.cutoffs = cutoffs_at(best.rate, best.layers)
     for layer in best.layers:
         source, target = routed.model.layers[layer].causal_router, final.model.layers[layer].causal_router
@@ -793,7 +814,8 @@ def tune_backbone(
     predictions of the fit data (`chatapp.training.tune`)."""
     cutoffs = {rate: {layer: float(torch.quantile(probs[layer], rate)) for layer in layers} for rate in options.rates}
     targets = [
-        dense_targets(routed, c.batch.ids, c.batch.valid, c.batch.scored, c.inputs[-1], options.tune.top_k) for c in fit
+        dense_targets(routed, c.batch.ids, c.batch.routable, c.batch.scored, c.inputs[-1], options.tune.top_k)
+        for c in fit
     ]
     batches_ = [t for t in targets if len(t.top_ids)]
     log(f"tune: {options.tune.steps} steps on {sum(len(t.top_ids) for t in batches_)} scored positions")

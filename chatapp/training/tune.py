@@ -61,7 +61,7 @@ class TuneBatch:
     """Right-padded token rows and what the dense model predicted at their scored positions."""
 
     ids: torch.Tensor  # (B, T)
-    valid: torch.Tensor  # (B, T)
+    valid: torch.Tensor  # (B, T): the tokens the routers decide on (the others, padding included, run every block)
     scored: torch.Tensor  # (B, T - 1): the prediction at t of ids[t + 1] counts
     top_ids: torch.Tensor  # (N, k) for the N scored positions, in row-major order
     top_logp: torch.Tensor  # (N, k) the dense log-probabilities of `top_ids`

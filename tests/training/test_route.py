@@ -20,7 +20,7 @@ from chatapp.models.smollm2 import PARTS_DIR, PREPARED_STAMP
 from chatapp.stt import STTConfig
 from chatapp.stt.layers import CausalRouter, router_probs, select
 from chatapp.training.corpus import read_dialogues
-from chatapp.training.route import fold_cutoff, selected_by_score, with_routed_layers
+from chatapp.training.route import Conversation, batches, fold_cutoff, selected_by_score, with_routed_layers
 from tests.training.conftest import ROUTE_PROMPTS, tiny_stt
 
 runner = CliRunner()
@@ -43,6 +43,7 @@ def test_route_a_converted_gguf_then_it_skips(converted: Path, route_prompts: Pa
     assert config["routing_trained"] is True and config["skip_mode"] == "kv" and config["router_threshold"] == 0.5
     assert config["stt_layers"] == report["chosen"]["layers"] and config["stt_layers"]
     assert report["single_layer"] and report["fit_tokens"] > 0 and report["held_out_tokens"] > 0
+    assert report["dense_prompts"] is False and config["route_prompt"] is True  # the converted model routes prompts
     # The source is untouched; tokenizer files came along.
     assert json.loads((converted / "config.json").read_text())["routing_trained"] is False
     assert (out / "tokenizer.json").is_file()
@@ -61,11 +62,13 @@ def test_route_a_converted_gguf_in_predict_mode(converted: Path, route_prompts: 
     serves them in every path (the served int8 model decodes through the C step)."""
     out = tmp_path / "predict"
     args = _fast(converted, out, route_prompts)
-    result = runner.invoke(app, [*args, "--skip-mode", "predict"])
+    result = runner.invoke(app, [*args, "--skip-mode", "predict", "--dense-prompts"])
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
     report = json.loads((out / "routing.json").read_text())
     assert config["skip_mode"] == "predict" and config["stt_layers"]
+    # Fitted on the replies' tokens with the prompts dense, and served that way.
+    assert report["dense_prompts"] is True and config["route_prompt"] is False
     assert set(map(int, report["predictor_explained"])) >= set(config["stt_layers"])
     # Its levels: "quality" at the calibrated threshold, each level measured on the held-out replies.
     assert config["routing_levels"]["quality"] == 0.5 and set(report["level_measures"]) == set(config["routing_levels"])
@@ -245,3 +248,15 @@ def test_relayered_model_keeps_the_backbone() -> None:
         assert torch.equal(model.forward_eval(ids, "off").logits, moved.forward_eval(ids, "off").logits)
         probs = router_probs(moved.model.layers[2], torch.randn(3, 32), torch.randn(3, 32))
     assert probs.shape == (3,)
+
+
+def test_with_the_prompts_dense_only_the_replies_tokens_are_routable() -> None:
+    """A reply's tokens from its first (sampled) one on, forced ones included; none of the prompt's; padding never."""
+    prompt, reply = [5, 6, 7, 8], [9, 10, 11, 12, 13]
+    forced = [False, True, True, False, False]  # a tool result the engine forced, then the model again
+    conv = Conversation(prompt + reply, [False] * 3 + [not f for f in forced], [False] * 8)
+    short = Conversation([5, 6, 7], [False, True], [False, False])
+    dense = batches([conv, short], pad=0, dense_prompts=True)[0]
+    assert dense.routable.tolist() == [[False, False, True] + [False] * 6, [False] * 4 + [True] * 5]
+    routed = batches([conv, short], pad=0)[0]
+    assert torch.equal(routed.routable, routed.valid)

@@ -35,7 +35,7 @@ def _batches(model: STTForCausalLM, k: int = 8) -> list[TuneBatch]:
         valid = torch.ones(2, 12, dtype=torch.bool)
         valid[1, 9:] = False
         scored = valid[:, 1:].clone()
-        cached = dense_pass(model, Batch(ids, valid, scored, torch.zeros_like(scored)))
+        cached = dense_pass(model, Batch(ids, valid, scored, torch.zeros_like(scored), valid))
         out.append(dense_targets(model, ids, valid, scored, cached.inputs[-1], k=k))
     return out
 
