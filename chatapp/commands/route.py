@@ -119,6 +119,14 @@ def route(
             "again and calibrated (~10 s a step on 2 CPU cores; resumable). 0: the weights stay frozen.",
         ),
     ] = 0,
+    tune_device: Annotated[
+        str,
+        typer.Option(
+            "--tune-device",
+            help="Where the fine-tune's steps run: cpu, or cuda (a GPU: seconds a step become a fraction of one; the "
+            "rest of the fit stays on the CPU).",
+        ),
+    ] = "cpu",
     dense_prompts: Annotated[
         bool | None,
         typer.Option(
@@ -150,7 +158,7 @@ def route(
         budget=budget,
         answer_tokens=answer_tokens,
         seed=seed,
-        tune=TuneOptions(steps=tune_steps),
+        tune=TuneOptions(steps=tune_steps, device=tune_device),
         dense_prompts=dense_prompts,
     )
     source = resolve_model(model)

@@ -125,6 +125,20 @@ class RouteOptions:
                 raise TrainingError(f"{name} must be {limit}, got {value}", hint=options)
         if not self.rates or not all(0.0 < rate < 1.0 for rate in self.rates):
             raise TrainingError(f"the rates {list(self.rates)} must lie between 0 and 1", hint=options)
+        check_tune_device(self.tune.device)
+
+
+def check_tune_device(name: str) -> None:
+    """`TrainingError` unless `name` is a device this machine has: "cpu", or "cuda[:N]" with a GPU there."""
+    hint = "use --tune-device cpu, or cuda on a machine with an NVIDIA GPU and a CUDA build of torch"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TrainingError(f"--tune-device {name!r} is not a device", hint=hint) from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise TrainingError(f"--tune-device {name}: this machine has no such CUDA device", hint=hint)
+    if device.type not in ("cpu", "cuda"):
+        raise TrainingError(f"--tune-device {name!r}: only cpu and cuda are supported", hint=hint)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -54,6 +54,9 @@ class TuneOptions:
     dense_share: float = 0.25  # the share of steps with nothing routed
     top_k: int = 32  # the dense prediction kept per position: ~all of its probability mass on a chat model
     checkpoint_every: int = 20
+    # Where the steps run ("cuda": a GPU, where a step takes a fraction of the ~10 s it takes on 2 CPU cores); the
+    # model goes back to its own device merged, and a run resumes on either.
+    device: str = "cpu"
 
 
 @dataclass
@@ -65,6 +68,9 @@ class TuneBatch:
     scored: torch.Tensor  # (B, T - 1): the prediction at t of ids[t + 1] counts
     top_ids: torch.Tensor  # (N, k) for the N scored positions, in row-major order
     top_logp: torch.Tensor  # (N, k) the dense log-probabilities of `top_ids`
+
+    def to(self, device: torch.device) -> TuneBatch:
+        return TuneBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 @torch.no_grad()
@@ -82,7 +88,7 @@ def routed_logits(
 ) -> torch.Tensor:
     """Log-probabilities (N, V) at the scored positions with `layers` routed by `decide` at `rate`, with grad."""
     hidden = model.model.embed_tokens(batch.ids)
-    positions = torch.arange(batch.ids.shape[1])[None, :].expand_as(batch.ids)
+    positions = torch.arange(batch.ids.shape[1], device=batch.ids.device)[None, :].expand_as(batch.ids)
     cos, sin = model.model.rotary_emb(hidden, positions)
     causal = self_attention_sink()
     for index, layer in enumerate(model.model.layers):
@@ -171,14 +177,43 @@ def tune(
     seed: int = 0,
 ) -> Adapters:
     """Train LoRA on `model` (in place) for `options.steps` steps with `layers` routed by `decide`, then merge it:
-    the adapters merged (for `stt.io.save_merged_adapters`). `checkpoint`: where the run is saved and resumed."""
+    the adapters merged (for `stt.io.save_merged_adapters`), on the model's device. `checkpoint`: where the run is
+    saved and resumed. The steps run on `options.device`; the model is back on its own device when this returns."""
+    home = next(model.parameters()).device
+    device = torch.device(options.device)
+    model.to(device)
+    try:
+        adapters = _tune_on(model, [b.to(device) for b in batches], layers, decide, rates, skip_mode, options, log,
+                            checkpoint, seed)  # fmt: skip
+    finally:
+        model.to(home)
+    return {name: (a.to(home), b.to(home)) for name, (a, b) in adapters.items()}
+
+
+def _resume_key(options: TuneOptions) -> dict:
+    """What a saved run must share with this one to go on from it: all but the step count and the device."""
+    return {k: v for k, v in asdict(options).items() if k not in ("steps", "device")}
+
+
+def _tune_on(
+    model: STTForCausalLM,
+    batches: Sequence[TuneBatch],
+    layers: Sequence[int],
+    decide: Decide,
+    rates: Sequence[float],
+    skip_mode: str,
+    options: TuneOptions,
+    log: Log,
+    checkpoint: Path | None,
+    seed: int,
+) -> Adapters:
     params = _inject_lora(model, options)
     optimizer = torch.optim.AdamW(params, lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     step = 0
     if checkpoint is not None and checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=True)
-        if saved.get("options") == asdict(options) | {"steps": saved["options"]["steps"]} and saved["names"] == names:
+        saved = torch.load(checkpoint, weights_only=True, map_location="cpu")
+        if _resume_key(TuneOptions(**saved["options"])) == _resume_key(options) and saved["names"] == names:
             for param, tensor in zip(params, saved["lora"], strict=True):
                 param.data.copy_(tensor)
             optimizer.load_state_dict(saved["optimizer"])

@@ -260,3 +260,11 @@ def test_with_the_prompts_dense_only_the_replies_tokens_are_routable() -> None:
     assert dense.routable.tolist() == [[False, False, True] + [False] * 6, [False] * 4 + [True] * 5]
     routed = batches([conv, short], pad=0)[0]
     assert torch.equal(routed.routable, routed.valid)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:3", "tpu", "gpu"])
+def test_a_tune_device_this_machine_lacks_is_refused_before_the_fit(device: str) -> None:
+    result = runner.invoke(app, ["route", "tiny", "--tune-steps", "2", "--tune-device", device])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"--tune-device {device}" in result.output.replace("'", "") and "fix: use --tune-device cpu" in result.output

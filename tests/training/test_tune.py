@@ -42,7 +42,7 @@ def _batches(model: STTForCausalLM, k: int = 8) -> list[TuneBatch]:
 
 def _skip_every_other(layer: int, x: torch.Tensor, rate: float) -> torch.Tensor:
     """A fixed routing: odd positions skip (the first token always runs)."""
-    selected = torch.ones(x.shape[:2], dtype=torch.bool)
+    selected = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
     selected[:, 1::2] = False
     return selected
 
@@ -74,6 +74,20 @@ def test_tune_lowers_the_routed_loss_and_merges_exactly() -> None:
     torch.testing.assert_close(
         untuned.get_submodule(name).weight + b @ a, model.get_submodule(name).weight, rtol=0, atol=1e-6
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_tune_on_the_gpu_comes_back_merged_to_the_cpu() -> None:
+    """`TuneOptions.device`: the steps run on the GPU; the model and its adapters come back to the CPU, the routed
+    loss lowered as on the CPU."""
+    model = _model()
+    batches = _batches(model)
+    before = _divergence(model, batches)
+    options = TuneOptions(steps=30, rank=4, alpha=8, lr=1e-2, warmup=2, device="cuda")
+    adapters = tune(model, batches, LAYERS, _skip_every_other, [0.5], "kv", options, lambda _: None)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(a.device.type == "cpu" and b.device.type == "cpu" for a, b in adapters.values())
+    assert _divergence(model, batches) < before * 0.5
 
 
 def test_dense_steps_route_nothing_and_hold_the_dense_path() -> None:
