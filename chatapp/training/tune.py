@@ -179,12 +179,60 @@ def tune(
     """Train LoRA on `model` (in place) for `options.steps` steps with `layers` routed by `decide`, then merge it:
     the adapters merged (for `stt.io.save_merged_adapters`), on the model's device. `checkpoint`: where the run is
     saved and resumed. The steps run on `options.device`; the model is back on its own device when this returns."""
-    home = next(model.parameters()).device
     device = torch.device(options.device)
+    home = next(model.parameters()).device
+    batches = [b.to(device) for b in batches]
     model.to(device)
     try:
-        adapters = _tune_on(model, [b.to(device) for b in batches], layers, decide, rates, skip_mode, options, log,
-                            checkpoint, seed)  # fmt: skip
+        params = _inject_lora(model, options)
+        optimizer = torch.optim.AdamW(params, lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        step = 0
+        if checkpoint is not None and checkpoint.is_file():
+            saved = torch.load(checkpoint, weights_only=True, map_location="cpu")
+            if _resume_key(TuneOptions(**saved["options"])) == _resume_key(options) and saved["names"] == names:
+                for param, tensor in zip(params, saved["lora"], strict=True):
+                    param.data.copy_(tensor)
+                optimizer.load_state_dict(saved["optimizer"])
+                step = int(saved["step"])
+                log(f"tune: resumed from {checkpoint} at step {step}")
+
+        def save(done: int) -> None:
+            if checkpoint is not None:
+                state = {
+                    "step": done,
+                    "options": asdict(options),
+                    "names": names,
+                    "lora": [p.detach().clone() for p in params],
+                    "optimizer": optimizer.state_dict(),
+                }
+                save_state(state, checkpoint)
+
+        began, recent = time.perf_counter(), []
+
+        def compute(at: int) -> Distilled:
+            batch, routed, rate = _draw(batches, layers, rates, options.dense_share, seed, at)
+            return Distilled(distillation_loss(routed_logits(model, batch, routed, decide, rate, skip_mode), batch))
+
+        def after(done: int, out: Distilled) -> None:
+            recent.append(float(out.loss.detach()))
+            if done % 10 == 0 or done == options.steps:
+                per_step = (time.perf_counter() - began) / len(recent)
+                last = recent[-10:]
+                log(f"tune step {done}/{options.steps}: loss {sum(last) / len(last):.4f} ({per_step:.1f} s/step)")
+
+        model.train()
+        Steps(
+            optimizer,
+            compute,
+            lr=lambda at, group: options.lr * warmup_cosine(at, options.steps, options.warmup),
+            clip=Clipping([params], 1.0),
+            after=after,
+            checkpoint=save,
+            checkpoint_every=options.checkpoint_every,
+        ).run(step, options.steps)
+        model.eval()
+        adapters = merge_lora(model)
     finally:
         model.to(home)
     return {name: (a.to(home), b.to(home)) for name, (a, b) in adapters.items()}
@@ -193,66 +241,3 @@ def tune(
 def _resume_key(options: TuneOptions) -> dict:
     """What a saved run must share with this one to go on from it: all but the step count and the device."""
     return {k: v for k, v in asdict(options).items() if k not in ("steps", "device")}
-
-
-def _tune_on(
-    model: STTForCausalLM,
-    batches: Sequence[TuneBatch],
-    layers: Sequence[int],
-    decide: Decide,
-    rates: Sequence[float],
-    skip_mode: str,
-    options: TuneOptions,
-    log: Log,
-    checkpoint: Path | None,
-    seed: int,
-) -> Adapters:
-    params = _inject_lora(model, options)
-    optimizer = torch.optim.AdamW(params, lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
-    step = 0
-    if checkpoint is not None and checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=True, map_location="cpu")
-        if _resume_key(TuneOptions(**saved["options"])) == _resume_key(options) and saved["names"] == names:
-            for param, tensor in zip(params, saved["lora"], strict=True):
-                param.data.copy_(tensor)
-            optimizer.load_state_dict(saved["optimizer"])
-            step = int(saved["step"])
-            log(f"tune: resumed from {checkpoint} at step {step}")
-
-    def save(done: int) -> None:
-        if checkpoint is not None:
-            state = {
-                "step": done,
-                "options": asdict(options),
-                "names": names,
-                "lora": [p.detach().clone() for p in params],
-                "optimizer": optimizer.state_dict(),
-            }
-            save_state(state, checkpoint)
-
-    began, recent = time.perf_counter(), []
-
-    def compute(at: int) -> Distilled:
-        batch, routed, rate = _draw(batches, layers, rates, options.dense_share, seed, at)
-        return Distilled(distillation_loss(routed_logits(model, batch, routed, decide, rate, skip_mode), batch))
-
-    def after(done: int, out: Distilled) -> None:
-        recent.append(float(out.loss.detach()))
-        if done % 10 == 0 or done == options.steps:
-            per_step = (time.perf_counter() - began) / len(recent)
-            last = recent[-10:]
-            log(f"tune step {done}/{options.steps}: loss {sum(last) / len(last):.4f} ({per_step:.1f} s/step)")
-
-    model.train()
-    Steps(
-        optimizer,
-        compute,
-        lr=lambda at, group: options.lr * warmup_cosine(at, options.steps, options.warmup),
-        clip=Clipping([params], 1.0),
-        after=after,
-        checkpoint=save,
-        checkpoint_every=options.checkpoint_every,
-    ).run(step, options.steps)
-    model.eval()
-    return merge_lora(model)
