@@ -100,7 +100,7 @@ def _finished(text: str, stopped: bool) -> str:
 
 def stage_route(work: Path) -> None:
     """Fit the routing of the prepared model and ship it, as `chatapp route default --skip-mode predict
-    --conversations 320 --max-layers 16 --tune-steps 200` does: layers chosen by each one's cost alone, predictors
+    --conversations 320 --max-layers 16 --tune-steps 200 --routed-prompts` does: layers chosen by each one's cost alone, predictors
     and routers fitted on the served model's own replies to 320 of the shipped prompt set's conversations, the
     backbone tuned (LoRA) with that routing in the loop, then predictors and routers fitted again and calibrated.
     Run it once, after `export`: it tunes the backbone it finds. `ship_routed` then sets the served levels and
@@ -115,8 +115,14 @@ def stage_route(work: Path) -> None:
     loaded = load_model(ensure_prepared(), dtype="float32")
     speaker = load_model(ensure_prepared())  # the served format writes the replies, as `chatapp route` does
     dialogues = drawn(read_dialogues(PARTS_DIR / ROUTE_PROMPTS_FILE, "prompt set"), SHIPPED_CONVERSATIONS, 0)
+    # The shipped fit routed the prompts too (`--routed-prompts`); fitted with them dense it skipped more of a reply
+    # and kept fewer facts (model card, "Fitted as served").
     options = RouteOptions(
-        skip_mode="predict", max_layers=16, dialogues=dialogues, tune=TuneOptions(steps=SHIPPED_TUNE_STEPS)
+        skip_mode="predict",
+        max_layers=16,
+        dialogues=dialogues,
+        tune=TuneOptions(steps=SHIPPED_TUNE_STEPS),
+        dense_prompts=False,
     )
     routed = route(loaded, options, log, cache_dir=work / "routing-data", speaker=speaker)
     log(routed.report.summary())
