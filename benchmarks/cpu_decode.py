@@ -18,9 +18,9 @@ see the same machine load), and the table reports medians:
   in each format (batch B reads them once for B tokens);
 - time to first token for a `--ttft-tokens` prompt (1,000 by default), chatapp formats (each decoding its first
   token as the app does: int8 through the native step) vs transformers;
-- routing on vs off (`--routing-formats`, by default int8 through the native step: what a CPU serves): decode tokens/s at batch 1 with the student's routing
-  and without, on the same model, format and step (`--routing-steps`: the torch step eager, the native step,
-  the compiled torch step), interleaved, with the
+- routing on vs off (`--routing-formats`, by default int8 through the native step: what a CPU serves): decode
+  tokens/s at batch 1 with the student's routing and without, on the same model, format and step
+  (`--routing-steps`: the torch step eager, the native step, the compiled torch step), interleaved, with the
   share of the routed layers' tokens skipped and of all block computations (`chatapp.compute_saved`), the skip
   path's bounds whatever the text (`skip_bounds`: every router on and every token computed, every routed token
   skipped), and the time to first token of the `--ttft-tokens` prompt on vs off. The model routes as it is, or, with

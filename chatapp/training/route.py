@@ -390,8 +390,9 @@ def dense_pass(model: STTForCausalLM, batch: Batch) -> Cached:
 
 
 def selected_by_score(score: torch.Tensor, valid: torch.Tensor, rate: float) -> torch.Tensor:
-    """The decisions a score makes (B, T): in each row of n valid tokens all but the ⌊rate·n⌋ of lowest score, never
-    the first (the attention sink). Padding counts as selected (it follows every valid token: it changes nothing)."""
+    """The decisions a score makes (B, T): in each row of n `valid` tokens (the ones that may skip: every real token,
+    or a batch's `routable` ones) all but the ⌊rate·n⌋ of lowest score, never the first position (the attention
+    sink). The others count as selected (padding follows every valid token; a dense prompt runs every block)."""
     n = valid.sum(1)
     k = torch.minimum((rate * n).floor().long(), n - 1)
     s = score.float().masked_fill(~valid, math.inf)
@@ -634,18 +635,20 @@ def route(
     fit_rows = [c for i, c in enumerate(conversations) if i % 4 != 3]
     pad = conversations[0].ids[0]
     seconds = {"self-distill": time.perf_counter() - clock}
-    dense = not getattr(model.config, "route_prompt", True) if options.dense_prompts is None else options.dense_prompts
+    prompts_dense = options.dense_prompts
+    if prompts_dense is None:
+        prompts_dense = not getattr(model.config, "route_prompt", True)
 
     clock = time.perf_counter()
-    fit = [dense_pass(model, b) for b in batches(fit_rows, pad, dense)]
-    held = HeldOut(model, [dense_pass(model, b) for b in batches(held_rows, pad, dense)])
+    fit = [dense_pass(model, b) for b in batches(fit_rows, pad, prompts_dense)]
+    held = HeldOut(model, [dense_pass(model, b) for b in batches(held_rows, pad, prompts_dense)])
     report = RouteReport(
         skip_mode=options.skip_mode,
         data=(
             f"{len(conversations)} self-distilled replies (greedy, routing off, <= {options.answer_tokens} tokens) "
             f"to general{' and tool' if held.probes else ''} prompts; every 4th held out"
         ),
-        dense_prompts=dense,
+        dense_prompts=prompts_dense,
         fit_tokens=sum(int(c.batch.valid.sum()) for c in fit),
         held_out_tokens=held.tokens,
         dense_ppl=math.exp(held.dense_nll),
@@ -681,7 +684,7 @@ def route(
             cache_dir.mkdir(parents=True, exist_ok=True)
             key = json.dumps(
                 [backbone_digest(model, options), candidates, options.skip_mode, list(options.rates)]
-                + (["dense prompts"] if dense else [])
+                + (["dense prompts"] if prompts_dense else [])
             )
             checkpoint = cache_dir / f"tune-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
         adapters = tune_backbone(routed, fit, candidates, probs, options, log, checkpoint)
@@ -752,7 +755,7 @@ def route(
     if best is None:
         return Routed(with_routed_layers(model, [], options.skip_mode), report, adapters)
     final = with_routed_layers(model, best.layers, options.skip_mode, skips)
-    final.config.route_prompt = not dense
+    final.config.route_prompt = not prompts_dense
     report.cutoffs = cutoffs_at(best.rate, best.layers)
     for layer in best.layers:
         source, target = routed.model.layers[layer].causal_router, final.model.layers[layer].causal_router

@@ -100,11 +100,11 @@ def _finished(text: str, stopped: bool) -> str:
 
 def stage_route(work: Path) -> None:
     """Fit the routing of the prepared model and ship it, as `chatapp route default --skip-mode predict
-    --conversations 320 --max-layers 16 --tune-steps 200 --routed-prompts` does: layers chosen by each one's cost alone, predictors
-    and routers fitted on the served model's own replies to 320 of the shipped prompt set's conversations, the
-    backbone tuned (LoRA) with that routing in the loop, then predictors and routers fitted again and calibrated.
-    Run it once, after `export`: it tunes the backbone it finds. `ship_routed` then sets the served levels and
-    exports."""
+    --conversations 320 --max-layers 16 --tune-steps 200 --routed-prompts` does: layers chosen by each one's cost
+    alone, predictors and routers fitted on the served model's own replies to 320 of the shipped prompt set's
+    conversations, the backbone tuned (LoRA) with that routing in the loop, then predictors and routers fitted again
+    and calibrated. Run it once, after `export`: it tunes the backbone it finds. `ship_routed` then sets the served
+    levels and exports."""
     from chatapp.models.loader import load_model
     from chatapp.models.route_prompts import ROUTE_PROMPTS_FILE, drawn
     from chatapp.models.smollm2 import PARTS_DIR, ensure_prepared

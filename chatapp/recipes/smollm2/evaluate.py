@@ -112,7 +112,8 @@ RECALL_COUNT, RECALL_FIRST = 160, 40  # the model card's early rows asked the fi
 
 
 def _tallies(outcomes: list[tuple[bool, str]], first: int) -> dict[str, Tally]:
-    """ "all" the outcomes and the `first` of them ("first N"): a larger set whose head is an earlier, smaller one."""
+    """Tallies of all the outcomes ("all") and of the `first` of them ("first N"): a set whose head is an earlier,
+    smaller one."""
     tallies = {"all": Tally(), f"first {first}": Tally()}
     for index, (ok, what) in enumerate(outcomes):
         tallies["all"].add(ok, what)
