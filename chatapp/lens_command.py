@@ -132,7 +132,11 @@ def run_lens(
     """Generate (or teacher-force) the reply to `prompt` and read it through the lens; `at` gets a full table.
     `lap(name)` is called as each phase ends ("generation", "lens")."""
     from chatapp.engine.lens_pass import conversation_lens, reply_lens
+    from chatapp.engine.loop import call_routing
 
+    # The lens replays at the routing the reply is generated with (or, teacher-forced, would have been).
+    routing, threshold = call_routing(engine.model.config, settings)
+    dense = routing == "off"
     prompt_ids = engine.chat_format.render_for_completion([{"role": "user", "content": prompt}])
     if reply is not None:
         forced = engine.chat_format.encode_text(reply)
@@ -141,12 +145,12 @@ def run_lens(
         _check_at(at, len(forced))
         ids = [*prompt_ids, *forced]
         targets = range(len(prompt_ids), len(ids))
-        return conversation_lens(engine, ids, None, targets, tables=[] if at is None else [at], translators=translators)
+        tables = [] if at is None else [at]
+        return conversation_lens(
+            engine, ids, targets, tables=tables, dense=dense, threshold=threshold, translators=translators
+        )
     answer = engine.new_reply()
-    computed = None
     for step in engine.generate([prompt], settings):
-        if step.prompt is not None and step.prompt.computed is not None:
-            computed = step.prompt.computed[0]
         answer.add_step(step)
     _check_at(at, len(answer.events))
     lap(f"generation of {len(answer.events)} tokens")
@@ -154,9 +158,9 @@ def run_lens(
         engine,
         prompt_ids,
         answer,
-        computed,
         tables=[] if at is None else [at],
-        dense=settings.routing == "off",
+        dense=dense,
+        threshold=threshold,
         translators=translators,
     )
     lap("lens")

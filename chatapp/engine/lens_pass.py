@@ -1,57 +1,87 @@
-"""The logit lens over a conversation (`chatapp.stt.lens`), replaying the routing its tokens had, into the plain
-data of `chatapp.engine.lens`.
+"""The logit lens over a conversation (`chatapp.stt.lens`): the conversation replayed through the model's own forward,
+into the plain data of `chatapp.engine.lens`.
 
-Which layers computed is the routing the reply actually had (`TokenEvent.computed`, `PromptInfo.computed`), replayed
-by one forward over the prefix (`stt.lens.capture_states`), or, for an answer still in its chat session's KV cache,
-by replaying only the answer's tokens against that cache (`stt.lens.replay_states`); the causal router decides only
-where no decision was recorded (a teacher-forced reply, a resumed conversation). `AnswerLens` keeps one answer's
-captured states, so that the per-layer table of another of its tokens is a few head products, not another forward.
-This runs on demand (the `chatapp lens` command, the TUI's layers view), never on the decode path.
+The replay is the engine's own computation, not a second one: the tokens before the first one explained are
+prefilled as the engine prefills a prompt (`loop.prefill_row`, the prompt's routing as the model's config says:
+`route_prompt`), and every later token is fed as the engine decodes it (`model.decode`, the int8 native step on a
+CPU), with every layer's output captured on the way. So a layer that skipped a token when the reply was generated
+skips it here, for the same reason (its router, at the reply's threshold, on the same numbers), and the last
+layer's reading is the model's own distribution: the logits the step returned, the ones the reply was sampled from.
+`AnswerLens` keeps one answer's captured states, so that the per-layer table of another of its tokens is a few head
+products, not another replay. This runs on demand (the `chatapp lens` command, the TUI's layers view), never on the
+decode path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from chatapp.engine.lens import LayerLens, LensAlternative, ReplyLens, TokenLens
+from chatapp.engine.loop import prefill_row, prompt_routing
 from chatapp.errors import SettingsError
-from chatapp.stt.lens import LensHead, Translators, capture_states, decision_depths, read_layers, replay_states
+from chatapp.stt.lens import LensHead, Translators, decision_depths, read_layers
 
 if TYPE_CHECKING:
     from chatapp.engine.engine import Engine
     from chatapp.engine.reply import Reply
 
-__all__ = ["AnswerLens", "conversation_lens", "reply_lens"]
+__all__ = ["AnswerLens", "conversation_lens", "replay", "reply_lens"]
 
 DEFAULT_TOP = 3  # alternatives per layer in a table
-REPLAYED_SKIP_MODES = ("strict", "kv", "predict")  # the skip modes `replay_states` reproduces
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """What the model computed for the tokens at some positions of a conversation, each read by the next token."""
+
+    states: torch.Tensor  # (L, P, D) float32: every decoder layer's output at each position
+    logits: torch.Tensor  # (P, V) float32: the model's logits there (its distribution of the next token)
+    flags: list[list[bool]]  # (P, L_stt): which STT layers computed the token at each position
+
+
+@torch.inference_mode()
+def replay(model, ids: Sequence[int], reads: Sequence[int], routing: str, threshold: float | None) -> Replayed:
+    """Replay `ids` through the model as the engine generated them, and keep what it computed at positions `reads`:
+    everything up to the first read position is prefilled as a prompt, each later token decoded as a reply token,
+    at `routing` ("student" at `threshold`, or "off")."""
+    first, last, wanted = min(reads), max(reads), set(reads)
+    cache = model.new_cache(1, last + 1)
+    out = prefill_row(model, cache, ids[: first + 1], prompt_routing(model, routing), threshold, capture=True)
+    kept = {first: (out.states[:, 0], out.logits[0], out.selected[:, 0, -1])}
+    for position in range(first + 1, last + 1):
+        token = torch.tensor([ids[position]], dtype=torch.long, device=model.device)
+        out = model.decode(token, cache, routing=routing, threshold=threshold, capture=True)
+        if position in wanted:
+            kept[position] = (out.states[:, 0], out.logits[0], out.selected[:, 0, -1])
+    states, logits, flags = zip(*(kept[p] for p in reads), strict=True)
+    return Replayed(
+        states=torch.stack(states, dim=1).float(),
+        logits=torch.stack(logits).float(),
+        flags=torch.stack(flags).bool().cpu().tolist(),
+    )
 
 
 class AnswerLens:
-    """The lens of the tokens at positions `targets` (each >= 1) of the conversation `ids`, captured once: every
-    token's decision depth now, any token's per-layer table on demand (`table`).
+    """The lens of the tokens at positions `targets` (each >= 1) of the conversation `ids`, replayed once
+    (`replay`): every token's decision depth now, any token's per-layer table on demand (`table`).
 
-    `computed[p]`: per STT layer, whether it ran for the token at position p (None for a token, or for all of them:
-    the causal router decides); `dense`: routing was off. `cache`: the KV cache that generated `ids` (a chat
-    session's, `ChatSession.cache`); when it holds them and the routing of every position read is known, the read
-    positions are replayed against it (`stt.lens.replay_states`: the cost of the answer's tokens, not of the
-    conversation) instead of a forward over the whole prefix.
+    `dense`: routing was off; else the causal routers decide at `threshold` (None: the model's own), as they did
+    when the conversation was generated at that threshold.
     """
 
     def __init__(
         self,
         engine: Engine,
         ids: Sequence[int],
-        computed: Sequence[Sequence[bool] | None] | None,
         targets: Sequence[int],
         *,
         dense: bool = False,
         threshold: float | None = None,
         translators: Translators | None = None,
-        cache=None,
     ) -> None:
         model = engine.model
         length = len(ids)
@@ -66,30 +96,12 @@ class AnswerLens:
         self.num_layers = int(model.config.num_hidden_layers)
         self.ids = [int(t) for t in ids]
         self.targets = list(targets)
-        decisions, known = _decisions(computed, length, len(self.stt_layers))
-        reads = torch.tensor([p - 1 for p in self.targets])
         self.emitted = torch.tensor([self.ids[p] for p in self.targets])
-        student = not dense and bool(getattr(model, "routing_active", True))
-        # The replay carries a skipped token on as its skip path did (`stt.lens.replay_states`) in these modes; any
-        # other is read by the forward, whose routed layers are the model's own (`DecoderBlock.routed`).
-        replayable = getattr(model.config, "skip_mode", "strict") in REPLAYED_SKIP_MODES
-        replayable = replayable and cache is not None and int(cache.seen[0]) > int(reads.max())
-        if student:
-            replayable = replayable and decisions is not None and bool(known[reads].all())
-        if replayable:
-            every = torch.ones(len(self.stt_layers), len(reads), dtype=torch.bool)
-            selected = decisions[:, reads] if student else every
-            self.states = replay_states(model, cache, torch.tensor(self.ids)[reads], reads, selected)
-            self.flags = selected.T.tolist()  # (P, L_stt)
-        else:
-            captured = capture_states(
-                model, torch.tensor(self.ids), reads, decisions=decisions, known=known, dense=dense, threshold=threshold
-            )
-            self.states = captured.states
-            self.flags = captured.selected[:, reads.to(captured.selected.device)].T.cpu().tolist()  # (P, L_stt)
-        self.replayed = replayable
+        routing = "off" if dense or not getattr(model, "routing_active", True) else "student"
+        replayed = replay(model, self.ids, [p - 1 for p in self.targets], routing, threshold)
+        self.states, self.final, self.flags = replayed.states, replayed.logits, replayed.flags
         self.head = LensHead(model, translators)
-        self.depths = decision_depths(self.head, self.states, self.emitted).tolist()
+        self.depths = decision_depths(self.head, self.states, self.emitted, self.final).tolist()
         self.text = _token_text(engine)
 
     def __len__(self) -> int:
@@ -102,7 +114,7 @@ class AnswerLens:
                 f"token {index} is not among the {len(self.targets)} tokens explained",
                 hint=f"ask for a token from 0 to {len(self.targets) - 1}",
             )
-        table = read_layers(self.head, self.states[:, [index]], self.emitted[[index]], top)
+        table = read_layers(self.head, self.states[:, [index]], self.emitted[[index]], top, self.final[[index]])
         return _layer_rows(table, 0, self.num_layers, self.stt_layers, self.flags[index], self.text)
 
     def result(self, tables: Sequence[int] = (), top: int = DEFAULT_TOP) -> ReplyLens:
@@ -132,7 +144,6 @@ class AnswerLens:
 def conversation_lens(
     engine: Engine,
     ids: Sequence[int],
-    computed: Sequence[Sequence[bool] | None] | None,
     targets: Sequence[int],
     *,
     tables: Sequence[int] = (),
@@ -143,7 +154,7 @@ def conversation_lens(
 ) -> ReplyLens:
     """The lens of the tokens at positions `targets` of `ids` (see `AnswerLens`), with the per-layer tables of the
     tokens `tables` (indices into `targets`)."""
-    lens = AnswerLens(engine, ids, computed, targets, dense=dense, threshold=threshold, translators=translators)
+    lens = AnswerLens(engine, ids, targets, dense=dense, threshold=threshold, translators=translators)
     return lens.result(tables, top)
 
 
@@ -151,7 +162,6 @@ def reply_lens(
     engine: Engine,
     prompt_ids: Sequence[int],
     reply: Reply,
-    prompt_computed: Sequence[Sequence[bool]] | None,
     *,
     tables: Sequence[int] = (),
     dense: bool = False,
@@ -159,45 +169,13 @@ def reply_lens(
     translators: Translators | None = None,
     top: int = DEFAULT_TOP,
 ) -> ReplyLens:
-    """The lens of every token `reply` emitted after `prompt_ids` (a final stop token included), with the routing
-    the prompt (`PromptInfo.computed` for its row; None with routing off) and the reply had."""
-    tokens = [event.token for event in reply.events]
-    ids = [*prompt_ids, *tokens]
-    computed: list[Sequence[bool] | None] = [*(prompt_computed or [None] * len(prompt_ids))]
-    computed += [event.computed for event in reply.events]
+    """The lens of every token `reply` emitted after `prompt_ids` (a final stop token included), replayed at the
+    routing the reply was generated with (`dense`: off; else the routers at `threshold`)."""
+    ids = [*prompt_ids, *(event.token for event in reply.events)]
     targets = list(range(len(prompt_ids), len(ids)))
     return conversation_lens(
-        engine,
-        ids,
-        computed,
-        targets,
-        tables=tables,
-        dense=dense,
-        threshold=threshold,
-        translators=translators,
-        top=top,
+        engine, ids, targets, tables=tables, dense=dense, threshold=threshold, translators=translators, top=top
     )
-
-
-def _decisions(
-    computed: Sequence[Sequence[bool] | None] | None, length: int, layers: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Recorded routing as (L_stt, T) decisions and the (T,) positions where they were recorded."""
-    if computed is None or layers == 0:
-        return None, None
-    decisions = torch.zeros(layers, length, dtype=torch.bool)
-    known = torch.zeros(length, dtype=torch.bool)
-    for position, flags in enumerate(computed[:length]):
-        if flags is None:
-            continue
-        if len(flags) != layers:
-            raise SettingsError(
-                f"token {position} has routing for {len(flags)} layers, the model routes {layers}",
-                hint="pass the routing the reply was generated with, one flag per STT layer",
-            )
-        decisions[:, position] = torch.tensor([bool(f) for f in flags])
-        known[position] = True
-    return decisions, known
 
 
 def _token_text(engine: Engine):

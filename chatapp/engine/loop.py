@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -64,14 +64,13 @@ from chatapp.stt.config import routing_level, routing_levels
 if TYPE_CHECKING:
     from chatapp.ttfa import Program
 
-# Prompt tokens per prefill forward, over all rows, and the narrowest chunk a row is cut into. They bound the
+# Prompt tokens per prefill forward (a prompt is prefilled on its own: `DecodeLoop._prefill`). It bounds the
 # activations' memory (the MLP's is ~12 KB a token in float32); attention's stays small at any width, because
 # torch's CPU attention kernel runs in blocks whether or not it is given a mask. A prompt that fits one chunk is
 # prefilled with plain causal attention (`STTForCausalLM.extend`), which skips the masked half of the scores:
 # a later chunk needs a mask over the cache. At one row, a 1,000-token prompt in one chunk is ~14% faster to its
 # first token than in two 512-token chunks.
 PREFILL_TOKENS = 2048
-PREFILL_MIN_WIDTH = 512
 
 Source = Literal["model", "tool", "program", "grammar"]
 
@@ -93,6 +92,39 @@ def call_routing(config: Any, settings: GenerationSettings) -> tuple[str, float 
     except ValueError as err:
         raise SettingsError(str(err), hint="pass one of those to --routing (chatapp models lists each model's)") from None
     return ("off", None) if threshold is None else ("student", threshold)
+
+
+def prompt_routing(model: ModelLike, routing: str) -> str:
+    """The routing a call's prompts run at: a model whose config says `route_prompt = False` runs its prompts through
+    every layer, and only generated tokens skip."""
+    return routing if getattr(model.config, "route_prompt", True) else "off"
+
+
+def prefill_row(
+    model: ModelLike, cache: KVCacheLike, ids: Sequence[int], routing: str, threshold: float | None, capture: bool = False
+) -> ForwardOutput:
+    """Prefill one prompt into a cache of one row (a batch's row: `KVCache.row`) in chunks of `PREFILL_TOKENS`, and
+    return the last chunk's output with the routing of every chunk joined, (L_stt, 1, T). The chunks depend on the
+    prompt's own length only, so its numbers never depend on the prompts beside it: a product's kernel, and the
+    order of its sums, depend on how many rows it is given (`stt.weights.DEQUANT_ROWS`). Batching prompts into one
+    product was measured no faster than this for a batch's prompts on a CPU, where decode is most of the time
+    (docs/benchmarks.md, batch_throughput.py). `capture`: every layer's output at the last token (the lens)."""
+    tokens = torch.tensor(ids, dtype=torch.long, device=model.device)[None]
+    outs = []
+    for start in range(0, len(ids), PREFILL_TOKENS):
+        chunk = tokens[:, start : start + PREFILL_TOKENS]
+        width = torch.full((1,), chunk.shape[1], dtype=torch.long, device=model.device)
+        last = start + PREFILL_TOKENS >= len(ids)
+        kept = "last" if capture and last else None
+        outs.append(model.extend(chunk, width, cache, routing=routing, threshold=threshold, capture=kept))
+    out = outs[-1]
+    if len(outs) > 1:
+        out = replace(
+            out,
+            router_probs=torch.cat([o.router_probs for o in outs], dim=2),
+            selected=torch.cat([o.selected for o in outs], dim=2),
+        )
+    return out
 
 
 # A prompt token's routing: per STT layer, (router probabilities, computed flags).
@@ -296,42 +328,35 @@ class DecodeLoop:
     def _prefill(
         self, prompt_ids: list[list[int]], cache: KVCacheLike, routing: str, threshold: float | None
     ) -> tuple[torch.Tensor, list[list[TokenRouting]] | None]:
-        """Feed every row's prompt (ragged, in chunks) and return the logits after each row's last token, plus
-        per-row per-token routing (None with routing off). One host copy for the routing, at the end. A model whose
-        config says `route_prompt = False` runs its prompts through every layer: only generated tokens skip."""
-        if not getattr(self.model.config, "route_prompt", True):
-            routing = "off"
+        """Feed every row's prompt and return the logits after each row's last token, plus per-row per-token routing
+        (None with routing off). One host copy for the routing, at the end. A model whose config says
+        `route_prompt = False` runs its prompts through every layer: only generated tokens skip."""
+        routing = prompt_routing(self.model, routing)
         device = self.device
-        lengths = torch.tensor([len(ids) for ids in prompt_ids], dtype=torch.long)
-        longest = int(lengths.max())
-        padded = torch.zeros(len(prompt_ids), longest, dtype=torch.long)
-        for i, ids in enumerate(prompt_ids):
-            padded[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        padded, lengths = padded.to(device), lengths.to(device)
-        logits = None
-        probs, chosen = [], []
-        chunk = max(PREFILL_MIN_WIDTH, PREFILL_TOKENS // len(prompt_ids))
-        for start in range(0, longest, chunk):
-            width = min(chunk, longest - start)
-            chunk_lengths = (lengths - start).clamp(0, width)
-            out = self.model.extend(
-                padded[:, start : start + width], chunk_lengths, cache, routing=routing, threshold=threshold
-            )
-            ends_here = (chunk_lengths > 0) & (lengths <= start + width)
-            logits = out.logits if logits is None else torch.where(ends_here[:, None], out.logits, logits)
-            probs.append(out.router_probs)
-            chosen.append(out.selected)
-        assert logits is not None
+        logits: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        chosen: list[torch.Tensor] = []
+        # Each prompt is prefilled on its own, into its row of the cache (`prefill_row`): its numbers then never
+        # depend on the prompts beside it, so a batch answers as each of its prompts alone does.
+        bound = cache.host_bound  # every row starts from the cache's bound before the call, whatever rows came first
+        for b, ids in enumerate(prompt_ids):
+            row = cache.row(b)
+            row.host_bound = bound
+            out = prefill_row(self.model, row, ids, routing, threshold)
+            logits.append(out.logits[0])
+            probs.append(out.router_probs[:, 0])
+            chosen.append(out.selected[:, 0])
+            cache.host_bound = max(cache.host_bound, row.host_bound)
         if routing == "off":
             _synchronize(device)
-            return logits, None
-        probs_host = torch.cat(probs, dim=2).permute(1, 2, 0).cpu().tolist()  # (B, T, L)
-        chosen_host = torch.cat(chosen, dim=2).permute(1, 2, 0).cpu().tolist()
-        routing_rows = [
-            [(tuple(probs_host[b][t]), tuple(chosen_host[b][t])) for t in range(len(ids))]
-            for b, ids in enumerate(prompt_ids)
-        ]
-        return logits, routing_rows
+            return torch.stack(logits), None
+        probs_host = torch.cat(probs, dim=1).T.cpu().tolist()  # (sum T, L)
+        chosen_host = torch.cat(chosen, dim=1).T.cpu().tolist()
+        routing_rows, at = [], 0
+        for ids in prompt_ids:
+            routing_rows.append([(tuple(probs_host[t]), tuple(chosen_host[t])) for t in range(at, at + len(ids))])
+            at += len(ids)
+        return torch.stack(logits), routing_rows
 
     def _prompt_info(
         self,
@@ -471,7 +496,7 @@ class DecodeLoop:
             feeding = torch.tensor([i in feed_counts for i in range(len(batch.rows))], device=device)
             ids[:, :k] = torch.where(feeding[:, None], peek.ids, ids[:, :k])
         every_position = bool(batch.top_n)
-        out = self.model.extend(
+        out = self.model.feed(
             ids, lengths_t, batch.cache, routing=batch.routing, threshold=batch.threshold, all_logits=every_position
         )
         batch.counters += lengths_t

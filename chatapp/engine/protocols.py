@@ -35,16 +35,19 @@ class ForwardOutput(Protocol):
     logits: torch.Tensor  # (B, V) after each row's last new token; (B, T, V) from `extend(all_logits=True)`
     router_probs: torch.Tensor  # (L_stt, B, T) causal-router probabilities
     selected: torch.Tensor  # (L_stt, B, T) bool: the STT layer computed this token
+    states: torch.Tensor | None  # (L, B, D) every layer's output at each row's last new token, when captured
 
 
 class KVCacheLike(Protocol):
-    """A batch's KV cache: grows on demand, drops rows, and marks / restores a point for chat sessions."""
+    """A batch's KV cache: grows on demand, drops rows, gives one row as a cache of its own (views), and marks /
+    restores a point for chat sessions."""
 
     max_len: int  # slots per row
     host_bound: int  # host-side upper bound on any row's length (no device read needed)
 
     def grow(self, new_max_len: int) -> None: ...
     def select_rows(self, index: torch.Tensor) -> KVCacheLike: ...
+    def row(self, index: int) -> KVCacheLike: ...
     def mark(self) -> Any: ...
     def restore(self, mark: Any) -> None: ...
 
@@ -56,7 +59,8 @@ class ModelConfigLike(Protocol):
 
 
 class ModelLike(Protocol):
-    """The model the engine drives (`chatapp.stt.STTForCausalLM`): ragged `extend`, one-token `decode`."""
+    """The model the engine drives (`chatapp.stt.STTForCausalLM`): ragged `extend` (prefill), one-token `decode`
+    and the ragged decode step `feed`."""
 
     config: Any  # a ModelConfigLike; typed loosely because transformers' configs declare these dynamically
 
@@ -75,9 +79,27 @@ class ModelLike(Protocol):
         routing: str = "student",
         threshold: float | None = None,
         all_logits: bool = False,
+        capture: str | None = None,
     ) -> ForwardOutput: ...
     def decode(
-        self, ids: torch.Tensor, cache: KVCacheLike, *, routing: str = "student", threshold: float | None = None
+        self,
+        ids: torch.Tensor,
+        cache: KVCacheLike,
+        *,
+        routing: str = "student",
+        threshold: float | None = None,
+        active: torch.Tensor | None = None,
+        capture: bool = False,
+    ) -> ForwardOutput: ...
+    def feed(
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        cache: KVCacheLike,
+        *,
+        routing: str = "student",
+        threshold: float | None = None,
+        all_logits: bool = False,
     ) -> ForwardOutput: ...
 
 

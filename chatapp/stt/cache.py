@@ -176,6 +176,24 @@ class KVCache:
         new.native_views = None
         return new
 
+    def row(self, index: int) -> KVCache:
+        """Row `index` as a cache of one row whose tensors are views of this one's: what is written into it is
+        written here. A prompt is prefilled into its own row this way, so its numbers never depend on the rows
+        beside it (`engine.loop`)."""
+        new = KVCache.__new__(KVCache)
+        new.max_len = self.max_len
+        new.batch_size = 1
+        span = slice(index, index + 1)
+        new.keys = [k[span] for k in self.keys]
+        new.values = [v[span] for v in self.values]
+        new.positions = self.positions[:, span]
+        new.lengths = self.lengths[:, span]
+        new.seen = self.seen[span]
+        new.prev_hidden = self.prev_hidden[:, span]
+        new.host_bound = self.host_bound
+        new.native_views = None
+        return new
+
     def mark(self) -> CacheMark:
         """Snapshot lengths, seen and router state (not the K/V storage: entries past a length are dead)."""
         return CacheMark(self.lengths.clone(), self.seen.clone(), self.prev_hidden.clone(), self.host_bound)

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -207,21 +208,92 @@ def _layer_block(layers: list[torch.Tensor]) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------ the native library
-class DecodeArgs(ctypes.Structure):
-    """`DecodeArgs` of decode_step.c, field for field."""
+class ArgField(NamedTuple):
+    """One field of `DecodeArgs`: its C type, its name, and what it holds (the header's comment)."""
 
-    _fields_ = [
-        *[(name, ctypes.c_int64) for name in (
-            "batch", "hidden", "layers", "heads", "kv_heads", "head_dim", "qkv_rows", "up_rows", "vocab", "slots",
-            "stt_count", "router_width", "has_bias", "student", "store_skipped", "threads", "predictor_rank")],
-        *[(name, ctypes.c_void_p) for name in (
-            "x", "norm1", "eps1", "qkv_w", "qkv_s", "qkv_b", "o_w", "o_s", "norm2", "eps2", "up_w", "up_s",
-            "down_w", "down_s", "r_norm_c", "r_eps_c", "r_norm_p", "r_eps_p", "r_up_w", "r_up_b", "r_out_w",
-            "r_out_b", "p_down", "p_up", "p_bias", "stt_slot", "keys", "values", "lengths", "positions", "seen",
-            "previous", "inputs", "cos", "sin", "cutoff", "final_norm")],
-        ("final_eps", ctypes.c_float),
-        *[(name, ctypes.c_void_p) for name in ("head_w", "head_s", "logits", "probs", "selected")],
-    ]  # fmt: skip
+    ctype: str
+    name: str
+    doc: str = ""
+
+
+# `DecodeArgs` of decode_step.c, defined here once: `decode_args_header` writes the C struct from it for the build,
+# and the ctypes mirror (`DecodeArgs`) is made from it. Every array is C-contiguous float32 unless its type says
+# otherwise; per-layer arrays are stacked on a first axis of layers (L), the routers' on one of STT layers (L_stt).
+_SIZES = "batch hidden layers heads kv_heads head_dim qkv_rows up_rows vocab slots stt_count router_width has_bias"
+DECODE_ARGS: tuple[ArgField, ...] = (
+    *(ArgField("int64_t", name) for name in _SIZES.split()),
+    ArgField("int64_t", "student", "route STT layers by their causal routers at `cutoff`"),
+    ArgField("int64_t", "store_skipped", "a skipped token stores its K/V (\"kv\", \"predict\")"),
+    ArgField("int64_t", "threads", "OpenMP threads (0: as set)"),
+    ArgField("int64_t", "predictor_rank", "\"predict\" skip mode: the predictor's rank P (0: none)"),
+    ArgField("float *", "x", "(B, D) the token embeddings; the final hidden state after"),
+    ArgField("const float *", "norm1", "(L, D)"),
+    ArgField("const float *", "eps1", "(L)"),
+    ArgField("const int8_t *", "qkv_w", "(L, QKV, D)"),
+    ArgField("const float *", "qkv_s", "(L, QKV)"),
+    ArgField("const float *", "qkv_b", "(L, QKV), only when has_bias"),
+    ArgField("const int8_t *", "o_w", "(L, D, H * Dh)"),
+    ArgField("const float *", "o_s", "(L, D)"),
+    ArgField("const float *", "norm2", "(L, D)"),
+    ArgField("const float *", "eps2", "(L)"),
+    ArgField("const int8_t *", "up_w", "(L, 2I, D): gate rows, then up rows"),
+    ArgField("const float *", "up_s", "(L, 2I)"),
+    ArgField("const int8_t *", "down_w", "(L, D, I)"),
+    ArgField("const float *", "down_s", "(L, D)"),
+    ArgField("const float *", "r_norm_c", "(L_stt, D) the causal router's norm of the current input"),
+    ArgField("const float *", "r_eps_c", "(L_stt)"),
+    ArgField("const float *", "r_norm_p", "(L_stt, D) its norm of the previous token's input"),
+    ArgField("const float *", "r_eps_p", "(L_stt)"),
+    ArgField("const float *", "r_up_w", "(L_stt, R, 2D)"),
+    ArgField("const float *", "r_up_b", "(L_stt, R)"),
+    ArgField("const float *", "r_out_w", "(L_stt, R)"),
+    ArgField("const float *", "r_out_b", "(L_stt)"),
+    ArgField("const float *", "p_down", "(L_stt, P, D): a skipped token's update up . (down . norm1(x)) + bias"),
+    ArgField("const float *", "p_up", "(L_stt, D, P)"),
+    ArgField("const float *", "p_bias", "(L_stt, D)"),
+    ArgField("const int64_t *", "stt_slot", "(L): the layer's STT index, -1 for a dense layer"),
+    ArgField("float *", "keys", "(L, B, S + 1, H_kv, Dh): slot S is the trash slot"),
+    ArgField("float *", "values", "(L, B, S + 1, H_kv, Dh)"),
+    ArgField("int64_t *", "lengths", "(L, B)"),
+    ArgField("int32_t *", "positions", "(L, B, S + 1), as the cache keeps them"),
+    ArgField("int64_t *", "seen", "(B)"),
+    ArgField("const float *", "previous", "(L_stt, B, D): each STT layer's input one token before"),
+    ArgField("float *", "inputs", "(L_stt, B, D): this token's, for the next step"),
+    ArgField("const float *", "cos", "(B, Dh) at each row's position"),
+    ArgField("const float *", "sin", "(B, Dh), signed as decode.rope_tables"),
+    ArgField("const float *", "cutoff", "(B)"),
+    ArgField("const float *", "final_norm", "(D)"),
+    ArgField("float", "final_eps"),
+    ArgField("const int8_t *", "head_w", "(V, D)"),
+    ArgField("const float *", "head_s", "(V)"),
+    ArgField("float *", "logits", "(B, V); an idle row's are left as they were"),
+    ArgField("float *", "probs", "(L_stt, B)"),
+    ArgField("uint8_t *", "selected", "(L_stt, B)"),
+    ArgField("const uint8_t *", "active", "(B) rows fed this step, the others left as they are; NULL: every row"),
+    ArgField("float *", "states", "(L, B, D) every layer's output, for the lens; NULL: not kept"),
+)
+
+_CTYPES = {"int64_t": ctypes.c_int64, "float": ctypes.c_float}
+
+
+def decode_args_header() -> str:
+    """decode_args.h, generated from `DECODE_ARGS`: the struct and `DECODE_ARGS_FIELDS(F)`, F applied to every field's
+    name in order (the C side's layout table)."""
+    lines = ["/* Generated by chatapp/stt/cpu_step.py from its DECODE_ARGS table at build time: edit the table. */"]
+    lines += ["#include <stdint.h>", "typedef struct {"]
+    for field in DECODE_ARGS:
+        space = "" if field.ctype.endswith("*") else " "
+        comment = f" /* {field.doc} */" if field.doc else ""
+        lines.append(f"    {field.ctype}{space}{field.name};{comment}")
+    lines.append("} DecodeArgs;")
+    lines.append("#define DECODE_ARGS_FIELDS(F) " + " ".join(f"F({field.name})" for field in DECODE_ARGS))
+    return "\n".join(lines) + "\n"
+
+
+class DecodeArgs(ctypes.Structure):
+    """`DecodeArgs` of decode_step.c, made from `DECODE_ARGS` (pointers as `c_void_p`)."""
+
+    _fields_ = [(f.name, ctypes.c_void_p if f.ctype.endswith("*") else _CTYPES[f.ctype]) for f in DECODE_ARGS]
 
 
 def _cpu_features() -> str:
@@ -250,7 +322,8 @@ def compiler_problem() -> str | None:
 
 def library_path() -> Path:
     """Where the build for this source, these flags and this CPU lives (built or not)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_features().encode()).hexdigest()
+    material = SOURCE.read_bytes() + decode_args_header().encode() + " ".join(FLAGS).encode()
+    key = hashlib.sha256(material + _cpu_features().encode()).hexdigest()
     folder = SOURCE.parent / "_build"
     if not os.access(SOURCE.parent, os.W_OK) and not os.access(folder, os.W_OK):
         from chatapp.settings import data_dir
@@ -259,17 +332,21 @@ def library_path() -> Path:
     return folder / f"decode_step-{key[:16]}.so"
 
 
-def build(path: Path) -> None:
-    """Compile decode_step.c to `path` (atomically: a killed build leaves no half file under that name)."""
+def build(path: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """Compile decode_step.c to `path` (atomically: a killed build leaves no half file under that name), with its
+    header generated from `DECODE_ARGS`; `extra_flags` after `FLAGS` (a test builds the AVX2 products on a VNNI CPU)."""
     if (problem := compiler_problem()) is not None:
         raise OSError(problem)
     cc = compiler() or "cc"  # there is one: compiler_problem found it
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
-    except FileNotFoundError:
-        raise OSError(f"the C compiler {cc!r} was not found (set CC, or install gcc)") from None
+    with tempfile.TemporaryDirectory(prefix="chatapp-kernel-") as include:
+        (Path(include) / "decode_args.h").write_text(decode_args_header())
+        command = [cc, *FLAGS, *extra_flags, "-I", include, "-o", str(partial), str(SOURCE), "-lm"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True)
+        except FileNotFoundError:
+            raise OSError(f"the C compiler {cc!r} was not found (set CC, or install gcc)") from None
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         raise OSError(f"{cc} failed: {(done.stderr.strip().splitlines() or ['no message'])[-1]}")
@@ -383,13 +460,25 @@ class NativeStep:
         self.arrays, self.native = arrays, native
 
     @torch.no_grad()
-    def __call__(self, model, ids: torch.Tensor, cache, student: bool, cutoff: float | torch.Tensor):
+    def __call__(
+        self,
+        model,
+        ids: torch.Tensor,
+        cache,
+        student: bool,
+        cutoff: float | torch.Tensor,
+        active: torch.Tensor | None = None,
+        states: torch.Tensor | None = None,
+    ):
+        """`active` (B,) bool: the rows fed this step (None: all); the others are left exactly as they were and their
+        logits are zeros. `states`: a float32 (L, B, D) tensor that receives every layer's output of the fed rows."""
         from chatapp.stt.decode import rope_tables
 
         batch = ids.shape[0]
         if batch == 0 or not _kernel_layout(cache):
             return None
-        cache.reserve(1, 1)  # raises on overflow, as the torch step does
+        fed = None if active is None else active.to(torch.uint8).contiguous()
+        cache.reserve(1 if fed is None else fed.long(), 1)  # raises on overflow, as the torch step does
         cos_table, sin_table = rope_tables(model, int(cache.seen.max()) + 1, model.dtype)
         cos, sin = _f32(cos_table[cache.seen].reshape(batch, -1)), _f32(sin_table[cache.seen].reshape(batch, -1))
         keys, values = cache_arrays(cache)
@@ -400,7 +489,9 @@ class NativeStep:
         inputs = torch.empty((stt_count, batch, x.shape[1]), dtype=torch.float32)
         probs = torch.ones((stt_count, batch), dtype=torch.float32)
         selected = torch.ones((stt_count, batch), dtype=torch.bool)
-        logits = torch.empty((batch, self.arrays.fields["vocab"]), dtype=torch.float32)
+        logits = (torch.empty if fed is None else torch.zeros)((batch, self.arrays.fields["vocab"]), dtype=torch.float32)
+        if states is not None and (states.dtype != torch.float32 or not states.is_contiguous()):
+            raise ValueError("states must be a contiguous float32 (L, B, D) tensor")
         lengths, positions, seen = cache.lengths.numpy(), cache.positions.numpy(), cache.seen.numpy()
         args = DecodeArgs(
             batch=batch, slots=keys.shape[2], student=bool(student),
@@ -408,7 +499,8 @@ class NativeStep:
             keys=_ptr(keys), values=_ptr(values), lengths=_ptr(lengths), positions=_ptr(positions), seen=_ptr(seen),
             previous=_ptr(previous), inputs=inputs.data_ptr(), cos=_ptr(cos), sin=_ptr(sin),
             cutoff=cutoffs.data_ptr(), logits=logits.data_ptr(), probs=probs.data_ptr(),
-            selected=selected.data_ptr(), **self.arrays.fields,
+            selected=selected.data_ptr(), active=None if fed is None else fed.data_ptr(),
+            states=None if states is None else states.data_ptr(), **self.arrays.fields,
         )  # fmt: skip
         if self.native.chatapp_decode(ctypes.byref(args)) != 0:
             raise MemoryError("the int8 decode kernel could not allocate its scratch memory")

@@ -31,63 +31,19 @@
 #define ROW_BLOCK 2 /* rows a weight row is loaded for at once (int8_matmul) */
 #endif
 
-/* Every array is C-contiguous float32 unless named otherwise; per-layer arrays are stacked on a first axis of
- * layers (L), the routers' on one of STT layers (L_stt). Mirrored field for field by `cpu_step.DecodeArgs`. */
-typedef struct {
-    int64_t batch, hidden, layers, heads, kv_heads, head_dim, qkv_rows, up_rows, vocab, slots, stt_count,
-        router_width, has_bias, student, store_skipped, threads, predictor_rank;
-    float *x;                                 /* (B, D) the token embeddings; the final hidden state after */
-    const float *norm1, *eps1;                /* (L, D), (L) */
-    const int8_t *qkv_w;                      /* (L, QKV, D) */
-    const float *qkv_s, *qkv_b;               /* (L, QKV) each; qkv_b only when has_bias */
-    const int8_t *o_w;                        /* (L, D, H * Dh) */
-    const float *o_s;                         /* (L, D) */
-    const float *norm2, *eps2;                /* (L, D), (L) */
-    const int8_t *up_w;                       /* (L, 2I, D): gate rows, then up rows */
-    const float *up_s;                        /* (L, 2I) */
-    const int8_t *down_w;                     /* (L, D, I) */
-    const float *down_s;                      /* (L, D) */
-    const float *r_norm_c, *r_eps_c, *r_norm_p, *r_eps_p; /* (L_stt, D), (L_stt) each */
-    const float *r_up_w, *r_up_b, *r_out_w, *r_out_b;     /* (L_stt, R, 2D), (L_stt, R), (L_stt, R), (L_stt) */
-    /* "predict" skip mode (predictor_rank P > 0): a skipped token's update up . (down . norm1(x)) + bias */
-    const float *p_down, *p_up, *p_bias;      /* (L_stt, P, D), (L_stt, D, P), (L_stt, D) */
-    const int64_t *stt_slot;                  /* (L): the layer's STT index, -1 for a dense layer */
-    float *keys, *values;                     /* (L, B, S + 1, H_kv, Dh): slot S is the trash slot */
-    int64_t *lengths;                         /* (L, B) */
-    int32_t *positions;                       /* (L, B, S + 1), as the cache keeps them */
-    int64_t *seen;                            /* (B) */
-    const float *previous;                    /* (L_stt, B, D): each STT layer's input one token before */
-    float *inputs;                            /* (L_stt, B, D): this token's, for the next step */
-    const float *cos, *sin;                   /* (B, Dh) at each row's position; sin signed as decode.rope_tables */
-    const float *cutoff;                      /* (B) */
-    const float *final_norm;                  /* (D) */
-    float final_eps;
-    const int8_t *head_w;                     /* (V, D) */
-    const float *head_s;                      /* (V) */
-    float *logits;                            /* (B, V) */
-    float *probs;                             /* (L_stt, B) */
-    uint8_t *selected;                        /* (L_stt, B) */
-} DecodeArgs;
+/* `DecodeArgs`, the call's one argument, is defined once, in `cpu_step.DECODE_ARGS` (each field's type, name and
+ * meaning): the build generates decode_args.h from that table (the struct, and `DECODE_ARGS_FIELDS`, the list of its
+ * names), and the ctypes mirror is made from the same table. */
+#include "decode_args.h"
 
 /* The struct's layout as this compiler laid it out, field by field in order, for the loader to check against its
- * ctypes mirror (`cpu_step.DecodeArgs`) before the first call: a field added, removed or retyped on one side only
- * refuses to load, where it would otherwise read the wrong memory. `offsetof` of a field the struct lacks does not
- * compile. */
-#define FIELD(name) {#name, offsetof(DecodeArgs, name), sizeof(((DecodeArgs *)0)->name)}
+ * ctypes mirror before the first call: a build against another table refuses to load, where it would otherwise
+ * read the wrong memory. */
+#define FIELD(name) {#name, offsetof(DecodeArgs, name), sizeof(((DecodeArgs *)0)->name)},
 static const struct {
     const char *name;
     int64_t offset, size;
-} LAYOUT[] = {
-    FIELD(batch), FIELD(hidden), FIELD(layers), FIELD(heads), FIELD(kv_heads), FIELD(head_dim), FIELD(qkv_rows),
-    FIELD(up_rows), FIELD(vocab), FIELD(slots), FIELD(stt_count), FIELD(router_width), FIELD(has_bias),
-    FIELD(student), FIELD(store_skipped), FIELD(threads), FIELD(predictor_rank), FIELD(x), FIELD(norm1),
-    FIELD(eps1), FIELD(qkv_w), FIELD(qkv_s), FIELD(qkv_b), FIELD(o_w), FIELD(o_s), FIELD(norm2), FIELD(eps2),
-    FIELD(up_w), FIELD(up_s), FIELD(down_w), FIELD(down_s), FIELD(r_norm_c), FIELD(r_eps_c), FIELD(r_norm_p),
-    FIELD(r_eps_p), FIELD(r_up_w), FIELD(r_up_b), FIELD(r_out_w), FIELD(r_out_b), FIELD(p_down), FIELD(p_up),
-    FIELD(p_bias), FIELD(stt_slot), FIELD(keys), FIELD(values), FIELD(lengths), FIELD(positions), FIELD(seen),
-    FIELD(previous), FIELD(inputs), FIELD(cos), FIELD(sin), FIELD(cutoff), FIELD(final_norm), FIELD(final_eps),
-    FIELD(head_w), FIELD(head_s), FIELD(logits), FIELD(probs), FIELD(selected),
-};
+} LAYOUT[] = {DECODE_ARGS_FIELDS(FIELD)};
 #undef FIELD
 
 /* The number of fields; with `at` in range, that field's name, offset and size. The struct's whole size is field
@@ -490,12 +446,13 @@ static void block(const DecodeArgs *a, int64_t layer, const int64_t *rows, const
         for (int64_t j = 0; j < d; j++) a->x[rows[i] * d + j] = t->xs[i * d + j] + t->projected[i * d + j];
 }
 
-/* The causal router's probability of "process x_t" for each row (`layers.CausalRouter`, then a sigmoid): a small
- * float32 MLP on the RMS-normed current and previous layer inputs, side by side. */
-static void router(const DecodeArgs *a, int64_t slot) {
+/* The causal router's probability of "process x_t" for each of the `n` rows `rows` (`layers.CausalRouter`, then a
+ * sigmoid): a small float32 MLP on the RMS-normed current and previous layer inputs, side by side. */
+static void router(const DecodeArgs *a, int64_t slot, const int64_t *rows, int64_t n) {
     const int64_t d = a->hidden, width = a->router_width;
     float features[2 * d];
-    for (int64_t b = 0; b < a->batch; b++) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t b = rows[i];
         rms_norm(a->x + b * d, d, a->r_norm_c + slot * d, a->r_eps_c[slot], features);
         rms_norm(a->previous + (slot * a->batch + b) * d, d, a->r_norm_p + slot * d, a->r_eps_p[slot], features + d);
         float logit = a->r_out_b[slot];
@@ -509,15 +466,20 @@ static void router(const DecodeArgs *a, int64_t slot) {
     }
 }
 
-/* One decode step of every row (the rules of `decode.decode_step`, which tests/stt/test_gemv.py checks):
+/* One decode step of every active row (the rules of `decode.decode_step`, which tests/stt/test_gemv.py checks):
+ * - a row whose `active` flag is 0 is left as it was: no router, no block, no cache write, no logits (its
+ *   `inputs` keep its `previous`), so a batch can feed some rows and not others (finished rows, a row that feeds
+ *   a longer run of known tokens than the rest) without leaving this call; `active` NULL: every row;
  * - at an STT layer its router reads the layer input beside `previous` into `probs`, and the input is kept in
  *   `inputs` for the next token;
  * - with `student` a row runs an STT layer only when its probability is at or above its cutoff; a skipped row
  *   stores its K/V only (`store_skipped`, "kv" mode; plus its predicted update with `predictor_rank`, "predict")
  *   or nothing ("strict": its trash slot takes the position);
  * - a row's length at a layer grows by one wherever it stored its token; `positions` records the token's position
- *   `seen[b]` at its slot, and `seen` grows by one.
- * Returns 0, or -1 for a call it does not take (no rows, or out of memory). */
+ *   `seen[b]` at its slot, and `seen` grows by one;
+ * - with `states`, every layer's output of every active row is written there (the lens reads them).
+ * Every row's numbers are computed in the same order whatever the other rows are (see `int8_matmul`), so a row
+ * decodes the same in any batch. Returns 0, or -1 for a call it does not take (no rows, or out of memory). */
 int chatapp_decode(const DecodeArgs *a) {
     const int64_t batch = a->batch, d = a->hidden, s1 = a->slots, trash = s1 - 1;
     if (batch < 1) return -1;
@@ -529,8 +491,8 @@ int chatapp_decode(const DecodeArgs *a) {
     const int64_t longest = d > q_width ? (d > inter ? d : inter) : (q_width > inter ? q_width : inter);
     float *memory = malloc(sizeof(float) * batch * (3 * d + widest + q_width + a->up_rows + inter
                                                     + longest / QBLOCK * SCALE_SPREAD) + batch * longest);
-    /* Per layer: which rows run the block and which store K/V only, with their slots. */
-    int64_t *row_lists = malloc(sizeof(int64_t) * 4 * batch);
+    /* The active rows; per layer, which of them run the block and which store K/V only, with their slots. */
+    int64_t *row_lists = malloc(sizeof(int64_t) * 5 * batch);
     uint8_t *run = malloc(batch);
     if (!memory || !row_lists || !run) {
         free(memory);
@@ -538,8 +500,11 @@ int chatapp_decode(const DecodeArgs *a) {
         free(run);
         return -1;
     }
-    int64_t *taken = row_lists, *taken_slots = taken + batch, *skipped = taken_slots + batch,
+    int64_t *live = row_lists, *taken = live + batch, *taken_slots = taken + batch, *skipped = taken_slots + batch,
             *skipped_slots = skipped + batch;
+    int64_t nl = 0;
+    for (int64_t b = 0; b < batch; b++)
+        if (!a->active || a->active[b]) live[nl++] = b;
     t.xs = memory;
     t.h = t.xs + batch * d;
     t.projected = t.h + batch * d;
@@ -554,17 +519,22 @@ int chatapp_decode(const DecodeArgs *a) {
         const int64_t slot = a->stt_slot[layer];
         int64_t *lengths = a->lengths + layer * batch;
         int32_t *positions = a->positions + layer * batch * s1;
-        for (int64_t b = 0; b < batch; b++) run[b] = 1;
+        for (int64_t i = 0; i < nl; i++) run[live[i]] = 1;
         if (slot >= 0) {
-            memcpy(a->inputs + slot * batch * d, a->x, sizeof(float) * batch * d);
-            router(a, slot);
-            for (int64_t b = 0; b < batch; b++) {
+            float *inputs = a->inputs + slot * batch * d;
+            if (nl < batch) /* an idle row's next token reads the input it kept */
+                memcpy(inputs, a->previous + slot * batch * d, sizeof(float) * batch * d);
+            for (int64_t i = 0; i < nl; i++) memcpy(inputs + live[i] * d, a->x + live[i] * d, sizeof(float) * d);
+            router(a, slot, live, nl);
+            for (int64_t i = 0; i < nl; i++) {
+                const int64_t b = live[i];
                 if (a->student) run[b] = a->probs[slot * batch + b] >= a->cutoff[b];
                 a->selected[slot * batch + b] = run[b];
             }
         }
         int64_t nt = 0, ns = 0;
-        for (int64_t b = 0; b < batch; b++) {
+        for (int64_t i = 0; i < nl; i++) {
+            const int64_t b = live[i];
             if (run[b]) {
                 taken[nt] = b;
                 taken_slots[nt++] = lengths[b];
@@ -585,12 +555,29 @@ int chatapp_decode(const DecodeArgs *a) {
             for (int64_t i = 0; i < ns; i++) positions[skipped[i] * s1 + trash] = (int32_t)a->seen[skipped[i]];
         }
         for (int64_t i = 0; i < nt; i++) lengths[taken[i]]++;
+        if (a->states)
+            for (int64_t i = 0; i < nl; i++)
+                memcpy(a->states + (layer * batch + live[i]) * d, a->x + live[i] * d, sizeof(float) * d);
     }
-    for (int64_t b = 0; b < batch; b++) {
-        a->seen[b]++;
-        rms_norm(a->x + b * d, d, a->final_norm, a->final_eps, t.h + b * d);
+    for (int64_t i = 0; i < nl; i++) {
+        a->seen[live[i]]++;
+        rms_norm(a->x + live[i] * d, d, a->final_norm, a->final_eps, t.h + i * d);
     }
-    int8_matmul(t.h, batch, d, a->head_w, a->head_s, NULL, 0, a->vocab, a->logits, t.q, t.d);
+    if (nl == batch) {
+        int8_matmul(t.h, batch, d, a->head_w, a->head_s, NULL, 0, a->vocab, a->logits, t.q, t.d);
+    } else if (nl > 0) { /* the active rows' logits, then each copied to its row */
+        float *head = malloc(sizeof(float) * nl * a->vocab);
+        if (!head) {
+            free(memory);
+            free(row_lists);
+            free(run);
+            return -1;
+        }
+        int8_matmul(t.h, nl, d, a->head_w, a->head_s, NULL, 0, a->vocab, head, t.q, t.d);
+        for (int64_t i = 0; i < nl; i++)
+            memcpy(a->logits + live[i] * a->vocab, head + i * a->vocab, sizeof(float) * a->vocab);
+        free(head);
+    }
     free(memory);
     free(row_lists);
     free(run);

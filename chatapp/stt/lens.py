@@ -4,12 +4,11 @@ A layer's output h_l (the residual stream after layer l) is what the next layer 
 one, through `norm` and `lm_head`. Reading every h_l the same way (nostalgebraist's logit lens) shows when the model's
 prediction took shape: at which layer the emitted token became, and stayed, the most likely one.
 
-`capture_states` is one full-sequence forward over a prefix with the routing a reply actually had, so a layer that
-skipped a token really skips it here: in "strict" mode the token passes through unchanged and is no key of that
-layer; in "kv" mode it passes through unchanged and its K/V (from its unchanged input) are keys. The routed pass is
-`DecoderBlock.routed`, the same maths every full-sequence path uses (`stt.teacher`), not the decode step: the lens
-never runs on the decode hot path. `replay_states` gets the same states for tokens still in a KV cache by replaying
-only them against it, each attending to the entries it saw when it was fed.
+The states are the model's own forward's (`STTForCausalLM.extend` and `decode` keep every layer's output when asked):
+`chatapp.engine.lens_pass.replay` replays a reply exactly as the engine generated it, so a layer that skipped a token
+skips it there too, and the last layer's reading is the distribution the reply was sampled from (`read_layers` and
+`decision_depths` take those logits as the last layer's reading). `capture_states` is one pass over a sequence as a
+prompt, for a tuned lens's fit.
 
 A tuned lens (Belrose et al. 2023) adds a per-layer affine translator before the norm, fitted so that layer l's
 reading matches the final distribution (`chatapp.training.lens_fit`); `Translators` holds them, and a model directory
@@ -22,9 +21,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from chatapp.stt.layers import STTLayer, router_probs, select, self_attention_sink, skipped_output
-from chatapp.stt.teacher import previous_tokens
 
 # Rows of hidden states read through the head at once: bounds the (rows, vocabulary) float32 logits in memory
 # (256 x 49,152 x 4 B = 50 MB for the default model).
@@ -75,84 +71,21 @@ class Translators:
         return cls(down, up, bias)
 
 
-@torch.no_grad()
-def capture_states(
-    model,
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    decisions: torch.Tensor | None = None,
-    known: torch.Tensor | None = None,
-    dense: bool = False,
-    threshold: float | None = None,
-) -> LayerStates:
-    """Run the model over the prefix `ids` (T,) and keep every decoder layer's output at `positions` (P,).
-
-    Routing: `dense` runs every layer for every token (routing "off"). Otherwise an STT layer runs its block for the
-    tokens `decisions` (L_stt, T) marks, at the positions `known` (T,) marks (all when None); at the other positions
-    the causal router decides, as the model would have (`threshold`, else the model's own). A model without trained
-    routers runs dense.
-    """
-    config = model.config
-    ids = ids.to(model.device)[None]
-    length = ids.shape[1]
-    student = not dense and model.routing_active
-    cutoff = config.router_threshold if threshold is None else threshold
-    if decisions is not None:
-        decisions = decisions.to(model.device, torch.bool)
-        known = torch.ones(length, dtype=torch.bool, device=model.device) if known is None else known.to(model.device)
-    hidden = model.model.embed_tokens(ids)
-    cos, sin = model.model.rotary_emb(hidden, torch.arange(length, device=model.device)[None])
-    positions = positions.to(model.device)
-    every = torch.ones(1, length, dtype=torch.bool, device=model.device)
-    states, chosen = [], []
-    for layer in model.model.layers:
-        if isinstance(layer, STTLayer):
-            selected = every
-            if student:
-                selected = select(router_probs(layer, hidden, previous_tokens(hidden)), cutoff)
-                if decisions is not None:
-                    selected = torch.where(known[None], decisions[len(chosen)][None], selected)
-            hidden = layer.routed(hidden, cos, sin, selected, config.skip_mode)
-            chosen.append(selected[0])
-        else:
-            hidden = layer.block(hidden, cos, sin, self_attention_sink())
-        states.append(hidden[0, positions].float())
-    empty = torch.zeros(0, length, dtype=torch.bool, device=model.device)
-    return LayerStates(torch.stack(states), torch.stack(chosen) if chosen else empty)
-
-
 @torch.inference_mode()
-def replay_states(model, cache, ids: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-    """Every decoder layer's output (L, P, D) for the tokens `ids` (P,) at absolute `positions` (P,) of row 0 of a
-    KV cache (`stt.cache.KVCache`) that already holds them and everything before them, as generation left it.
-
-    Each token attends to exactly the cache entries it attended to when it was fed (its own included: entries at
-    positions up to its own), so nothing before it is computed again: a token costs one pass through the layers
-    whatever the context. `selected` (L_stt, P): which STT layers ran for each token (a skipped token carries on as
-    its skip path made it, `layers.skipped_output`; in "kv" and "predict" modes its K/V are in the cache already). The same states as
-    `capture_states` over the whole prefix, to the rounding of the decode step that wrote the cache.
-    """
-    device = model.device
-    ids, positions = ids.to(device)[None], positions.to(device)[None]
-    selected = selected.to(device, torch.bool)
-    hidden = model.model.embed_tokens(ids)
-    cos, sin = model.model.rotary_emb(hidden, positions)
-    queries = torch.ones_like(positions, dtype=torch.bool)
-    span = cache.host_bound
-    states, slot = [], 0
-    for index, layer in enumerate(model.model.layers):
-
-        def sink(k: torch.Tensor, v: torch.Tensor, index: int = index):
-            return cache.visible(index, positions, queries, span)
-
-        out = layer.block(hidden, cos, sin, sink)
-        if isinstance(layer, STTLayer):
-            out = torch.where(selected[slot][None, :, None], out, skipped_output(layer, hidden))
-            slot += 1
-        hidden = out
-        states.append(hidden[0].float())
-    return torch.stack(states)
+def capture_states(
+    model, ids: torch.Tensor, positions: torch.Tensor, *, dense: bool = False, threshold: float | None = None
+) -> LayerStates:
+    """Every decoder layer's output at `positions` (P,) of the sequence `ids` (T,), from one pass of the model's
+    forward (`STTForCausalLM.extend`) over it as a prompt: the routers decide at `threshold` (else the model's own),
+    or every layer runs every token (`dense`). For a tuned lens's fit (`chatapp.training.lens_fit`): reading a reply
+    exactly as it was generated is the engine's replay (`chatapp.engine.lens_pass.replay`)."""
+    length = ids.shape[0]
+    cache = model.new_cache(1, length)
+    ids = ids.to(model.device)[None]
+    lengths = torch.full((1,), length, dtype=torch.long, device=model.device)
+    routing = "off" if dense else "student"
+    out = model.extend(ids, lengths, cache, routing=routing, threshold=threshold, capture="all")
+    return LayerStates(out.states[:, 0, positions.to(model.device)], out.selected[:, 0])
 
 
 def unit_rms(x: torch.Tensor) -> torch.Tensor:
@@ -210,19 +143,28 @@ class LensTable:
 
 
 @torch.no_grad()
-def read_layers(head: LensHead, states: torch.Tensor, emitted: torch.Tensor, k: int = 3) -> LensTable:
+def read_layers(
+    head: LensHead, states: torch.Tensor, emitted: torch.Tensor, k: int = 3, final: torch.Tensor | None = None
+) -> LensTable:
     """Every layer's reading of `states` (L, P, D) at the P positions, whose emitted tokens are `emitted` (P,).
+    `final` (P, V): the model's own logits there, which are the last layer's reading (the head's product of the
+    last state would differ from them by the rounding of the model's own head kernel).
 
     The rows of all layers go through the head together: for a few positions (the TUI's one token) the product is
     bound by reading the head's weight, so one pass over it serves every layer."""
     layers, count, _ = states.shape
-    emitted = emitted.to(states.device).repeat(layers)  # row r = layer r // P, position r % P
-    rows = torch.cat([head.prepare(layer, states[layer]) for layer in range(layers)])
+    read = layers - 1 if final is not None else layers
+    emitted = emitted.to(states.device)
+    rows = torch.cat([head.prepare(layer, states[layer]) for layer in range(read)]) if read else None
+    chunks = [] if rows is None else [head.read(rows[s : s + READ_ROWS]) for s in range(0, rows.shape[0], READ_ROWS)]
+    if final is not None:
+        chunks.append(final.to(states.device).float())
     prob, rank, top_ids, top_probs = [], [], [], []
-    for start in range(0, rows.shape[0], READ_ROWS):
-        chunk = slice(start, start + READ_ROWS)
-        logits = head.read(rows[chunk])
-        own = logits.gather(1, emitted[chunk, None])
+    targets = emitted.repeat(layers)  # row r = layer r // P, position r % P
+    at = 0
+    for logits in chunks:
+        own = logits.gather(1, targets[at : at + logits.shape[0], None])
+        at += logits.shape[0]
         log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
         prob.append((own - log_z).exp()[:, 0])
         rank.append((logits > own).sum(-1) + 1)
@@ -238,9 +180,12 @@ def read_layers(head: LensHead, states: torch.Tensor, emitted: torch.Tensor, k: 
 
 
 @torch.no_grad()
-def decision_depths(head: LensHead, states: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
+def decision_depths(
+    head: LensHead, states: torch.Tensor, emitted: torch.Tensor, final: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per position (P,): the first layer from which every reading's top token is the emitted one; -1 where even the
-    last layer's is not (a sampled or forced token the model did not rank first).
+    last layer's is not (a sampled or forced token the model did not rank first). `final` (P, V): the model's own
+    logits, the last layer's reading (`read_layers`).
 
     Read from the last layer down, and only the positions still settled are read: a token decided at layer 20 of 30
     costs 11 readings, not 30. Layers go through the head a block at a time (as many as keep a product near
@@ -251,6 +196,10 @@ def decision_depths(head: LensHead, states: torch.Tensor, emitted: torch.Tensor)
     depth = torch.full((count,), -1, dtype=torch.long)
     alive = torch.arange(count, device=states.device)
     layer = layers - 1
+    if final is not None:
+        alive = alive[final.to(states.device).argmax(-1) == emitted]
+        depth[alive.cpu()] = layer
+        layer -= 1
     while layer >= 0 and alive.numel():
         block = list(range(layer, max(layer - max(READ_ROWS // alive.numel(), 1), -1), -1))
         rows = torch.cat([head.prepare(at, states[at, alive]) for at in block])

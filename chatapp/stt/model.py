@@ -42,6 +42,8 @@ from chatapp.stt.qwen2 import RMSNorm, RotaryEmbedding
 from chatapp.stt.teacher import EvalMode, EvalOutput, TrainOutput, forward_eval, forward_train
 
 Routing = Literal["student", "off"]
+# What a forward keeps of every layer's output: nothing, each row's last new token, or every position.
+Capture = Literal["last", "all"] | None
 
 
 @dataclass
@@ -51,6 +53,8 @@ class ExtendOutput:
     logits: torch.Tensor  # (B, V) at each row's last new token, or (B, T, V) with all_logits
     router_probs: torch.Tensor  # (L_stt, B, T) float32 causal-router probabilities
     selected: torch.Tensor  # (L_stt, B, T) bool: the STT layer ran its block for this token (False at padding)
+    # Every layer's output, float32, when asked (`Capture`): (L, B, D) at each row's last new token, or (L, B, T, D).
+    states: torch.Tensor | None = None
 
 
 @contextmanager
@@ -188,11 +192,14 @@ class STTForCausalLM(nn.Module):
         routing: Routing = "student",
         threshold: float | None = None,
         all_logits: bool = False,
+        capture: Capture = None,
     ) -> ExtendOutput:
         """Process `lengths[b]` new tokens of each right-padded row of `ids` (B, T), appending to `cache`.
 
         Token i of row b sits at absolute position `cache.seen[b] + i`. A row with length 0 is untouched (its
-        logits are meaningless). Raises ContextOverflowError if a row would exceed `cache.max_len`.
+        logits are meaningless). Raises ContextOverflowError if a row would exceed `cache.max_len`. `capture`: also
+        return every layer's output (`ExtendOutput.states`, what the lens reads) at each row's last new token
+        ("last", (L, B, D)) or at every position ("all", (L, B, T, D)).
         """
         if routing not in ("student", "off"):
             raise ValueError(f"routing must be 'student' or 'off', got {routing!r}")
@@ -213,9 +220,13 @@ class STTForCausalLM(nn.Module):
         cutoff = self.config.router_threshold if threshold is None else threshold
         compact = width > 1 or hidden.device.type != "cuda"
         store_skipped = student and stores_skipped(self.config.skip_mode)
-        probs, chosen = [], []
+        probs, chosen, states = [], [], []
+        last = (lengths - 1).clamp(min=0)
+        rows = torch.arange(batch, device=self.device)
         stt_slot = 0
         for index, layer in enumerate(self.model.layers):
+            if capture and index:
+                states.append(hidden[rows, last].float() if capture == "last" else hidden.float())
             if not isinstance(layer, STTLayer):
                 hidden = self._run_block(
                     layer, index, hidden, cos, sin, positions, valid, cache, span, compact=False, causal=causal
@@ -244,30 +255,87 @@ class STTForCausalLM(nn.Module):
             chosen.append(selected)
             stt_slot += 1
         cache.seen += lengths
+        if capture:
+            states.append(hidden[rows, last].float() if capture == "last" else hidden.float())
 
         if not all_logits:
-            last = (lengths - 1).clamp(min=0)
-            hidden = hidden[torch.arange(batch, device=self.device), last]
+            hidden = hidden[rows, last]
         logits = self.lm_head(self.model.norm(hidden))
         empty = torch.zeros(0, batch, width, device=self.device)
         return ExtendOutput(
             logits=logits,
             router_probs=torch.stack(probs) if probs else empty,
             selected=torch.stack(chosen) if chosen else empty.bool(),
+            states=torch.stack(states) if capture else None,
         )
 
     @torch.no_grad()
     def decode(
-        self, ids: torch.Tensor, cache: KVCache, *, routing: Routing = "student", threshold: float | None = None
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        *,
+        routing: Routing = "student",
+        threshold: float | None = None,
+        active: torch.Tensor | None = None,
+        capture: bool = False,
     ) -> ExtendOutput:
-        """One new token per row (`ids` is (B,)): `extend` with T = 1, outputs with T = 1, computed by the
-        dispatch-lean path of `chatapp.stt.decode`."""
+        """One new token per row (`ids` is (B,)): `extend` with T = 1, outputs with T = 1, by the model's decode step
+        (`decode.decode_step`: the native int8 step on a CPU when attached, else the torch step).
+
+        `active` (B,) bool: only these rows are fed; the others are left exactly as they were (their logits are
+        meaningless). `capture`: every layer's output too (`ExtendOutput.states`). The native step does both in its
+        one call; the torch step, which does neither, hands such a call to `extend`."""
         if routing not in ("student", "off"):
             raise ValueError(f"routing must be 'student' or 'off', got {routing!r}")
         student = routing == "student" and self.routing_active
         cutoff = self.config.router_threshold if threshold is None else threshold
-        logits, probs, selected = decode_step(self, ids, cache, student, cutoff)
-        return ExtendOutput(logits=logits, router_probs=probs, selected=selected)
+        if self.runtime.native is not None:
+            states = torch.empty(len(self.model.layers), ids.shape[0], self.config.hidden_size) if capture else None
+            result = self.runtime.native(self, ids, cache, student, cutoff, active, states)
+            if result is not None:
+                logits, probs, selected = result
+                return ExtendOutput(logits=logits, router_probs=probs, selected=selected, states=states)
+        if active is None and not capture:
+            logits, probs, selected = decode_step(self, ids, cache, student, cutoff)
+            return ExtendOutput(logits=logits, router_probs=probs, selected=selected)
+        lengths = torch.ones_like(ids) if active is None else active.to(torch.long)
+        kept = "last" if capture else None
+        return self.extend(ids[:, None], lengths, cache, routing=routing, threshold=threshold, capture=kept)
+
+    @torch.no_grad()
+    def feed(
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        cache: KVCache,
+        *,
+        routing: Routing = "student",
+        threshold: float | None = None,
+        all_logits: bool = False,
+    ) -> ExtendOutput:
+        """A decode step in which row b feeds `lengths[b]` tokens of `ids` (B, W): 0 for a finished row, more than
+        one for a known run (tool output, tokens a grammar forces, a program's feed). Outputs as `extend`'s.
+
+        With the native step every position is one native step of the rows that feed it, so a row's numbers are
+        those of feeding its tokens one at a time, in any batch, and a batch never leaves the kernel. The torch
+        step takes one token per row, so the torch path feeds such a step in one `extend` call (on a GPU a wide
+        call costs about what a narrow one does)."""
+        width = ids.shape[1]
+        if self.runtime.native is None:
+            return self.extend(ids, lengths, cache, routing=routing, threshold=threshold, all_logits=all_logits)
+        lengths = lengths.to(torch.long)
+        outs = [
+            self.decode(ids[:, i], cache, routing=routing, threshold=threshold, active=lengths > i)
+            for i in range(width)
+        ]
+        rows = torch.arange(ids.shape[0])
+        every = torch.stack([out.logits for out in outs], dim=1)  # (B, W, V)
+        return ExtendOutput(
+            logits=every if all_logits else every[rows, (lengths - 1).clamp(min=0)],
+            router_probs=torch.cat([out.router_probs for out in outs], dim=2),
+            selected=torch.cat([out.selected for out in outs], dim=2) & (torch.arange(width) < lengths[:, None]),
+        )
 
     def _router_probs(
         self, layer: STTLayer, hidden: torch.Tensor, lengths: torch.Tensor, cache: KVCache, stt_slot: int

@@ -200,9 +200,6 @@ class EngineBackend(BackendState):
         self._session: Any = None
         self._lens: Any = None  # the last answer's captured lens (`engine.lens_pass.AnswerLens`)
         self._lens_key: tuple[Any, ...] | None = None
-        # Per position of the session's tokens, the routing each turn's fed segment had (`PromptInfo.computed`):
-        # the lens replays the position that predicted an answer's first token with the routing it really had.
-        self._segment_routing: dict[int, tuple[bool, ...]] = {}
         model = engine.model
         config = model.config
         self._info = ModelInfo(
@@ -243,36 +240,18 @@ class EngineBackend(BackendState):
 
     def new_session(self, history: Sequence[Message] = ()) -> None:
         self._session = self._engine.session()
-        self._segment_routing = {}
         # A resumed conversation costs nothing now: with an empty cache the session renders and prefills all its
         # messages with the next turn.
         self._session.messages.extend(dict(message) for message in history)
 
     def send(self, text: str) -> StepStream:
-        return self._recording(self._session.send(text, self._settings, **self._options()))
+        return self._session.send(text, self._settings, **self._options())
 
     def regenerate(self) -> StepStream:
-        return self._recording(self._session.regenerate(self._settings, **self._options()))
+        return self._session.regenerate(self._settings, **self._options())
 
     def edit_last(self, text: str) -> StepStream:
-        return self._recording(self._session.edit_last(text, self._settings, **self._options()))
-
-    def _recording(self, steps: Iterator[Step]) -> StepStream:
-        """The turn's steps, noting the routing of the segment it fed (the last positions of the session's tokens
-        when the first step arrives)."""
-        try:
-            for step in steps:
-                computed = None if step.prompt is None else step.prompt.computed
-                if computed:
-                    fed = len(self._session.token_ids)
-                    segment = computed[0]
-                    for offset, flags in enumerate(segment):
-                        self._segment_routing[fed - len(segment) + offset] = tuple(flags)
-                yield step
-        finally:
-            close = getattr(steps, "close", None)
-            if close is not None:
-                close()
+        return self._session.edit_last(text, self._settings, **self._options())
 
     def compare_last(self) -> StepStream:
         messages = self._session.messages
@@ -331,20 +310,20 @@ class EngineBackend(BackendState):
 
     def lens(self, request: LensRequest) -> ReplyLens:
         from chatapp.engine.lens_pass import AnswerLens
+        from chatapp.engine.loop import call_routing
         from chatapp.models.lens_files import lens_translators
 
-        ids, start, fed = self._answer_ids(request)
+        ids, start, _ = self._answer_ids(request)
         key = (tuple(ids), request.computed)
         if self._lens is None or self._lens_key != key:
-            # The answer's own routing and its turn's segment's; where neither was recorded (a resumed conversation)
-            # the causal router decides again. No routing reported at all: routing was off.
+            # The conversation replayed through the model's own forward at the routing the answer had: none reported
+            # at all means routing was off; else the routers at the settings' threshold decide, as they did.
             dense = all(flags is None for flags in request.computed)
-            computed = [self._segment_routing.get(position) for position in range(start)] + list(request.computed)
+            _, threshold = call_routing(self._engine.model.config, self._settings)
             translators = lens_translators(self._model_dir, self._engine.model.config)
             targets = range(start, start + len(request.tokens))
-            cache = self._session.cache if fed else None  # the answer is in the session's cache: replay it there
             self._lens = AnswerLens(
-                self._engine, ids, computed, targets, dense=dense, translators=translators, cache=cache
+                self._engine, ids, targets, dense=dense, threshold=threshold, translators=translators
             )
             self._lens_key = key
         return self._lens.result(() if request.detail is None else (request.detail,))

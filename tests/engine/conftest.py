@@ -64,13 +64,19 @@ class ScriptedModel:
     def __init__(self, model: Any, script: Mapping[int, int]) -> None:
         self._model = model
         self.script = dict(script)
-        self.calls: list[tuple[int, int]] = []  # (batch, width) of every extend/decode call
+        self.calls: list[tuple[int, int]] = []  # (batch, width) of every extend/decode/feed call
+        self.step_calls: list[tuple[int, int]] = []  # the same of the decode steps alone (decode, feed): no prefill
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
     def extend(self, ids: torch.Tensor, lengths: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
+        return self._forward(ids, lengths, cache, **kwargs)
+
+    def _forward(self, ids: torch.Tensor, lengths: torch.Tensor, cache: Any, step: bool = False, **kwargs: Any) -> Any:
         self.calls.append(tuple(ids.shape))
+        if step:
+            self.step_calls.append(tuple(ids.shape))
         out = self._model.extend(ids, lengths, cache, **kwargs)
         every_position = kwargs.get("all_logits", False)
         for row, position in enumerate(cache.seen.tolist()):
@@ -83,7 +89,10 @@ class ScriptedModel:
         return out
 
     def decode(self, ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
-        return self.extend(ids[:, None], torch.ones_like(ids), cache, **kwargs)
+        return self._forward(ids[:, None], torch.ones_like(ids), cache, step=True, **kwargs)
+
+    def feed(self, ids: torch.Tensor, lengths: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
+        return self._forward(ids, lengths, cache, step=True, **kwargs)
 
 
 @pytest.fixture

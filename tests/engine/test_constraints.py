@@ -70,11 +70,12 @@ def test_tokens_the_grammar_decides_are_forced_and_fast_forwarded(scripted, chat
     runs = {}
     for fast_forward in (False, True):
         model.calls.clear()
+        model.step_calls.clear()
         results = engine.generate_batch(
             ["Hello", "Paris"], SAMPLED.with_(fast_forward=fast_forward), constraints=[pattern] * 2
         )
         runs[fast_forward] = [(r.tokens, r.forced, r.text) for r in results]
-        widths = [width for _, width in model.calls[1:]]
+        widths = [width for _, width in model.step_calls]
         assert (max(widths) > 1) == fast_forward
     assert runs[True] == runs[False]
     for tokens, forced, _ in runs[True]:

@@ -106,7 +106,7 @@ def test_max_tokens_and_finished_rows_leave_the_batch(scripted, chat_format) -> 
     results = engine.generate_batch(PROMPTS, settings)
     assert [len(r.tokens) for r in results] == [2, 9, 3, 9]
     assert all(r.finish_reason == "length" for r in results)
-    batch_sizes = [batch for batch, _ in model.calls[1:]]
+    batch_sizes = [batch for batch, _ in model.step_calls]
     assert batch_sizes[0] == 4 and batch_sizes[-1] == 2  # compacted once rows 0 and 2 finished
 
 

@@ -50,7 +50,7 @@ def test_a_call_forces_its_result_and_flags_it(scripted, ids, fast_forward: bool
         ToolEvent("result", "calculator", "3*4", "12"),
     ]
     assert result.text == "<|python_start|>3*4<|python_end|><|output_start|>12<|output_end|>12"
-    widths = [width for _, width in model.calls[1:]]
+    widths = [width for _, width in model.step_calls]
     assert max(widths) == (len(output) if fast_forward else 1)
 
 
@@ -135,10 +135,11 @@ def test_fast_forward_emits_exactly_the_step_by_step_tokens(scripted, ids, tempe
     runs = {}
     for fast_forward in (False, True):
         model.calls.clear()
+        model.step_calls.clear()
         steps = list(engine.generate(prompts, settings.with_(fast_forward=fast_forward), num_samples=2))
         runs[fast_forward] = sorted(((e.row, e.token, e.forced) for s in steps for e in s.tokens), key=lambda t: t[0])
         calls = len(model.calls)
-        assert max(width for _, width in model.calls[1:]) == (len(ids.text("1665")) + 2 if fast_forward else 1)
+        assert max(width for _, width in model.step_calls) == (len(ids.text("1665")) + 2 if fast_forward else 1)
         assert any(e.forced for s in steps for e in s.tokens)
         runs[f"{fast_forward}-calls"] = calls
     assert runs[True] == runs[False]
@@ -153,10 +154,10 @@ def test_auto_policy_fast_forwards_a_lone_row_only_on_cpu(scripted, ids) -> None
     engine, model = scripted(script_at(len(prompt), call))
     settings = GREEDY.with_(max_tokens=len(call) + 2)
     engine.generate_batch([prompt], settings)
-    assert max(width for _, width in model.calls[1:]) == len(ids.text("12")) + 2
-    model.calls.clear()
+    assert max(width for _, width in model.step_calls) == len(ids.text("12")) + 2
+    model.step_calls.clear()
     engine.generate_batch([prompt, prompt], settings)
-    assert max(width for _, width in model.calls[1:]) == 1
+    assert max(width for _, width in model.step_calls) == 1
 
 
 def test_a_call_is_held_to_the_tools_grammar(scripted, ids) -> None:

@@ -215,13 +215,11 @@ def test_the_avx2_products_where_the_cpu_has_vnni_too(tmp_path, monkeypatch) -> 
     """A CPU without AVX-512 VNNI takes the AVX2 products: built here with VNNI switched off, the step still equals
     the torch step, batch 1 and a batch of tiles."""
     import ctypes
-    import subprocess
 
     if "avx512_vnni" not in cpu_step._cpu_features():
         pytest.skip("this CPU builds the AVX2 products anyway (the other tests cover them)")
     path = tmp_path / "decode_step_avx2.so"
-    subprocess.run([cpu_step.compiler(), *cpu_step.FLAGS, "-mno-avx512vnni", "-o", str(path), str(cpu_step.SOURCE),
-                    "-lm"], check=True)  # fmt: skip
+    cpu_step.build(path, ("-mno-avx512vnni",))
     library = ctypes.CDLL(str(path))
     library.chatapp_decode.argtypes = [ctypes.POINTER(cpu_step.DecodeArgs)]
     library.chatapp_decode.restype = ctypes.c_int
