@@ -7,6 +7,9 @@ side once per round, the order turning, so all of them see the same machine load
   `chatapp.stt.cpu_step`);
 - batched through the torch decode step instead (the model's `DecodeRuntime.native` off): what the C step gives at
   that batch size; left out, with a line saying so, when the model does not decode through the C step;
+- batched with the device batch's prompts prefilled together, padded, one product per chunk (`batched_prefill`):
+  how the loop prefilled before a prompt got its own row, when a row's numbers depended on its batch. The app's
+  side against it is what batch invariance costs;
 - one at a time (`--batch-size 1`), the app's step: generate's batch-1 rate, which the others are compared with;
 - llama.cpp decoding the same chat prompts side by side in one context (greedy, no stop token, `--max-tokens`
   each), when `llama_cpp` (llama-cpp-python) is importable and the model is the default one (its GGUF is the
@@ -14,12 +17,10 @@ side once per round, the order turning, so all of them see the same machine load
 
 Each side's tokens/s counts the whole call (prefill, decode, the runner); its decode tokens/s counts the emitted
 tokens over the decode steps' seconds only (`timings.decode_s` of the records: per device batch, its longest row's),
-the figure of issue #40's target (a batch of 32 decoding at >= 3x generate's batch-1 rate). Both sides of the app's
-step are compared record by record (timings aside). Decode is batch-invariant (the C step sums every row in the same
-order whatever rows are beside it, tested bit for bit), but prefill goes through torch, where a batch's prompts
-(more than 48 rows of tokens) take the dense product and a lone prompt the int8 kernel: their logits differ by up to
-a few tenths, so a batched reply can part from the lone one after some tokens. The count of identical records says
-how often.
+the target's figure (a batch of 32 decoding at >= 3x generate's batch-1 rate). The batched and one-at-a-time sides of
+the app are compared record by record (timings aside): a row's numbers do not depend on its batch (each prompt is
+prefilled in its own row, and every decode step of an int8 batch is the C step, which sums every row in the same
+order whatever rows are beside it), so every record is identical.
 
     .venv/bin/python benchmarks/batch_throughput.py [--prompts 32] [--max-tokens 128] [--batch-size 32] [--rounds 3]
     .venv/bin/python benchmarks/batch_throughput.py --quick   # a smoke run: 8 prompts x 8 tokens at batch 4
@@ -36,7 +37,8 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,10 +132,13 @@ class Side:
         return statistics.median(measure(t) for t in self.timings)
 
 
-def run_runner(engine: Engine, lines: list[str], defaults: BatchDefaults, batch_size: int, step: Step):
-    """One `chatapp batch` run of `lines` in-process, decoding with `step`: its timing and records."""
+def run_runner(
+    engine: Engine, lines: list[str], defaults: BatchDefaults, batch_size: int, step: Step, prefill=nullcontext
+):
+    """One `chatapp batch` run of `lines` in-process, decoding with `step`, prefilling as `prefill()` has the loop
+    do: its timing and records."""
     sink = CountingSink()
-    with step.used_by(engine.model):
+    with step.used_by(engine.model), prefill():
         started = time.perf_counter()
         summary = run_batch(
             engine, ModelPreparer(engine), lines, defaults, sink, options=BatchOptions(batch_size=batch_size)
@@ -155,6 +160,50 @@ def _decode_seconds(records: list[dict[str, Any]], lines: list[str], batch_size:
         batch = batch_of[record["id"]]
         longest[batch] = max(longest.get(batch, 0.0), record["timings"]["decode_s"])
     return sum(longest.values())
+
+
+@contextmanager
+def batched_prefill() -> Iterator[None]:
+    """Inside the block the decode loop prefills a device batch's prompts together: right-padded, one product per
+    chunk of the longest prompt (`PREFILL_TOKENS` split over the rows, at least 512 wide). A row's prefill then took
+    the dense product or the int8 kernel by the whole batch's token count, so its numbers depended on its batch; the
+    loop now prefills each prompt in its own row (`engine.loop.prefill_row`)."""
+    from chatapp.engine import loop
+
+    def prefill(self, prompt_ids, cache, routing, threshold):
+        routing = loop.prompt_routing(self.model, routing)
+        lengths = torch.tensor([len(ids) for ids in prompt_ids])
+        longest = int(lengths.max())
+        padded = torch.zeros(len(prompt_ids), longest, dtype=torch.long)
+        for i, ids in enumerate(prompt_ids):
+            padded[i, : len(ids)] = torch.tensor(ids)
+        chunk = max(512, loop.PREFILL_TOKENS // len(prompt_ids))
+        logits, probs, chosen = None, [], []
+        for start in range(0, longest, chunk):
+            width = min(chunk, longest - start)
+            chunk_lengths = (lengths - start).clamp(0, width)
+            out = self.model.extend(
+                padded[:, start : start + width], chunk_lengths, cache, routing=routing, threshold=threshold
+            )
+            ends_here = (chunk_lengths > 0) & (lengths <= start + width)
+            logits = out.logits if logits is None else torch.where(ends_here[:, None], out.logits, logits)
+            probs.append(out.router_probs)
+            chosen.append(out.selected)
+        if routing == "off":
+            return logits, None
+        probs_host = torch.cat(probs, dim=2).permute(1, 2, 0).tolist()
+        chosen_host = torch.cat(chosen, dim=2).permute(1, 2, 0).tolist()
+        return logits, [
+            [(tuple(probs_host[b][t]), tuple(chosen_host[b][t])) for t in range(len(ids))]
+            for b, ids in enumerate(prompt_ids)
+        ]
+
+    original = loop.DecodeLoop._prefill
+    loop.DecodeLoop._prefill = prefill
+    try:
+        yield
+    finally:
+        loop.DecodeLoop._prefill = original
 
 
 def _comparable(records: list[dict[str, Any]]) -> list[str]:
@@ -300,15 +349,21 @@ def main() -> None:
     single_lines = lines[: args.single_prompts or len(lines)]
     run_runner(engine, lines[:4], defaults, 4, app)  # warm-up: first-call allocations and kernels
 
-    def runner_side(name: str, side_lines: list[str], batch_size: int, step: Step) -> Side:
+    def runner_side(name: str, side_lines: list[str], batch_size: int, step: Step, prefill=nullcontext) -> Side:
         return Side(
-            name, batch_size, len(side_lines), lambda: run_runner(engine, side_lines, defaults, batch_size, step)
+            name,
+            batch_size,
+            len(side_lines),
+            lambda: run_runner(engine, side_lines, defaults, batch_size, step, prefill),
         )
 
     app_name = "C step" if app.native is not None else "torch step"
     batched = runner_side(f"batched, {app_name}", lines, args.batch_size, app)
+    together = runner_side(
+        f"batched, {app_name}, prompts prefilled together (not invariant)", lines, args.batch_size, app, batched_prefill
+    )
     single = runner_side(f"one at a time, {app_name}", single_lines, 1, app)
-    sides = [batched, single]
+    sides = [batched, together, single]
     if app.native is not None:
         run_runner(engine, lines[:4], defaults, 4, torch_step)  # warm-up of the torch step
         sides.insert(1, runner_side("batched, torch step", lines, args.batch_size, torch_step))
@@ -361,10 +416,9 @@ def main() -> None:
             f"| {rate / base_rate:.2f}x | {decode:.1f} | {decode / base_decode:.2f}x |"
         )
     print()
-    print(
-        f"identical records, {batched.name} vs {single.name} (timings aside): {same} of {compared} (prefill "
-        "differs between a batch and a lone prompt: see the module docstring)"
-    )
+    cost = batched.median(lambda t: t.rate) / together.median(lambda t: t.rate)
+    print(f"batch invariance (each prompt prefilled in its own row): {cost:.3f}x the throughput of prefilling together")
+    print(f"identical records, {batched.name} vs {single.name} (timings aside): {same} of {compared}")
 
 
 if __name__ == "__main__":
