@@ -269,13 +269,26 @@ def lens_document(result: ReplyLens, at: int | None) -> dict[str, Any]:
 def fit(
     model: Annotated[str, typer.Argument(help="A model name (tiny, default) or a model directory.")],
     output: Annotated[
-        str | None, typer.Option("--output", "-o", help="Where the translators go (default: MODEL/lens.safetensors).")
+        str | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where the translators go: a new file, or a lens file written earlier (default: the data "
+            "directory's lenses/, where `chatapp lens` looks first).",
+        ),
     ] = None,
     conversations: Annotated[
         int, typer.Option("--conversations", min=2, help="Held-out chat conversations: half to fit, half to measure.")
     ] = 64,
     steps: Annotated[int, typer.Option("--steps", min=0, help="Adam steps on the KL after least squares.")] = 200,
-    rank: Annotated[int, typer.Option("--rank", min=1, help="Rank of each layer's translator.")] = 32,
+    rank: Annotated[
+        int,
+        typer.Option(
+            "--rank",
+            min=1,
+            help="Rank of each layer's translator (at most the model's width; fewer when the fit has fewer positions).",
+        ),
+    ] = 32,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
 ) -> None:
@@ -286,30 +299,42 @@ def fit(
 
     with starting_up():
         from chatapp.models import load_engine, resolve_model
-        from chatapp.models.lens_files import LENS_FILE, save_translators
+        from chatapp.models.lens_files import check_lens_output, fitted_path, save_translators
+        from chatapp.models.loader import check_model_dir
         from chatapp.training.lens_fit import fit_lens
 
+        # The output is checked before the model loads and the fit runs (minutes): never over a file chatapp did
+        # not write, and the user-fitted lens lives in the data directory, where preparing a model again does not
+        # reach it.
+        model_dir = resolve_model(model)
+        what = "-o file" if output else "lens file"
+        target = Path(output).expanduser() if output else fitted_path(model_dir)
+        check_lens_output(target, what)
+        width = check_model_dir(model_dir).get("hidden_size")
+        if isinstance(width, int) and rank > width:  # else loading names what is wrong with the config
+            raise SettingsError(
+                f"--rank {rank} is more than the model's width ({width}): a translator's rank is at most its width",
+                hint=f"pass --rank {width} or less",
+            )
         engine = load_engine(model, device, dtype=dtype)
-    model_dir = resolve_model(model)
-    target = Path(output).expanduser() if output else model_dir / LENS_FILE
-    if not target.parent.is_dir():
-        raise SettingsError(f"cannot write {target}: {target.parent} is not a directory", hint="pass -o FILE")
-    chats = held_out_conversations(engine, model_dir, conversations)
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    chats = held_out_conversations(engine, model_dir, conversations, log)
     try:
-        report = fit_lens(engine, chats, steps=steps, rank=rank, log=lambda line: print(line, file=sys.stderr))
+        report = fit_lens(engine, chats, steps=steps, rank=rank, log=log)
     except ValueError as err:  # conversations without an assistant token to read
         raise SettingsError(f"cannot fit a lens for {model_dir}: {err}", hint="pass more --conversations") from None
-    save_translators(report.translators, target)
+    save_translators(report.translators, target, what)
     console = Console(highlight=False)
     console.print(render_agreement(report.raw, report.tuned, report.eval_positions))
-    console.print(f"saved the tuned lens to {target}")
+    console.print(f"saved the tuned lens (rank {report.rank}) to {target}", soft_wrap=True)
 
 
-def held_out_conversations(engine, model_dir: Path, count: int) -> list:
+def held_out_conversations(engine, model_dir: Path, count: int, log=lambda line: None) -> list:
     """Chat to fit a lens on, two kinds interleaved (so the fit's half and the measured half hold both): the held-out
-    conversations of the recipe that made the model (else the default model's recipe's held-out tool exchanges, plain
-    chat any chat model reads), and the model's own greedy answers to general prompts, the text a chat shows most.
-    Tool exchanges alone fit a lens that reads general text worse than the raw one."""
+    conversations of the recipe that made the model (else the default model's recipe's held-out tool exchanges),
+    and the model's own greedy answers to general prompts, the text a chat shows most. Tool exchanges alone fit a
+    lens that reads general text worse than the raw one. A model whose chat template has no tool markers (a
+    converted GGUF) cannot be shown a tool call: it is fitted on its own answers alone, and `log` says so."""
     import random
 
     from chatapp.errors import ModelDirError
@@ -318,9 +343,11 @@ def held_out_conversations(engine, model_dir: Path, count: int) -> list:
     from chatapp.recipes.smollm2.evaluate import held_out_chat
     from chatapp.settings import GenerationSettings
 
-    tools = count // 2
+    tools = count // 2 if getattr(engine.chat_format, "tool_markers", None) is not None else 0
+    if tools == 0:
+        log("the model's chat template has no tool markers: fitting on its answers to general prompts only")
     try:
-        recipe = held_out_for(model_dir).conversations(tools)[:tools]
+        recipe = held_out_for(model_dir).conversations(tools)[:tools] if tools else []
     except ModelDirError:
         recipe = held_out_chat([], tools)
     prompts = general_prompts(random.Random(GENERAL_SEED), count - tools)
