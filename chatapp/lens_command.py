@@ -23,7 +23,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from chatapp.cli_options import DeviceOption, DtypeOption, ModelOption
-from chatapp.errors import SettingsError
+from chatapp.errors import ContextOverflowError, SettingsError
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -134,10 +134,23 @@ def run_lens(
     from chatapp.engine.lens_pass import conversation_lens, reply_lens
 
     prompt_ids = engine.chat_format.render_for_completion([{"role": "user", "content": prompt}])
+    context = int(engine.context_size)
+    if len(prompt_ids) >= context:
+        raise ContextOverflowError(
+            f"the prompt is {len(prompt_ids)} tokens, and the model's context holds {context}: no room for a reply",
+            hint=f"shorten the prompt to fewer than {context} tokens",
+        )
     if reply is not None:
         forced = engine.chat_format.encode_text(reply)
         if not forced:
             raise SettingsError("--reply encodes to no tokens", hint="give some text to teacher-force")
+        if len(prompt_ids) + len(forced) > context:
+            # Positions past the context have no rotary position the model was made for: the reading would be noise.
+            raise ContextOverflowError(
+                f"--reply is {len(forced)} tokens; with the prompt's {len(prompt_ids)} that is "
+                f"{len(prompt_ids) + len(forced)}, more than the model's context of {context} tokens",
+                hint=f"shorten --reply to at most {context - len(prompt_ids)} tokens (or shorten the prompt)",
+            )
         _check_at(at, len(forced))
         ids = [*prompt_ids, *forced]
         targets = range(len(prompt_ids), len(ids))
@@ -240,19 +253,29 @@ def render_layers(result: ReplyLens, token: TokenLens) -> Table:
 
     table = Table(box=None, pad_edge=False, header_style="dim", title_style="dim", title_justify="left")
     table.title = f"token {token.index} {token.text!r}, layer by layer ({result.lens} lens)"
-    columns = (("layer", "right"), ("", "left"), ("p", "right"), ("rank", "right"), ("", "left"), ("top 3", "left"))
-    for name, justify in columns:
-        table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
-    for layer in token.layers:
-        mark = "ran" if not layer.routed else "● ran" if layer.computed else "○ skipped"
-        table.add_row(
+    rows = [
+        (
             str(layer.layer),
-            Text(mark, style="" if layer.computed else "dim"),
+            Text(
+                "ran" if not layer.routed else "● ran" if layer.computed else "○ skipped",
+                style="" if layer.computed else "dim",
+            ),
             f"{layer.prob:.3f}",
             str(layer.rank),
             "◀ decided" if layer.layer == token.decision_depth else "",
             "  ".join(f"{alt.text!r} {alt.prob:.2f}" for alt in layer.top),
         )
+        for layer in token.layers
+    ]
+    columns = (("layer", "right"), ("", "left"), ("p", "right"), ("rank", "right"), ("", "left"))
+    for index, (name, justify) in enumerate(columns):
+        # Never narrowed: squeezed into a pipe's 80 columns, a number cut to `0.…` says nothing. The top 3 takes what
+        # is left, wrapped onto more lines where it must be.
+        widest = max([len(name), *(len(str(row[index])) for row in rows)])
+        table.add_column(name, justify=justify, no_wrap=True, min_width=widest)  # type: ignore[arg-type]
+    table.add_column("top 3", justify="left", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 

@@ -358,14 +358,17 @@ def clean_locks(locks: str | Path) -> list[Path]:
 
 
 # ------------------------------------------------------------------------------------------------------ reading
-def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
+def atomic_write(path: str | Path, write: Callable[[Path], object], *, mode: int | None = None) -> None:
     """Call `write(tmp)` for a temporary file beside `path`, then rename it over `path`: a reader (or a run resumed
-    after kill -9) sees the previous file or the whole new one, never a part."""
+    after kill -9) sees the previous file or the whole new one, never a part. `mode`: the file's permissions (else
+    the temporary file's private 0600), for a file the user reads with other tools."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(Path(tmp))
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

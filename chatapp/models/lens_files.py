@@ -95,4 +95,4 @@ def save_translators(translators, path: Path, what: str = "lens output") -> None
 
     check_lens_output(path, what)
     check_writable_dir(path.parent, f"directory of the {what}")
-    atomic_write(path, lambda staging: save_file(translators.tensors(), str(staging)))
+    atomic_write(path, lambda staging: save_file(translators.tensors(), str(staging)), mode=0o644)
