@@ -142,6 +142,7 @@ def run(
 
     from chatapp.models.loader import check_environment, check_model_dir, resolve_device
     from chatapp.models.registry import is_registered, resolve_model
+    from chatapp.routing_levels import config_level
     from chatapp.ttfa.loader import load_program_source_by_name
     from chatapp.ui.terminal import end_on_hangup, keys_held_for_the_app
 
@@ -158,7 +159,9 @@ def run(
             resolve_device(device)
         if is_registered(model):  # here, not in the engine process: the first use prepares the default model (a bar)
             model = str(resolve_model(model))
-        check_model_dir(resolve_model(model))
+        config = check_model_dir(resolve_model(model))
+        if routing is not None:  # else the whole TUI is drawn before the engine process refuses it
+            config_level(config, routing)
         backend = None
         if not in_process:
             from chatapp.ui.process import start_engine
