@@ -256,11 +256,24 @@ def generate(
 
         compiled = load_program(program, engine.tokenizer, engine.chat_format.program_aliases)
     constraint = engine.constraint(regex=regex, json_schema=schema) if regex or schema is not None else None
+    if compiled is not None and constraint is not None:
+        from chatapp.engine.constraints import check_forced_start
+
+        option = "--regex" if regex is not None else "--json-schema"
+        check_forced_start(
+            compiled,
+            constraint,
+            program_name=f"--program {program}",
+            constraint_name=f"--regex {regex!r}" if regex is not None else "--json-schema",
+            drop=f"--program or {option}",
+        )
     exact = None if sys.stdout.isatty() else sys.stdout
     console = Console(highlight=False) if exact is None else err_console
-    stream_reply(
+    reply = stream_reply(
         engine, prompt, settings, console, exact=exact, verbose=verbose, program=compiled, constraint=constraint
     )
+    if reply.finish_reason == "error":  # the row could not go on (its message is printed): not a success
+        raise typer.Exit(1)
 
 
 @app.command()
