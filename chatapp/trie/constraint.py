@@ -155,7 +155,7 @@ class Constraint:
         if token == self.end_token:
             if not self.is_accepting():
                 raise ConstraintError(
-                    f"the reply was ended (by a forced end token) before it matched {self.dfa.source}",
+                    f"the reply was ended (by a forced end token) before the output matched {self.dfa.source}",
                     hint=FORCED_TEXT_HINT,
                 )
             self._ended = True
