@@ -142,6 +142,7 @@ def run(
 
     from chatapp.models.loader import check_environment, check_model_dir, resolve_device
     from chatapp.models.registry import is_registered, resolve_model
+    from chatapp.routing_levels import config_level
     from chatapp.ttfa.loader import load_program_source_by_name
     from chatapp.ui.terminal import end_on_hangup, keys_held_for_the_app
 
@@ -158,7 +159,9 @@ def run(
             resolve_device(device)
         if is_registered(model):  # here, not in the engine process: the first use prepares the default model (a bar)
             model = str(resolve_model(model))
-        check_model_dir(resolve_model(model))
+        config = check_model_dir(resolve_model(model))
+        if routing is not None:  # else the whole TUI is drawn before the engine process refuses it
+            config_level(config, routing)
         backend = None
         if not in_process:
             from chatapp.ui.process import start_engine
@@ -253,11 +256,24 @@ def generate(
 
         compiled = load_program(program, engine.tokenizer, engine.chat_format.program_aliases)
     constraint = engine.constraint(regex=regex, json_schema=schema) if regex or schema is not None else None
+    if compiled is not None and constraint is not None:
+        from chatapp.engine.constraints import check_forced_start
+
+        option = "--regex" if regex is not None else "--json-schema"
+        check_forced_start(
+            compiled,
+            constraint,
+            program_name=f"--program {program}",
+            constraint_name=f"--regex {regex!r}" if regex is not None else "--json-schema",
+            drop=f"--program or {option}",
+        )
     exact = None if sys.stdout.isatty() else sys.stdout
     console = Console(highlight=False) if exact is None else err_console
-    stream_reply(
+    reply = stream_reply(
         engine, prompt, settings, console, exact=exact, verbose=verbose, program=compiled, constraint=constraint
     )
+    if reply.finish_reason == "error":  # the row could not go on (its message is printed): not a success
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -23,7 +23,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from chatapp.cli_options import DeviceOption, DtypeOption, ModelOption
-from chatapp.errors import SettingsError
+from chatapp.errors import ContextOverflowError, SettingsError
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -138,10 +138,23 @@ def run_lens(
     routing, threshold = call_routing(engine.model.config, settings)
     dense = routing == "off"
     prompt_ids = engine.chat_format.render_for_completion([{"role": "user", "content": prompt}])
+    context = int(engine.context_size)
+    if len(prompt_ids) >= context:
+        raise ContextOverflowError(
+            f"the prompt is {len(prompt_ids)} tokens, and the model's context holds {context}: no room for a reply",
+            hint=f"shorten the prompt to fewer than {context} tokens",
+        )
     if reply is not None:
         forced = engine.chat_format.encode_text(reply)
         if not forced:
             raise SettingsError("--reply encodes to no tokens", hint="give some text to teacher-force")
+        if len(prompt_ids) + len(forced) > context:
+            # Positions past the context have no rotary position the model was made for: the reading would be noise.
+            raise ContextOverflowError(
+                f"--reply is {len(forced)} tokens; with the prompt's {len(prompt_ids)} that is "
+                f"{len(prompt_ids) + len(forced)}, more than the model's context of {context} tokens",
+                hint=f"shorten --reply to at most {context - len(prompt_ids)} tokens (or shorten the prompt)",
+            )
         _check_at(at, len(forced))
         ids = [*prompt_ids, *forced]
         targets = range(len(prompt_ids), len(ids))
@@ -244,19 +257,29 @@ def render_layers(result: ReplyLens, token: TokenLens) -> Table:
 
     table = Table(box=None, pad_edge=False, header_style="dim", title_style="dim", title_justify="left")
     table.title = f"token {token.index} {token.text!r}, layer by layer ({result.lens} lens)"
-    columns = (("layer", "right"), ("", "left"), ("p", "right"), ("rank", "right"), ("", "left"), ("top 3", "left"))
-    for name, justify in columns:
-        table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
-    for layer in token.layers:
-        mark = "ran" if not layer.routed else "● ran" if layer.computed else "○ skipped"
-        table.add_row(
+    rows = [
+        (
             str(layer.layer),
-            Text(mark, style="" if layer.computed else "dim"),
+            Text(
+                "ran" if not layer.routed else "● ran" if layer.computed else "○ skipped",
+                style="" if layer.computed else "dim",
+            ),
             f"{layer.prob:.3f}",
             str(layer.rank),
             "◀ decided" if layer.layer == token.decision_depth else "",
             "  ".join(f"{alt.text!r} {alt.prob:.2f}" for alt in layer.top),
         )
+        for layer in token.layers
+    ]
+    columns = (("layer", "right"), ("", "left"), ("p", "right"), ("rank", "right"), ("", "left"))
+    for index, (name, justify) in enumerate(columns):
+        # Never narrowed: squeezed into a pipe's 80 columns, a number cut to `0.…` says nothing. The top 3 takes what
+        # is left, wrapped onto more lines where it must be.
+        widest = max([len(name), *(len(str(row[index])) for row in rows)])
+        table.add_column(name, justify=justify, no_wrap=True, min_width=widest)  # type: ignore[arg-type]
+    table.add_column("top 3", justify="left", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
@@ -273,13 +296,26 @@ def lens_document(result: ReplyLens, at: int | None) -> dict[str, Any]:
 def fit(
     model: Annotated[str, typer.Argument(help="A model name (tiny, default) or a model directory.")],
     output: Annotated[
-        str | None, typer.Option("--output", "-o", help="Where the translators go (default: MODEL/lens.safetensors).")
+        str | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where the translators go: a new file, or a lens file written earlier (default: the data "
+            "directory's lenses/, where `chatapp lens` looks first).",
+        ),
     ] = None,
     conversations: Annotated[
         int, typer.Option("--conversations", min=2, help="Held-out chat conversations: half to fit, half to measure.")
     ] = 64,
     steps: Annotated[int, typer.Option("--steps", min=0, help="Adam steps on the KL after least squares.")] = 200,
-    rank: Annotated[int, typer.Option("--rank", min=1, help="Rank of each layer's translator.")] = 32,
+    rank: Annotated[
+        int,
+        typer.Option(
+            "--rank",
+            min=1,
+            help="Rank of each layer's translator (at most the model's width; fewer when the fit has fewer positions).",
+        ),
+    ] = 32,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
 ) -> None:
@@ -290,30 +326,42 @@ def fit(
 
     with starting_up():
         from chatapp.models import load_engine, resolve_model
-        from chatapp.models.lens_files import LENS_FILE, save_translators
+        from chatapp.models.lens_files import check_lens_output, fitted_path, save_translators
+        from chatapp.models.loader import check_model_dir
         from chatapp.training.lens_fit import fit_lens
 
+        # The output is checked before the model loads and the fit runs (minutes): never over a file chatapp did
+        # not write, and the user-fitted lens lives in the data directory, where preparing a model again does not
+        # reach it.
+        model_dir = resolve_model(model)
+        what = "-o file" if output else "lens file"
+        target = Path(output).expanduser() if output else fitted_path(model_dir)
+        check_lens_output(target, what)
+        width = check_model_dir(model_dir).get("hidden_size")
+        if isinstance(width, int) and rank > width:  # else loading names what is wrong with the config
+            raise SettingsError(
+                f"--rank {rank} is more than the model's width ({width}): a translator's rank is at most its width",
+                hint=f"pass --rank {width} or less",
+            )
         engine = load_engine(model, device, dtype=dtype)
-    model_dir = resolve_model(model)
-    target = Path(output).expanduser() if output else model_dir / LENS_FILE
-    if not target.parent.is_dir():
-        raise SettingsError(f"cannot write {target}: {target.parent} is not a directory", hint="pass -o FILE")
-    chats = held_out_conversations(engine, model_dir, conversations)
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    chats = held_out_conversations(engine, model_dir, conversations, log)
     try:
-        report = fit_lens(engine, chats, steps=steps, rank=rank, log=lambda line: print(line, file=sys.stderr))
+        report = fit_lens(engine, chats, steps=steps, rank=rank, log=log)
     except ValueError as err:  # conversations without an assistant token to read
         raise SettingsError(f"cannot fit a lens for {model_dir}: {err}", hint="pass more --conversations") from None
-    save_translators(report.translators, target)
+    save_translators(report.translators, target, what)
     console = Console(highlight=False)
     console.print(render_agreement(report.raw, report.tuned, report.eval_positions))
-    console.print(f"saved the tuned lens to {target}")
+    console.print(f"saved the tuned lens (rank {report.rank}) to {target}", soft_wrap=True)
 
 
-def held_out_conversations(engine, model_dir: Path, count: int) -> list:
+def held_out_conversations(engine, model_dir: Path, count: int, log=lambda line: None) -> list:
     """Chat to fit a lens on, two kinds interleaved (so the fit's half and the measured half hold both): the held-out
-    conversations of the recipe that made the model (else the default model's recipe's held-out tool exchanges, plain
-    chat any chat model reads), and the model's own greedy answers to general prompts, the text a chat shows most.
-    Tool exchanges alone fit a lens that reads general text worse than the raw one."""
+    conversations of the recipe that made the model (else the default model's recipe's held-out tool exchanges),
+    and the model's own greedy answers to general prompts, the text a chat shows most. Tool exchanges alone fit a
+    lens that reads general text worse than the raw one. A model whose chat template has no tool markers (a
+    converted GGUF) cannot be shown a tool call: it is fitted on its own answers alone, and `log` says so."""
     import random
 
     from chatapp.errors import ModelDirError
@@ -322,9 +370,11 @@ def held_out_conversations(engine, model_dir: Path, count: int) -> list:
     from chatapp.recipes.smollm2.evaluate import held_out_chat
     from chatapp.settings import GenerationSettings
 
-    tools = count // 2
+    tools = count // 2 if getattr(engine.chat_format, "tool_markers", None) is not None else 0
+    if tools == 0:
+        log("the model's chat template has no tool markers: fitting on its answers to general prompts only")
     try:
-        recipe = held_out_for(model_dir).conversations(tools)[:tools]
+        recipe = held_out_for(model_dir).conversations(tools)[:tools] if tools else []
     except ModelDirError:
         recipe = held_out_chat([], tools)
     prompts = general_prompts(random.Random(GENERAL_SEED), count - tools)

@@ -13,8 +13,13 @@ Plain data, no torch: `chatapp models` reads the levels from config.json without
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
+
+from chatapp.errors import SettingsError
 
 OFF_LEVEL = "off"
+DEFAULT_ROUTER_THRESHOLD = 0.5  # `STTConfig.router_threshold`'s default, for a config.json that sets none
+LEVEL_HINT = "pass one of those to --routing (chatapp models lists them)"
 
 
 def level_thresholds(levels: Mapping[str, float] | None, router_threshold: float) -> dict[str, float | None]:
@@ -35,3 +40,16 @@ def pick_level(table: Mapping[str, float | None], requested: str | None) -> str:
     if requested not in table:
         raise ValueError(f"this model has no routing level {requested!r}; its levels: {', '.join(table)}")
     return requested
+
+
+def config_level(config: Mapping[str, Any], requested: str | None) -> str:
+    """`pick_level` for a model's config.json as read from disk (no model loaded): the check a command makes before
+    it starts anything slow; `SettingsError` naming the levels there are."""
+    threshold = config.get("router_threshold", DEFAULT_ROUTER_THRESHOLD)
+    levels = config.get("routing_levels")
+    try:
+        return pick_level(level_thresholds(levels if isinstance(levels, Mapping) else None, threshold), requested)
+    except ValueError as err:
+        raise SettingsError(str(err), hint=LEVEL_HINT) from None
+    except TypeError:  # thresholds that are not numbers: loading the model names what is wrong with its config
+        return requested or ""

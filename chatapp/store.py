@@ -8,8 +8,9 @@ a dead process (kill -9, power loss) and is removed by `clean_stale`. The lock f
 app's own directories; a target the user named (`chatapp convert`, `chatapp route --out`) passes `locks`, a
 directory of the app's, so nothing but the output itself appears where the user pointed. A lock file is removed
 by the writer that holds it as it finishes (`target_lock`), and one a killed writer left by `clean_locks`.
-`check_output` is the rule for a user-named output: a new or empty directory, or one chatapp wrote itself (its
-stamp), never a directory of the user's own files. Reads go through `open_regular`, which opens non-blocking and
+`check_output` is the rule for a user-named output directory: a new or empty directory, or one chatapp wrote itself
+(its stamp), never a directory of the user's own files nor a link; `check_output_file` the same rule for an output
+file: a new path, or a regular file chatapp wrote, never a user's file, a directory, a device, a FIFO or a link. Reads go through `open_regular`, which opens non-blocking and
 refuses anything but a regular file, so a FIFO or a device in the store never hangs a reader.
 
 This module is a leaf: it imports only `chatapp.errors` and the standard library.
@@ -144,6 +145,13 @@ def check_output(target: str | Path, what: str) -> Path:
     target = Path(target).expanduser()
     if target.is_symlink() and not target.exists():
         raise DataDirError(f"the {what} {target} is a dangling symbolic link", hint="remove it or pick another path")
+    if target.is_symlink():
+        # The output is renamed into place: over a link that would fail only after the work (a directory cannot
+        # replace a link), or replace the link itself, which is the user's.
+        raise DataDirError(
+            f"the {what} {target} is a symbolic link (to {_link_text(target)})",
+            hint=f"give the directory itself ({target.resolve()}) or a new path",
+        )
     if target.exists() and not target.is_dir():
         raise DataDirError(
             f"the {what} {target} already exists and is not a directory", hint="give a new (or empty) directory"
@@ -164,6 +172,48 @@ def check_output(target: str | Path, what: str) -> Path:
 
 
 _new_dir_hint = "give a new (or empty) directory: chatapp replaces only a directory it wrote itself"
+
+
+def check_output_file(target: str | Path, what: str, *, ours: Callable[[Path], bool]) -> Path:
+    """`target` as a file a command may write its output to (`atomic_write` renames it into place), checked before
+    any work and creating nothing: a new path whose directory (or nearest existing ancestor) is writable, or a
+    regular file chatapp wrote itself (`ours(target)`), which is replaced whole. Anything else is refused: a user's
+    file (its contents would be gone), a directory, a FIFO, a device (`-o /dev/null` would replace the machine's
+    /dev/null with a regular file), a socket, a symbolic link (the rename replaces the link, not what it names)."""
+    target = Path(target).expanduser()
+    try:
+        mode: int | None = os.lstat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as err:  # a file where a directory of the path should be, or a directory that cannot be searched
+        raise DataDirError(
+            f"cannot use the {what} {target}: {err.strerror or err}", hint="give a path in a writable directory"
+        ) from None
+    new_file = "give the path of a new file"
+    if mode is not None:
+        if stat.S_ISLNK(mode):
+            raise DataDirError(
+                f"the {what} {target} is a symbolic link (to {_link_text(target)})",
+                hint=f"{new_file}: chatapp never writes through a link",
+            )
+        if stat.S_ISDIR(mode):
+            raise DataDirError(f"the {what} {target} is a directory", hint=f"{new_file}, e.g. one inside {target}")
+        if not stat.S_ISREG(mode):
+            raise DataDirError(f"the {what} {target} is {_kind(mode)}, not a file", hint=new_file)
+        if not ours(target):
+            raise DataDirError(
+                f"the {what} {target} already exists and is not a file chatapp wrote",
+                hint=f"{new_file}: chatapp replaces only a file it wrote itself",
+            )
+    check_writable_dir(target.parent, f"directory of the {what}", create=False)
+    return target
+
+
+def _link_text(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 @contextlib.contextmanager
@@ -308,14 +358,17 @@ def clean_locks(locks: str | Path) -> list[Path]:
 
 
 # ------------------------------------------------------------------------------------------------------ reading
-def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
+def atomic_write(path: str | Path, write: Callable[[Path], object], *, mode: int | None = None) -> None:
     """Call `write(tmp)` for a temporary file beside `path`, then rename it over `path`: a reader (or a run resumed
-    after kill -9) sees the previous file or the whole new one, never a part."""
+    after kill -9) sees the previous file or the whole new one, never a part. `mode`: the file's permissions (else
+    the temporary file's private 0600), for a file the user reads with other tools."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(Path(tmp))
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -92,6 +92,7 @@ class ModelPreparer:
         # Many lines name the same program or pattern: compile each once (a failure is remembered too).
         self._programs: dict[str, Any] = {}
         self._dfas: dict[str, Any] = {}
+        self._starts: dict[tuple[str, str], ConstraintError | None] = {}  # (program, constraint): its start's check
         self._constraint_vocab: Any = None
 
     def prompt_ids(self, request: LineRequest) -> list[int]:
@@ -144,7 +145,30 @@ class ModelPreparer:
         dfa = self._dfas[key]
         if isinstance(dfa, ConstraintError):
             raise dfa
-        return Constraint(self._constraint_vocab, dfa, end_token)
+        constraint = Constraint(self._constraint_vocab, dfa, end_token)
+        if request.program is not None:
+            self._check_program_start(request.program, field, key, constraint)
+        return constraint
+
+    def _check_program_start(self, name: str, field: str, key: str, constraint: Any) -> None:
+        """The line's program must not force text its constraint forbids (`check_forced_start`); once per pair."""
+        from chatapp.engine.constraints import check_forced_start
+
+        pair = (name, key)
+        if pair not in self._starts:
+            try:
+                check_forced_start(
+                    self.program(name),
+                    constraint,
+                    program_name=f'"program" {name!r}',
+                    constraint_name=f'"{field}"',
+                    drop=f'"program" or "{field}"',
+                )
+                self._starts[pair] = None
+            except ConstraintError as err:
+                self._starts[pair] = err
+        if (err := self._starts[pair]) is not None:
+            raise err
 
 
 def run_batch_command(

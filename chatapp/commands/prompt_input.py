@@ -4,6 +4,7 @@ given inline or as a file. Each failure is the user's to fix: a `ChatappError` n
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,17 @@ def read_json_schema(value: str) -> Any:
     """A `--json-schema` value: inline JSON, or the path of a file holding it."""
     text = value
     path = Path(value).expanduser()
-    if not value.lstrip().startswith(("{", "[")) and path.is_file():
+    inline = value.lstrip().startswith(("{", "[")) or value.strip() in ("true", "false")
+    is_file = not inline and _is_file(path)
+    if not inline and not is_file and (path.suffix.lower() == ".json" or os.sep in value):
+        # Not JSON and not a file: a path that is not there (a typo, the wrong directory) is far likelier than
+        # a schema someone meant inline, and "not valid JSON" would send them looking at the wrong thing.
+        problem = "is a directory" if _is_dir(path) else "is not a file" if os.path.lexists(path) else "does not exist"
+        raise ConstraintError(
+            f"the --json-schema file {path} {problem}",
+            hint="pass the path of a JSON Schema file, or the schema itself inline ('{\"type\": ...}')",
+        )
+    if is_file:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
@@ -54,6 +65,26 @@ def read_json_schema(value: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
+        if text is not value:
+            problem = f"the --json-schema file {path} is not valid JSON: {err}"
+        elif inline:
+            problem = f"--json-schema is not valid JSON: {err}"
+        else:
+            problem = f"--json-schema {value[:40]!r} is neither a file nor valid JSON ({err})"
         raise ConstraintError(
-            f"--json-schema is not valid JSON: {err}", hint="pass the schema inline ('{\"type\": ...}') or a .json file"
+            problem, hint="pass the schema inline ('{\"type\": ...}') or a .json file"
         ) from None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long to be a path (a long inline value)
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False

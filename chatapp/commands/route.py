@@ -37,14 +37,21 @@ def route_dialogues(model: str, model_dir: Path, prompts: str | None, count: int
     """The conversations the fit has the model answer: `count` of the `--prompts` file's, else of the set the
     model's recipe registered, drawn by `seed` (all of them when the set is smaller); `TrainingError` when there is
     no set, or it is too small to hold a quarter out."""
+    return [turns for _, turns in route_dialogue_lines(model, model_dir, prompts, count, seed)]
+
+
+def route_dialogue_lines(
+    model: str, model_dir: Path, prompts: str | None, count: int, seed: int
+) -> list[tuple[str, Dialogue]]:
+    """`route_dialogues`, each with where it is (`FILE:LINE`)."""
     from chatapp.models.route_prompts import drawn, route_prompts_file
-    from chatapp.training.corpus import read_dialogues
+    from chatapp.training.corpus import read_dialogue_lines
 
     example = f"chatapp route {model} --prompts prompts.jsonl"
     if prompts is not None:
-        source, dialogues = prompts, read_dialogues(prompts)
+        source, dialogues = prompts, read_dialogue_lines(prompts)
     elif (registered := route_prompts_file(model_dir)) is not None:
-        source, dialogues = str(registered), read_dialogues(registered, "prompt set")
+        source, dialogues = str(registered), read_dialogue_lines(registered, "prompt set")
     else:
         raise TrainingError(
             f"{model_dir} has no prompt set of its own to fit routing on (no chatapp recipe made it)",
@@ -58,6 +65,25 @@ def route_dialogues(model: str, model_dir: Path, prompts: str | None, count: int
             hint=f"add conversations to {source}",
         )
     return drawn(dialogues, count, seed)
+
+
+def check_dialogues_fit(dialogues: list[tuple[str, Dialogue]], chat_format, context: int) -> None:
+    """`ContextOverflowError` naming the file and line of a conversation whose user turns alone (the model's replies
+    left out) leave no room in the model's context for a reply: checked before the fit, which would otherwise stop
+    at it after minutes with only its place in the drawn set."""
+    from chatapp.errors import ContextOverflowError
+
+    for where, turns in dialogues:
+        messages: list[dict[str, str]] = []
+        for turn in turns:
+            messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
+        needed = len(chat_format.render_for_completion(messages[:-1]))
+        if needed >= context:
+            raise ContextOverflowError(
+                f"{where}: the conversation's user turns are {needed} tokens, and the model's context holds {context}"
+                ", with no room left for the replies",
+                hint=f"shorten or remove the conversation at {where}",
+            )
 
 
 def route(
@@ -168,10 +194,12 @@ def route(
         options.check(layer_count, context)
     target = Path(out).expanduser() if out is not None else new_routed_copy(model, source)
     check_model_output(target, "--out directory" if out is not None else "routed copy")
-    options = replace(options, dialogues=route_dialogues(model, source, prompts, conversations, seed))
+    dialogues = route_dialogue_lines(model, source, prompts, conversations, seed)
+    options = replace(options, dialogues=[turns for _, turns in dialogues])
     locks = locks_dir()
 
     loaded = load_model(source, dtype="float32")  # the fit reads the model's own activations, not a lossy format's
+    check_dialogues_fit(dialogues, loaded.chat_format, int(loaded.model.config.max_position_embeddings))
     log = lambda line: err_console.print(f"[dim]{line}[/dim]")  # noqa: E731
     # The replies the fit learns from are written by the model as it is served (its default format).
     speaker = load_model(source)

@@ -41,6 +41,48 @@ def fresh_constraint(spec: Any, build_regex: Callable[[str], Any]) -> Any:
     )
 
 
+def leading_forced(program: Any) -> list[int]:
+    """The tokens a TTFA program forces before the model writes anything: the first zone's feed, and the feeds of
+    the forced-only zones (budget 0) that follow it."""
+    tokens: list[int] = []
+    zone = 0
+    while zone < program.halt:
+        tokens += program.zones[zone].feed
+        if program.budget(zone) != 0:
+            break
+        zone += 1
+    return tokens
+
+
+def check_forced_start(program: Any, constraint: Any, *, program_name: str, constraint_name: str, drop: str) -> None:
+    """`ConstraintError` before generation when `program` forces, at the start of the reply, text `constraint`
+    (a `chatapp.trie` Constraint, left as it is) does not allow. The constraint holds the whole reply, forced tokens
+    included, so that row could only end in an error after printing text the constraint forbids (`--program think`
+    with `--regex '[0-9]+'`: `<think>`). A conflict later in the reply depends on what the model writes; the row
+    then ends with the constraint's error. `drop`: what the user may leave out, e.g. "--program or --regex"."""
+    from chatapp.errors import ConstraintError
+    from chatapp.trie.constraint import shown_text
+    from chatapp.trie.token_bytes import SPECIAL_TOKEN_MARKER
+
+    probe = fresh_constraint(constraint, lambda pattern: None)
+    forced = leading_forced(program)
+    for token in forced:
+        try:
+            probe.consume(token)
+        except ConstraintError:
+            text = "".join(shown_text(constraint.vocab.token_bytes(t)) for t in forced)
+            refused = constraint.vocab.token_bytes(token)
+            if refused[:1] == bytes([SPECIAL_TOKEN_MARKER]):  # a constraint over text never matches a special token's bytes
+                fix = f"drop {drop}: no constraint allows the special token {shown_text(refused)!r}"
+            else:
+                fix = f"drop {drop}, or change the constraint to allow {text!r} at the start"
+            raise ConstraintError(
+                f"{program_name} starts the reply with the forced text {text!r}, which {constraint_name} does not "
+                "allow (the constraint holds the whole reply, forced text included)",
+                hint=fix,
+            ) from None
+
+
 def apply_masks(logits: torch.Tensor, constraints: Sequence[Any | None], vocab_size: int) -> None:
     """Mask `logits` (B, V) in place with each row's allowed tokens (rows with None are left alone)."""
     from chatapp.trie.bitmask import apply_token_bitmask

@@ -200,13 +200,18 @@ def read_dialogues(path: str | Path, what: str = "--prompts file") -> list[Dialo
     """The user turns of each conversation of a JSONL file (one `{"messages": [...]}` per line, the shape `chatapp
     train` and `chatapp batch` read: other roles' messages are skipped, since the model writes its own replies);
     `InputLineError` naming the line for one without a user turn or with a turn that is not text."""
+    return [turns for _, turns in read_dialogue_lines(path, what)]
+
+
+def read_dialogue_lines(path: str | Path, what: str = "--prompts file") -> list[tuple[str, Dialogue]]:
+    """`read_dialogues` with where each conversation is (`FILE:LINE`), for a message about one of them."""
     path = Path(path).expanduser()
     hint = 'pass a .jsonl file with one {"messages": [{"role": "user", "content": "..."}]} per line'
     if path.is_dir():
         raise TrainingError(f"the {what} {path} is a directory, not a file", hint=hint)
     if not path.exists():
         raise TrainingError(f"the {what} {path} does not exist", hint=hint)
-    dialogues: list[Dialogue] = []
+    dialogues: list[tuple[str, Dialogue]] = []
     size = 0
     for where, messages in conversation_records(path, what):
         turns = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
@@ -220,7 +225,7 @@ def read_dialogues(path: str | Path, what: str = "--prompts file") -> list[Dialo
                 f"the {what} {path} holds more than {MAX_DIALOGUE_BYTES >> 20} MiB of prompts",
                 hint="pass a smaller set: a few thousand conversations are plenty",
             )
-        dialogues.append(turns)
+        dialogues.append((where, turns))
     return dialogues
 
 

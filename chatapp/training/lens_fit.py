@@ -36,6 +36,7 @@ class LensFit:
     """Fitted translators and each layer's top-1 agreement with the model on held-out positions, raw and tuned."""
 
     translators: Translators
+    rank: int  # the translators' rank: the one asked for, or fewer where the fit had less to go on (`fitted_rank`)
     raw: list[float]
     tuned: list[float]
     fit_positions: int
@@ -62,11 +63,17 @@ def cached_states(engine: Any, conversations: Sequence[Sequence[dict]], limit: i
     return torch.cat(parts, dim=1)[:, :limit]
 
 
+def fitted_rank(rank: int, positions: int, dim: int) -> int:
+    """The rank a fit on `positions` cached positions of width `dim` can give: the fitted change spans at most
+    `positions` directions (and `dim`), and a rank above that would be directions the data never showed."""
+    return max(1, min(rank, positions, dim))
+
+
 def least_squares(states: torch.Tensor, norm_weight: torch.Tensor, rank: int) -> Translators:
     """Per layer, the rank-`rank` affine map of unit-RMS states that best predicts the last layer's (module
-    docstring, step 1). The last layer's map is zero."""
-    layers, _, dim = states.shape
-    rank = min(rank, dim)
+    docstring, step 1), `rank` cut to what the data supports (`fitted_rank`). The last layer's map is zero."""
+    layers, positions, dim = states.shape
+    rank = fitted_rank(rank, positions, dim)
     target = unit_rms(states[-1].double())
     scale = norm_weight.double().abs().clamp_min(1e-6)
     down = torch.zeros(layers, dim, rank)
@@ -150,9 +157,16 @@ def fit_lens(
     log(f"caching states of {len(conversations) - half} held-out conversations")
     eval_states = cached_states(engine, conversations[half:], MAX_POSITIONS)
     raw_head = LensHead(engine.model)
-    log(f"least squares on {fit_states.shape[1]} positions, rank {rank}")
+    positions, dim = int(fit_states.shape[1]), int(fit_states.shape[2])
+    if (fitted := fitted_rank(rank, positions, dim)) < rank:
+        log(
+            f"rank {rank} is more than {positions} fitted positions of width {dim} can support: fitting rank "
+            f"{fitted} (more --conversations give more positions)"
+        )
+        rank = fitted
+    log(f"least squares on {positions} positions, rank {rank}")
     translators = least_squares(fit_states, raw_head.norm_weight, rank)
     translators = refine(LensHead(engine.model, translators), translators, fit_states, steps, log)
     raw = agreement(raw_head, eval_states).tolist()
     tuned = agreement(LensHead(engine.model, translators), eval_states).tolist()
-    return LensFit(translators, raw, tuned, int(fit_states.shape[1]), int(eval_states.shape[1]))
+    return LensFit(translators, rank, raw, tuned, positions, int(eval_states.shape[1]))

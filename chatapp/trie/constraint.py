@@ -33,6 +33,17 @@ from chatapp.trie.token_bytes import SPECIAL_TOKEN_MARKER
 from chatapp.trie.vocab import ConstraintVocab
 
 _NOTHING_FORCED = FastForward((), b"")
+FORCED_TEXT_HINT = (
+    "a program's forced text must be text the constraint allows: drop the program or the constraint, "
+    "or write the pattern to allow that text"
+)
+
+
+def shown_text(data: bytes) -> str:
+    """A token's bytes as a user reads them: a special token without the marker byte `vocab_bytes` gives it."""
+    if data[:1] == bytes([SPECIAL_TOKEN_MARKER]):
+        data = data[1:]
+    return data.decode("utf-8", errors="replace")
 
 
 class Constraint:
@@ -139,11 +150,13 @@ class Constraint:
                 f"token {token} arrived after the end token; the constrained output is finished",
                 hint="end the constrained output at its end token",
             )
+        # The masks never let the model sample a token refused here: a refused token was forced, by a program
+        # (`--program`) whose text the constraint does not allow, and the fix is the user's choice of the two.
         if token == self.end_token:
             if not self.is_accepting():
                 raise ConstraintError(
-                    f"the end token came before the output matched {self.dfa.source}",
-                    hint="only consume tokens allowed by allowed_mask()",
+                    f"the reply was ended (by a forced end token) before the output matched {self.dfa.source}",
+                    hint=FORCED_TEXT_HINT,
                 )
             self._ended = True
             self.tokens.append(token)
@@ -152,8 +165,8 @@ class Constraint:
         nxt = self.dfa.step(self.state, data) if data else DEAD
         if nxt == DEAD:
             raise ConstraintError(
-                f"token {token} ({data!r}) is not allowed by {self.dfa.source} at this point",
-                hint="only consume tokens allowed by allowed_mask()",
+                f"the forced text {shown_text(data)!r} (token {token}) is not allowed by {self.dfa.source} at this point",
+                hint=FORCED_TEXT_HINT,
             )
         self.state = nxt
         self.tokens.append(token)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import time
 from pathlib import Path
 from typing import Any
 
 from chatapp.errors import DataDirError
+from chatapp.store import atomic_write
 from chatapp.tools.parts import MARKDOWN_WRAP, content_text
 from chatapp.ui.history import Conversation, StoredMessage
 
@@ -57,18 +59,23 @@ def _slug(title: str) -> str:
 
 
 def export_conversation(conversation: Conversation, directory: Path, *, now: float) -> tuple[Path, Path]:
-    """Write `<slug>-<time>.md` and `.json` into `directory`; returns both paths. A directory that cannot be
-    written (read-only, disk full, a file in its place) is a `DataDirError`, and no half-written export is left."""
+    """Write `<slug>-<time>.md` and `.json` into `directory`; returns both paths. Never over anything already there
+    (an earlier export of the same second, or whatever else is at the name): such a name gets `-2`, `-3`, ... Each
+    file is written whole and renamed into place (`store.atomic_write`). A directory that cannot be written
+    (read-only, disk full, a file in its place) is a `DataDirError`, and no half-written export is left."""
     stem = f"{_slug(conversation.summary.title)}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}"
-    markdown = directory / f"{stem}.md"
-    data = directory / f"{stem}.json"
-    new = [path for path in (markdown, data) if not path.exists()]  # the ones to remove again if this fails
+    written: list[Path] = []
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        markdown.write_text(to_markdown(conversation), encoding="utf-8")
-        data.write_text(json.dumps(to_json(conversation), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        markdown, data = _free_names(directory, stem)
+        for path, text in (
+            (markdown, to_markdown(conversation)),
+            (data, json.dumps(to_json(conversation), indent=2, ensure_ascii=False) + "\n"),
+        ):
+            atomic_write(path, lambda tmp, text=text: tmp.write_text(text, encoding="utf-8"), mode=0o644)
+            written.append(path)
     except OSError as err:
-        for path in new:
+        for path in written:
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
         raise DataDirError(
@@ -76,3 +83,14 @@ def export_conversation(conversation: Conversation, directory: Path, *, now: flo
             hint=f"free disk space or make {directory} writable, or set CHATAPP_HOME to a writable directory",
         ) from None
     return markdown, data
+
+
+def _free_names(directory: Path, stem: str) -> tuple[Path, Path]:
+    """The first `STEM.md` / `STEM.json` pair (then `STEM-2`, ...) of which neither name is taken by anything."""
+    number = 1
+    while True:
+        name = stem if number == 1 else f"{stem}-{number}"
+        pair = (directory / f"{name}.md", directory / f"{name}.json")
+        if not any(os.path.lexists(path) for path in pair):
+            return pair
+        number += 1

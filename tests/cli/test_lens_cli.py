@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from chatapp.cli import app
+from chatapp.models.lens_files import fitted_path
 
 runner = CliRunner()
 
@@ -101,7 +102,8 @@ def test_fit_writes_a_tuned_lens_that_show_then_reads(own_model_dir: Path) -> No
     result = lens("fit", str(own_model_dir), "--conversations", "6", "--steps", "3", "--rank", "8")
     assert result.exit_code == 0, result.output
     assert "top-1 agreement with the model's output" in result.stdout
-    assert (own_model_dir / "lens.safetensors").is_file()
+    # Kept in the data directory, not beside the weights: the model directory is not the fit's to change.
+    assert fitted_path(own_model_dir).is_file() and not (own_model_dir / "lens.safetensors").exists()
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert [row[0] for row in rows] == ["0", "1", "2", "3"]
     assert rows[-1][1:] == ["100.0%", "100.0%"]  # the last layer is the model's own reading, raw or tuned

@@ -195,12 +195,28 @@ def test_a_model_without_a_prompt_set_asks_for_one(converted: Path, tmp_path: Pa
 
 @given(st.floats(1e-4, 1 - 1e-4), st.lists(st.floats(-30, 30), min_size=1, max_size=64))
 def test_folded_cutoff_decides_as_the_cutoff(cutoff: float, logits: list[float]) -> None:
-    """After folding, probability >= 0.5 exactly where the raw probability was >= the cutoff (away from ties)."""
-    z = torch.tensor(logits, dtype=torch.float64)
-    raw = torch.sigmoid(z) >= cutoff
-    folded = torch.sigmoid(z - math.log(cutoff / (1 - cutoff))) >= 0.5
-    near = (torch.sigmoid(z) - cutoff).abs() < 1e-9
-    assert torch.equal(raw[~near], folded[~near])
+    """After `fold_cutoff`, a router's probability is >= 0.5 exactly where it was >= the cutoff (away from ties).
+    The router's output is made to be each given logit: weights zero, the logit in its bias."""
+    config = STTConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+        causal_router_hidden_size=8,
+    )
+    router = CausalRouter(config).double()
+    x = torch.zeros(1, 16, dtype=torch.float64)
+    with torch.no_grad():
+        router.out.weight.zero_()
+        for logit in logits:
+            router.out.bias.fill_(logit)
+            before = float(torch.sigmoid(router(x, x)))
+            fold_cutoff(router, cutoff)
+            after = float(torch.sigmoid(router(x, x)))
+            if abs(before - cutoff) > 1e-9:
+                assert (before >= cutoff) == (after >= 0.5), (logit, before, after)
 
 
 def test_fold_cutoff_shifts_the_router_bias() -> None:

@@ -279,6 +279,8 @@ async def test_bad_program_file_shows_error_and_keeps_program(build_app, tmp_pat
 
 
 async def test_settings_are_validated_then_applied(build_app):
+    """Each step waits on what the screen shows or does, never on time: under load a key press, the regex worker and
+    the screen closing each take as long as they take (the waits' limits are far above any of them)."""
     backend = ScriptedBackend()
     app = build_app(backend)
     async with app.run_test(size=SIZE) as pilot:
@@ -286,33 +288,42 @@ async def test_settings_are_validated_then_applied(build_app):
         await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen) and app.screen.query("#set-top_k"))
         screen = app.screen
 
-        async def fill(field: str, value: str) -> None:
-            screen.query_one(f"#set-{field}").value = value
+        def error() -> str:
+            shown = screen.query_one("#error")
+            return str(shown.render()) if shown.display else ""
 
-        async def save() -> None:  # Enter in a field saves, like the Save button
-            screen.query_one("#set-temperature").focus()
+        async def fill(field: str, value: str) -> None:
+            widget = screen.query_one(f"#set-{field}")
+            widget.value = value
+            await wait_until(pilot, lambda: widget.value == value)
+
+        async def save(shows: str) -> None:
+            """Enter in a field saves, like the Save button; then wait for what it must show."""
+            # A save while a compile is running is ignored by the screen: start only once none is.
+            await wait_until(pilot, lambda: screen._cancel is None, what="no compile running", timeout=120)
+            field = screen.query_one("#set-temperature")
+            field.focus()
+            await wait_until(pilot, lambda: app.focused is field, what="the field to take focus")
             await pilot.press("enter")
+            await wait_until(pilot, lambda: shows in error(), what=repr(shows), timeout=120)
 
         await fill("top_k", "abc")
-        await save()
-        assert "top-k (0 = off): 'abc' is not a whole number" in str(screen.query_one("#error").render())
+        await save("top-k (0 = off): 'abc' is not a whole number")
         await fill("top_k", "40")
         await fill("top_p", "1.5")
-        await save()
-        assert "top_p must be in (0, 1]" in str(screen.query_one("#error").render())
+        await save("top_p must be in (0, 1]")
         await fill("top_p", "0.9")
         await fill("constraint", "[a-z")
-        await save()
-        # The regex compiles in a worker; its first compile imports the trie package (slow on a loaded box).
-        await wait_until(
-            pilot, lambda: "'[a-z'" in str(screen.query_one("#error").render()), what="the regex error", timeout=60
-        )
+        await save("'[a-z'")  # compiled in a worker; its first compile imports the trie package
         assert backend.settings.top_k == 0  # nothing applied while invalid
         await fill("constraint", "[a-z]+")
         await fill("temperature", "0.7")
         await fill("routing_threshold", "0.25")
-        await pilot.click("#save")
-        await wait_until(pilot, lambda: not isinstance(app.screen, SettingsScreen))
+        await wait_until(pilot, lambda: screen._cancel is None, what="no compile running", timeout=120)
+        assert await pilot.click("#save"), "the click did not land on Save"
+        await wait_until(
+            pilot, lambda: not isinstance(app.screen, SettingsScreen), what="the screen to close", timeout=120
+        )
         s = backend.settings
         assert (s.temperature, s.top_k, s.top_p, s.routing_threshold) == (0.7, 40, 0.9, 0.25)
         assert backend.constraint == "[a-z]+"

@@ -31,9 +31,22 @@ def test_the_terminal_is_held_for_the_app_and_restored() -> None:
         os.close(child)
 
 
-def test_not_a_terminal_is_left_alone() -> None:
-    with keys_held_for_the_app(io.StringIO("piped")):
-        pass
+def test_not_a_terminal_is_left_alone(monkeypatch) -> None:
+    """A pipe or a test runner's stream: its settings are never read or set, and the block still runs."""
+    touched: list[str] = []
+    monkeypatch.setattr(termios, "tcgetattr", lambda *a: touched.append("tcgetattr") or [0] * 7)
+    monkeypatch.setattr(termios, "tcsetattr", lambda *a: touched.append("tcsetattr"))
+    ran = []
+    read, write = os.pipe()
+    try:
+        with os.fdopen(read, "r", closefd=False) as piped, keys_held_for_the_app(piped):
+            ran.append("pipe")
+        with keys_held_for_the_app(io.StringIO("piped")):  # no file descriptor at all
+            ran.append("string")
+    finally:
+        os.close(read)
+        os.close(write)
+    assert ran == ["pipe", "string"] and touched == []
 
 
 def test_nothing_is_watched_without_a_terminal(tmp_path):
