@@ -100,7 +100,7 @@ def test_no_int8_decode_step_of_a_batch_goes_through_extend(int8_engine, monkeyp
     prompts = ["What is 12 times 7?", "Tell me about Paris and the sea please", "now"]
     settings_ = [GenerationSettings(max_tokens=n) for n in (3, 11, 6)]
     replies = int8_engine.generate_batch(prompts, settings_, constraints=[None, r"yes, because [a-z]{1,8}\.", None])
-    assert [len(r.events) for r in replies][0] == 3 and any(e.forced for e in replies[1].events)
+    assert len(replies[0].events) == 3 and any(e.forced for e in replies[1].events)
     assert len(calls) == len(prompts)  # the three prefills, one prompt each, and nothing after them
     for prompt, call in zip(prompts, calls, strict=True):
         assert call == (1, len(int8_engine.chat_format.render_for_completion([{"role": "user", "content": prompt}])))

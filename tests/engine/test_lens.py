@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from chatapp.engine.lens import ReplyLens
 from chatapp.engine.lens_pass import reply_lens
