@@ -139,3 +139,20 @@ def test_the_native_step_leaves_an_idle_row_as_it_was(int8_engine) -> None:
     assert torch.equal(both.lengths[:, 0], before[0]) and torch.equal(both.seen[0], before[1])
     assert torch.equal(both.prev_hidden[:, 0], before[2])
     assert torch.equal(out.logits[1], own.logits[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("routing", ["student", "off"])
+def test_a_row_answers_the_same_in_any_batch_on_cuda(routed_model_dir: Path, routing: str) -> None:
+    """On CUDA the torch step decodes (one call for every row, unselected rows computed and discarded) and each
+    prompt is prefilled in its own row: a batch's greedy tokens are each prompt's alone."""
+    engine = load_engine(routed_model_dir, "cuda", dtype="float32")
+    rows = [([3, 1, 4, 1, 5], 9), (list(range(60)), 4), ([9, 2, 6], 12), (list(range(30, 90)), 7)]
+    prompts = [prompt_of(words) for words, _ in rows]
+    settings_ = [GenerationSettings(max_tokens=n, logprobs=1, routing=routing) for _, n in rows]
+    batched = rows_of(engine, prompts, settings_)
+    for prompt, setting, (tokens, forced, logprobs) in zip(prompts, settings_, batched, strict=True):
+        alone_tokens, alone_forced, alone_logprobs = rows_of(engine, [prompt], [setting])[0]
+        assert (alone_tokens, alone_forced) == (tokens, forced)
+        assert alone_logprobs == pytest.approx(logprobs, abs=1e-3)
