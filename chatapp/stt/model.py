@@ -28,6 +28,7 @@ from torch import nn
 from chatapp.stt.cache import KVCache
 from chatapp.stt.config import STTConfig
 from chatapp.stt.decode import DecodeRuntime, decode_step
+from chatapp.stt.forward import embed, head, run_layers
 from chatapp.stt.io import load_model, save_model
 from chatapp.stt.layers import (
     DecoderBlock,
@@ -70,6 +71,113 @@ def on_meta() -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
+
+
+def run_cached_block(
+    layer: DecoderBlock,
+    index: int,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    selected: torch.Tensor,
+    cache: KVCache,
+    span: int,
+    compact: bool,
+    causal: bool = False,
+    store: bool = True,
+) -> torch.Tensor:
+    """Run `layer`'s block for the `selected` (B, T) tokens only; the others pass through unchanged.
+
+    With `compact`, rows without a selected token are dropped and each remaining row's selected tokens are
+    gathered (in order) into a (B', S) batch, S = the largest selected count. Otherwise all B x T tokens are
+    computed and the outputs of unselected ones are discarded. `causal`: the layer's cache was empty and every
+    row is a whole chunk. Once each row's selected tokens are gathered into a prefix of the row (always, under
+    `causal`), the k-th of them lands in cache slot k and sees exactly slots 0..k: plain causal attention, with
+    no mask to build. Without `store` the selected tokens' K/V are already in the cache (the "kv" skip mode
+    stored every token's first): the block attends to those entries and writes none.
+    """
+    rows = gather = None
+    x = hidden
+    if compact:
+        counts = selected.sum(1)
+        active = counts > 0
+        # The one host sync of a compacted call: the compacted batch's shape depends on the routing.
+        num_rows, width, total = torch.stack((active.sum(), counts.max(), counts.sum())).tolist()
+        if num_rows == 0:
+            return hidden
+        if num_rows < hidden.shape[0]:
+            rows = active.nonzero().squeeze(1)
+            x, cos, sin, positions, selected, counts = (
+                t.index_select(0, rows) for t in (hidden, cos, sin, positions, selected, counts)
+            )
+        if width < hidden.shape[1] or (causal and total < num_rows * width):
+            gather = torch.argsort((~selected).to(torch.uint8), dim=1, stable=True)[:, :width]
+            selected = torch.arange(width, device=hidden.device)[None, :] < counts[:, None]
+            dim = hidden.shape[-1]
+            x_full = x
+            x = x_full.gather(1, gather[..., None].expand(-1, -1, dim))
+            cos = cos.gather(1, gather[..., None].expand(-1, -1, cos.shape[-1]))
+            sin = sin.gather(1, gather[..., None].expand(-1, -1, sin.shape[-1]))
+            positions = positions.gather(1, gather)
+    write = selected
+
+    def sink(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if not store:
+            return cache.visible(index, positions, write, span, rows)
+        keys, values, mask = cache.append(index, k, v, positions, write, span, rows)
+        return keys, values, None if causal else mask
+
+    out = torch.where(write[..., None], layer.block(x, cos, sin, sink), x)
+    if gather is not None:
+        out = x_full.scatter(1, gather[..., None].expand_as(out), out)
+    if rows is not None:
+        out = hidden.index_copy(0, rows, out)
+    return out
+
+@dataclass
+class CacheLayers:
+    """The KV cache's back-end of the model's forward (`stt.forward.run_layers`): a layer appends its new tokens'
+    K/V to the cache and attends over the row's entries; a routed layer runs its block for its selected tokens only
+    (`run_cached_block`). `compact`: gather each row's selected tokens (prefill, and any call on a CPU) rather than
+    compute every token and discard the unselected ones (a decode-sized call on CUDA, which then needs no host sync).
+    `causal`: the cache was empty and every row is a whole chunk. `store_skipped`: a skipped token stores its K/V
+    ("kv", "predict")."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    cache: KVCache
+    span: int
+    compact: bool
+    causal: bool
+    store_skipped: bool
+
+    def dense(self, index: int, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return self._block(index, layer, hidden, self.valid, compact=False)
+
+    def routed(self, index: int, layer: nn.Module, hidden: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        if not self.store_skipped:
+            return self._block(index, layer, hidden, selected, self.compact)
+        # "kv"/"predict": every valid token stores the K/V of its unchanged input, as in a dense layer; then the
+        # block runs for the selected tokens, attending to those entries (the block's own K/V writes are skipped),
+        # and the skipped ones carry on with `skipped_output` (their input, plus f in "predict").
+        normed = rms_norm(layer.input_layernorm, hidden)
+        k, v = layer.self_attn.project_kv(normed, self.cos, self.sin)
+        self.cache.append(index, k, v, self.positions, self.valid, self.span)
+        carried = skipped_output(layer, hidden, normed)
+        out = self._block(index, layer, hidden, selected, self.compact, store=False)
+        return out if carried is hidden else torch.where((self.valid & ~selected)[..., None], carried, out)
+
+    def _block(
+        self, index: int, layer: nn.Module, hidden: torch.Tensor, selected: torch.Tensor, compact: bool, store=True
+    ) -> torch.Tensor:
+        causal = self.causal and store
+        return run_cached_block(
+            layer, index, hidden, self.cos, self.sin, self.positions, selected, self.cache, self.span, compact,
+            causal=causal, store=store,
+        )  # fmt: skip
 
 
 class STTModel(nn.Module):
@@ -207,60 +315,47 @@ class STTForCausalLM(nn.Module):
         lengths = lengths.to(device=self.device, dtype=torch.long)
         # A first chunk that fills every row (a prompt into an empty cache) attends with plain causal attention,
         # which skips the masked half of the scores: about twice as fast as the same attention given a mask.
-        # STT layers qualify too: `_run_block` lays each row's selected tokens out as a prefix first.
+        # STT layers qualify too: `run_cached_block` lays each row's selected tokens out as a prefix first.
         causal = cache.host_bound == 0 and bool((lengths == width).all())
         span = max(cache.reserve(lengths, width), 1)
         steps = torch.arange(width, device=self.device)
         valid = steps[None, :] < lengths[:, None]
         positions = cache.seen[:, None] + steps[None, :]
 
-        hidden = self.model.embed_tokens(ids)
-        cos, sin = self.model.rotary_emb(hidden, positions)
+        hidden, cos, sin = embed(self, ids, positions)
         student = routing == "student" and self.routing_active
         cutoff = self.config.router_threshold if threshold is None else threshold
-        compact = width > 1 or hidden.device.type != "cuda"
-        store_skipped = student and stores_skipped(self.config.skip_mode)
+        runner = CacheLayers(
+            cos=cos,
+            sin=sin,
+            positions=positions,
+            valid=valid,
+            cache=cache,
+            span=span,
+            compact=width > 1 or hidden.device.type != "cuda",
+            causal=causal,
+            store_skipped=student and stores_skipped(self.config.skip_mode),
+        )
         probs, chosen, states = [], [], []
         last = (lengths - 1).clamp(min=0)
         rows = torch.arange(batch, device=self.device)
-        stt_slot = 0
-        for index, layer in enumerate(self.model.layers):
-            if capture and index:
-                states.append(hidden[rows, last].float() if capture == "last" else hidden.float())
-            if not isinstance(layer, STTLayer):
-                hidden = self._run_block(
-                    layer, index, hidden, cos, sin, positions, valid, cache, span, compact=False, causal=causal
-                )
-                continue
-            prob = self._router_probs(layer, hidden, lengths, cache, stt_slot)
-            selected = valid & select(prob, cutoff) if student else valid
-            if store_skipped:
-                # "kv"/"predict": every valid token stores the K/V of its unchanged input, as in a dense layer; then
-                # the block runs for the selected tokens, attending to those entries (the block's own K/V writes are
-                # skipped), and the skipped ones carry on with `skipped_output` (their input, plus f in "predict").
-                normed = rms_norm(layer.input_layernorm, hidden)
-                k, v = layer.self_attn.project_kv(normed, cos, sin)
-                cache.append(index, k, v, positions, valid, span)
-                carried = skipped_output(layer, hidden, normed)
-                hidden = self._run_block(
-                    layer, index, hidden, cos, sin, positions, selected, cache, span, compact, store=False
-                )
-                if carried is not hidden:
-                    hidden = torch.where((valid & ~selected)[..., None], carried, hidden)
-            else:
-                hidden = self._run_block(
-                    layer, index, hidden, cos, sin, positions, selected, cache, span, compact, causal=causal
-                )
-            probs.append(prob)
-            chosen.append(selected)
-            stt_slot += 1
-        cache.seen += lengths
-        if capture:
-            states.append(hidden[rows, last].float() if capture == "last" else hidden.float())
 
-        if not all_logits:
-            hidden = hidden[rows, last]
-        logits = self.lm_head(self.model.norm(hidden))
+        def policy(index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+            """An STT layer's causal router reads its input (reported in every mode); under the student's routing
+            its decision says which tokens run the block."""
+            if not isinstance(layer, STTLayer):
+                return None
+            probs.append(self._router_probs(layer, x, lengths, cache, len(probs)))
+            chosen.append(valid & select(probs[-1], cutoff) if student else valid)
+            return chosen[-1]
+
+        def keep(index: int, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            states.append(out[rows, last].float() if capture == "last" else out.float())
+            return out
+
+        hidden = run_layers(self, hidden, runner, policy, after=keep if capture else None)
+        cache.seen += lengths
+        logits = head(self, hidden if all_logits else hidden[rows, last])
         empty = torch.zeros(0, batch, width, device=self.device)
         return ExtendOutput(
             logits=logits,
@@ -348,69 +443,6 @@ class STTForCausalLM(nn.Module):
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), (lengths - 1).clamp(min=0)]
         stored.copy_(torch.where((lengths > 0)[:, None], last.to(stored.dtype), stored))
         return probs
-
-    @staticmethod
-    def _run_block(
-        layer: DecoderBlock,
-        index: int,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        selected: torch.Tensor,
-        cache: KVCache,
-        span: int,
-        compact: bool,
-        causal: bool = False,
-        store: bool = True,
-    ) -> torch.Tensor:
-        """Run `layer`'s block for the `selected` (B, T) tokens only; the others pass through unchanged.
-
-        With `compact`, rows without a selected token are dropped and each remaining row's selected tokens are
-        gathered (in order) into a (B', S) batch, S = the largest selected count. Otherwise all B x T tokens are
-        computed and the outputs of unselected ones are discarded. `causal`: the layer's cache was empty and every
-        row is a whole chunk. Once each row's selected tokens are gathered into a prefix of the row (always, under
-        `causal`), the k-th of them lands in cache slot k and sees exactly slots 0..k: plain causal attention, with
-        no mask to build. Without `store` the selected tokens' K/V are already in the cache (the "kv" skip mode
-        stored every token's first): the block attends to those entries and writes none.
-        """
-        rows = gather = None
-        x = hidden
-        if compact:
-            counts = selected.sum(1)
-            active = counts > 0
-            # The one host sync of a compacted call: the compacted batch's shape depends on the routing.
-            num_rows, width, total = torch.stack((active.sum(), counts.max(), counts.sum())).tolist()
-            if num_rows == 0:
-                return hidden
-            if num_rows < hidden.shape[0]:
-                rows = active.nonzero().squeeze(1)
-                x, cos, sin, positions, selected, counts = (
-                    t.index_select(0, rows) for t in (hidden, cos, sin, positions, selected, counts)
-                )
-            if width < hidden.shape[1] or (causal and total < num_rows * width):
-                gather = torch.argsort((~selected).to(torch.uint8), dim=1, stable=True)[:, :width]
-                selected = torch.arange(width, device=hidden.device)[None, :] < counts[:, None]
-                dim = hidden.shape[-1]
-                x_full = x
-                x = x_full.gather(1, gather[..., None].expand(-1, -1, dim))
-                cos = cos.gather(1, gather[..., None].expand(-1, -1, cos.shape[-1]))
-                sin = sin.gather(1, gather[..., None].expand(-1, -1, sin.shape[-1]))
-                positions = positions.gather(1, gather)
-        write = selected
-
-        def sink(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-            if not store:
-                return cache.visible(index, positions, write, span, rows)
-            keys, values, mask = cache.append(index, k, v, positions, write, span, rows)
-            return keys, values, None if causal else mask
-
-        out = torch.where(write[..., None], layer.block(x, cos, sin, sink), x)
-        if gather is not None:
-            out = x_full.scatter(1, gather[..., None].expand_as(out), out)
-        if rows is not None:
-            out = hidden.index_copy(0, rows, out)
-        return out
 
     # ------------------------------------------------------------------------------------------ training, eval
     def forward(

@@ -8,8 +8,10 @@ Gradient routing keeps each loss on its own parameter group: the surprises are c
 and predictions, so the gate regulariser reaches only `o_ce`/`m_cu` (never the base model or the TPN), the TPN
 sees a detached input, and the causal router sees detached inputs.
 
-Routed passes over a whole sequence (teacher evaluation, student evaluation and the optional gated second
-training pass) run `STTLayer.routed`: in "strict" skip mode an attention mask in which only selected tokens are
+Both run the model's one layer loop (`stt.forward.run_layers`) with its back-end for whole sequences: training
+as a pass's `after` look at every layer's dense output, evaluation as a policy per layer. Routed passes over a whole
+sequence (teacher evaluation, student evaluation and the optional gated second training pass) run
+`STTLayer.routed`: in "strict" skip mode an attention mask in which only selected tokens are
 keys, in "kv" and "predict" modes plain causal attention (every token's K/V, from its unchanged input; in "predict"
 a skipped token carries on with its predicted update, `layers.skipped_output`): the same maths as the
 sparse KV cache at inference, written independently of it, which makes each a check on the other.
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chatapp.stt.config import STTConfig, betas_at
+from chatapp.stt.forward import head, run_layers, sequences
 from chatapp.stt.layers import (
     STTLayer,
     routed_attention_mask,
@@ -130,13 +133,6 @@ def _teacher_signals(
     return _LayerSignals(g=g, targets=targets, causal_logits=causal_logits, tpn_loss=tpn_loss)
 
 
-def _embed(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    hidden = model.model.embed_tokens(ids)
-    positions = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
-    cos, sin = model.model.rotary_emb(hidden, positions)
-    return hidden, cos, sin
-
-
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
     """Next-token cross-entropy; `loss_mask[b, t]` (when given) says whether token t is a training target."""
     per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
@@ -162,15 +158,15 @@ def forward_train(
     """
     config = model.config
     betas = betas_at(config, step)
-    hidden, cos, sin = _embed(model, ids)
-    causal = self_attention_sink()
+    hidden, runner = sequences(model, ids)
     zero = hidden.new_zeros((), dtype=torch.float32)
     tpn_losses, causal_losses, g_regs, rows = [], [], [], []
-    for layer in model.model.layers:
-        x = hidden
-        hidden = layer.block(x, cos, sin, causal)
+
+    def teach(index: int, layer: nn.Module, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Every layer ran densely; an STT layer's output is the teacher's signals' to read (and, with the gated
+        second pass, to replace)."""
         if not isinstance(layer, STTLayer):
-            continue
+            return hidden
         signals = _teacher_signals(layer, x, hidden, betas, config)
         targets = signals.targets
         if config.gated_second_pass:
@@ -179,7 +175,7 @@ def forward_train(
             # pass just computed (a token's K/V come from its input), so only "strict" runs the block again.
             gate = (targets.to(signals.g.dtype) + signals.g - signals.g.detach())[..., None]
             mask = routed_attention_mask(targets, config.skip_mode)
-            routed = hidden if mask is None else layer.block(x, cos, sin, self_attention_sink(mask))
+            routed = hidden if mask is None else layer.block(x, runner.cos, runner.sin, self_attention_sink(mask))
             hidden = torch.where(targets[..., None], x + gate.to(x.dtype) * (routed - x), skipped_output(layer, x))
         if signals.causal_logits is not None:
             causal_loss = F.binary_cross_entropy_with_logits(signals.causal_logits, targets.float())
@@ -204,13 +200,16 @@ def forward_train(
                 ]
             )
         )
+        return hidden
+
+    hidden = run_layers(model, hidden, runner, after=teach)
     if all_logits or loss_mask is None:
-        logits = model.lm_head(model.model.norm(hidden))
+        logits = head(model, hidden)
         lm = lm_loss(logits, ids, loss_mask)
     else:
         logits = None
         read = loss_mask[:, 1:].bool()
-        picked = model.lm_head(model.model.norm(hidden[:, :-1][read]))
+        picked = head(model, hidden[:, :-1][read])
         lm = F.cross_entropy(picked.float(), ids[:, 1:][read]) if picked.shape[0] else zero
     losses = {
         "lm": lm,
@@ -247,28 +246,26 @@ def forward_eval(
         raise ValueError("student evaluation needs a causal router (train_causal_router = false in this config)")
     cutoff = config.router_threshold if threshold is None else threshold
     betas = betas_at(config, None)
-    hidden, cos, sin = _embed(model, ids)
-    causal = self_attention_sink()
+    hidden, runner = sequences(model, ids)
     probs, chosen, targets_out = [], [], []
-    for layer in model.model.layers:
-        x = hidden
+
+    def policy(index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """An STT layer's router reads its input in every mode; the mode says which tokens it runs."""
         if not isinstance(layer, STTLayer):
-            hidden = layer.block(x, cos, sin, causal)
-            continue
-        prob = router_probs(layer, x, previous_tokens(x))
+            return None
+        probs.append(router_probs(layer, x, previous_tokens(x)))
         if mode == "off":
-            selected = torch.ones_like(ids, dtype=torch.bool)
-            hidden = layer.block(x, cos, sin, causal)
-        elif mode == "teacher":
-            selected = _teacher_signals(layer, x, layer.block(x, cos, sin, causal), betas, config).targets
+            chosen.append(torch.ones_like(ids, dtype=torch.bool))
+            return None
+        if mode == "teacher":
+            selected = _teacher_signals(layer, x, runner.dense(index, layer, x), betas, config).targets
             targets_out.append(selected)
-            hidden = layer.routed(x, cos, sin, selected, config.skip_mode)
         else:
-            selected = select(prob, cutoff)
-            hidden = layer.routed(x, cos, sin, selected, config.skip_mode)
-        probs.append(prob)
+            selected = select(probs[-1], cutoff)
         chosen.append(selected)
-    logits = model.lm_head(model.model.norm(hidden))
+        return selected
+
+    logits = head(model, run_layers(model, hidden, runner, policy))
     empty = torch.zeros(0, *ids.shape, device=ids.device)
     return EvalOutput(
         logits=logits,

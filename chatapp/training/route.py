@@ -48,6 +48,7 @@ from chatapp.compute_saved import compute_saved, skip_cost
 from chatapp.errors import TrainingError
 from chatapp.stt import STTConfig, STTForCausalLM
 from chatapp.stt.config import SKIP_MODES
+from chatapp.stt.forward import SequenceLayers, head, run_layers, sequences
 from chatapp.stt.io import (
     CONFIG_NAME,
     MERGED_ADAPTERS_NAME,
@@ -57,7 +58,7 @@ from chatapp.stt.io import (
     save_merged_adapters,
     save_model,
 )
-from chatapp.stt.layers import CausalRouter, SkipPredictor, rms_norm, router_probs, select, self_attention_sink
+from chatapp.stt.layers import CausalRouter, SkipPredictor, rms_norm, router_probs, select
 from chatapp.stt.teacher import previous_tokens
 from chatapp.training.predictor import PredictorFit, fit_predictors
 from chatapp.training.tune import Adapters, TuneOptions, dense_targets, tune
@@ -378,15 +379,10 @@ class Skips:
 
 @torch.no_grad()
 def dense_pass(model: STTForCausalLM, batch: Batch) -> Cached:
-    hidden = model.model.embed_tokens(batch.ids)
-    positions = torch.arange(batch.ids.shape[1])[None, :].expand_as(batch.ids)
-    cos, sin = model.model.rotary_emb(hidden, positions)
-    causal = self_attention_sink()
-    inputs = [hidden]
-    for layer in model.model.layers:
-        hidden = layer.block(hidden, cos, sin, causal)
-        inputs.append(hidden)
-    return Cached(batch, inputs, cos, sin)
+    hidden, runner = sequences(model, batch.ids)
+    inputs: list[torch.Tensor] = []
+    run_layers(model, hidden, runner, inputs=inputs)
+    return Cached(batch, inputs, runner.cos, runner.sin)
 
 
 def selected_by_score(score: torch.Tensor, valid: torch.Tensor, rate: float) -> torch.Tensor:
@@ -409,25 +405,25 @@ def routed_pass(
     """The final hidden state with the layers of `decide` routed (`decide[layer](layer_input)` gives the selected
     tokens (B, T)) and the others dense, from the cached input of the lowest routed layer; and per routed layer the
     number of tokens it skipped (of the routable ones: the others run every block)."""
-    start = min(decide)
-    hidden, routable = cached.inputs[start], cached.batch.routable
-    causal = self_attention_sink()
+    start, routable = min(decide), cached.batch.routable
+    runner = SequenceLayers(cached.cos, cached.sin, skips.mode, dict(skips.predictors))
     skipped: dict[int, int] = {}
-    for index in range(start, len(model.model.layers)):
-        layer = model.model.layers[index]
+
+    def policy(index: int, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         if index not in decide:
-            hidden = layer.block(hidden, cached.cos, cached.sin, causal)
-            continue
-        selected = decide[index](hidden) | ~routable
+            return None
+        selected = decide[index](x) | ~routable
         skipped[index] = int((~selected).sum())
-        hidden = layer.routed(hidden, cached.cos, cached.sin, selected, skips.mode, skips.predictors.get(index))
+        return selected
+
+    hidden = run_layers(model, cached.inputs[start], runner, policy, start=start)
     return hidden, skipped
 
 
 def _read(model: STTForCausalLM, hidden: torch.Tensor, cached: Cached, which: torch.Tensor):
     """Logits at the positions `which` (B, T - 1) (the LM head runs on those only) and their targets."""
     picked = hidden[:, :-1][which]
-    return model.lm_head(model.model.norm(picked)).float(), cached.batch.ids[:, 1:][which]
+    return head(model, picked).float(), cached.batch.ids[:, 1:][which]
 
 
 @dataclass

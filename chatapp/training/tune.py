@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from chatapp.stt import STTForCausalLM
-from chatapp.stt.layers import self_attention_sink
+from chatapp.stt.forward import head, run_layers, sequences
 from chatapp.training.checkpoint import save_state
 from chatapp.training.schedule import warmup_cosine
 from chatapp.training.steps import Clipping, Steps
@@ -78,7 +78,7 @@ def dense_targets(
     model: STTForCausalLM, ids: torch.Tensor, valid: torch.Tensor, scored: torch.Tensor, final: torch.Tensor, k: int
 ) -> TuneBatch:
     """A `TuneBatch` from a dense pass's final hidden state `final` (B, T, D) (before the final norm)."""
-    logits = model.lm_head(model.model.norm(final[:, :-1][scored])).float()
+    logits = head(model, final[:, :-1][scored]).float()
     top = logits.log_softmax(-1).topk(k, dim=-1)
     return TuneBatch(ids, valid, scored, top.indices, top.values)
 
@@ -87,18 +87,16 @@ def routed_logits(
     model: STTForCausalLM, batch: TuneBatch, layers: Sequence[int], decide: Decide, rate: float, skip_mode: str
 ) -> torch.Tensor:
     """Log-probabilities (N, V) at the scored positions with `layers` routed by `decide` at `rate`, with grad."""
-    hidden = model.model.embed_tokens(batch.ids)
-    positions = torch.arange(batch.ids.shape[1], device=batch.ids.device)[None, :].expand_as(batch.ids)
-    cos, sin = model.model.rotary_emb(hidden, positions)
-    causal = self_attention_sink()
-    for index, layer in enumerate(model.model.layers):
-        if index in layers:
-            with torch.no_grad():
-                selected = decide(index, hidden, rate) | ~batch.valid
-            hidden = layer.routed(hidden, cos, sin, selected, skip_mode)
-        else:
-            hidden = layer.block(hidden, cos, sin, causal)
-    return model.lm_head(model.model.norm(hidden[:, :-1][batch.scored])).float().log_softmax(-1)
+    hidden, runner = sequences(model, batch.ids, skip_mode)
+
+    def policy(index: int, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        if index not in layers:
+            return None
+        with torch.no_grad():
+            return decide(index, x, rate) | ~batch.valid
+
+    hidden = run_layers(model, hidden, runner, policy)
+    return head(model, hidden[:, :-1][batch.scored]).float().log_softmax(-1)
 
 
 class Distilled(NamedTuple):
