@@ -870,7 +870,7 @@ def write_routed(routed: Routed, source: Path, target: Path, locks: Path | None 
     (`stt.io.MERGED_ADAPTERS_NAME`, which int4 keeps apart from the rounded weights): two low-rank updates of one
     module are one of the summed rank, [B1 B2] [A1; A2]."""
     adapters = combine_adapters(load_merged_adapters(source), routed.adapters)
-    with store.staged_dir(target, what="routed model directory", locks=locks) as staging:
+    with store.staged_dir(target, what="routed model directory", locks=locks, checksums=True) as staging:
         for path in source.iterdir():
             if (
                 path.is_file()
