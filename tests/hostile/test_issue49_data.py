@@ -231,3 +231,30 @@ def test_12_a_bad_default_model_directory_is_one_error_naming_the_variable(
         assert sum(line.startswith("error:") for line in lines) == 1, result.output
         assert "CHATAPP_DEFAULT_MODEL" in result.output and says in result.output, result.output
         assert any(line.startswith("fix:") and "model directory" in line for line in lines), result.output
+
+
+# 17 -----------------------------------------------------------------------------------------------------------------
+def test_17_batch_output_under_a_file_says_the_file_is_not_a_directory(tmp_path: Path) -> None:
+    source, blocker = tmp_path / "in.jsonl", tmp_path / "FILE"
+    source.write_text('{"id": 1, "prompt": "hi"}\n')
+    blocker.write_text("mine\n")
+    for output in (blocker / "x.jsonl", blocker / "a" / "x.jsonl"):
+        result = runner.invoke(app, ["batch", str(source), "-o", str(output), "--model", "tiny", "--max-tokens", "2"])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert f"{blocker} is a file, not a directory" in result.output, result.output
+        assert "first" not in result.output  # "create FILE first" cannot help
+    assert blocker.read_text() == "mine\n"
+
+
+def test_17_a_finished_route_leaves_no_fine_tune_checkpoint(tmp_path: Path) -> None:
+    from chatapp.settings import data_dir
+
+    prompts = tmp_path / "prompts.jsonl"
+    turns = ["Hello! How are you today?", "What is the capital of France?", "Why is the sky blue?", "Hi there"]
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in turns * 2))
+    args = ["route", "tiny", "--out", str(tmp_path / "out"), "--prompts", str(prompts), "--answer-tokens", "8"]
+    result = runner.invoke(app, [*args, "--budget", "1e9", "--layers", "1", "--tune-steps", "2"])
+    assert result.exit_code == 0, result.output
+    assert "backbone tuned 2 steps" in result.output
+    cache = data_dir() / "routing-data"
+    assert cache.is_dir() and not list(cache.glob("*.pt")), sorted(cache.iterdir())
