@@ -258,3 +258,85 @@ def test_17_a_finished_route_leaves_no_fine_tune_checkpoint(tmp_path: Path) -> N
     assert "backbone tuned 2 steps" in result.output
     cache = data_dir() / "routing-data"
     assert cache.is_dir() and not list(cache.glob("*.pt")), sorted(cache.iterdir())
+
+
+# 16 -----------------------------------------------------------------------------------------------------------------
+def _history(path: Path):
+    from chatapp.ui.history import HistoryStore
+    from tests.ui.conftest import FixedClock
+
+    return HistoryStore(path, clock=FixedClock())
+
+
+def _messages(path: Path) -> list[str]:
+    """Every message's content in the history at `path`, read by a fresh store, oldest conversation first."""
+    reader = _history(path)
+    try:
+        conversations = sorted(reader.list_conversations(), key=lambda c: c.id)
+        return [m.content for c in conversations for m in reader.load(c.id).messages]
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("with_journal", [False, True], ids=["db-only", "db-wal-shm"])
+def test_16_a_history_deleted_under_the_store_is_written_again(tmp_path: Path, with_journal: bool) -> None:
+    path = tmp_path / "history.sqlite3"
+    store = _history(path)
+    notices: list[str] = []
+    store.on_notice = notices.append
+    first = store.create_conversation("earlier")
+    store.add_message(first, "user", "before the deletion")
+    for suffix in ("", "-wal", "-shm") if with_journal else ("",):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+    store.add_message(first, "assistant", "after the deletion")
+    assert len(notices) == 1 and "was deleted" in notices[0] and str(path) in notices[0]
+    second = store.create_conversation("later")
+    store.add_message(second, "user", "and more")
+    assert store.unsaved is None and len(notices) == 1
+    store.close()
+    assert _messages(path) == ["before the deletion", "after the deletion", "and more"]
+
+
+def test_16_a_history_deleted_after_the_last_write_is_saved_at_close(tmp_path: Path) -> None:
+    path = tmp_path / "history.sqlite3"
+    store = _history(path)
+    store.add_message(store.create_conversation("t"), "user", "the last words")
+    path.unlink()
+    store.close()
+    assert _messages(path) == ["the last words"]
+
+
+def test_16_a_history_replaced_by_another_file_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "history.sqlite3"
+    store = _history(path)
+    unsaved = []
+    store.on_unsaved = unsaved.append
+    conversation = store.create_conversation("t")
+    path.unlink()
+    path.write_bytes(b"someone else's file")
+    store.add_message(conversation, "user", "kept in memory")
+    assert len(unsaved) == 1 and "replaced by another file" in unsaved[0].message
+    assert [m.content for m in store.load(conversation).messages] == ["kept in memory"]
+    store.close()
+    assert path.read_bytes() == b"someone else's file"
+
+
+@pytest.mark.asyncio
+async def test_16_the_tui_keeps_every_message_when_its_history_is_deleted(tmp_path: Path) -> None:
+    from chatapp.ui import ChatApp
+    from tests.ui.conftest import SIZE, send_and_wait
+    from tests.ui.scripted import ScriptedBackend, greeting
+
+    path = tmp_path / "history.sqlite3"
+    app = ChatApp(ScriptedBackend([greeting(), greeting()]), _history(path), cursor_blink=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "first message")
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        await send_and_wait(pilot, "second message")
+        notices = [n.message for n in app._notifications if n.title == "History"]
+        assert len(notices) == 1 and "was deleted" in notices[0], [n.message for n in app._notifications]
+        assert "history not saved" not in app.sub_title
+    contents = _messages(path)
+    assert contents[0] == "first message" and contents[2] == "second message" and len(contents) == 4, contents
