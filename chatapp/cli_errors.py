@@ -45,7 +45,7 @@ class ChatappGroup(TyperGroup):
     def invoke(self, ctx: Context) -> Any:
         words = [*getattr(ctx, "_protected_args", ()), *ctx.args]  # before the group consumes them
         try:
-            from chatapp.lifecycle import check_spin_count
+            from chatapp.settings import check_spin_count
 
             check_spin_count()  # every command may load torch (and libgomp, which reads it once)
             return super().invoke(ctx)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import gc
 import os
-import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,34 +41,12 @@ from typing import NoReturn
 # all, OMP_WAIT_POLICY=passive: 40-99, but half the speed on an idle box); idle, 122-185 either way (no difference
 # beyond the noise). A user's own `$GOMP_SPINCOUNT` wins.
 SPIN_ENV, SPIN_COUNT = "GOMP_SPINCOUNT", "50000"
-# What libgomp accepts (its `parse_spincount`): a count, optionally followed by k, M, G or T, or INFINITE / INFINITY.
-# Anything else it answers with a warning of its own on stderr and its default spin: neither names the fix.
-_SPIN_VALUE = re.compile(r"\s*(?:infinite|infinity|\+?(?P<count>[0-9]+)\s*[kmgt]?)\s*", re.IGNORECASE)
-
-
-def check_spin_count() -> None:
-    """Refuse (`SettingsError`, naming the variable and the fix) a `$GOMP_SPINCOUNT` that libgomp would not take,
-    before torch (and libgomp with it) is loaded."""
-    value = os.environ.get(SPIN_ENV)
-    if value is None:
-        return
-    match = _SPIN_VALUE.fullmatch(value)
-    if match is None or (match["count"] is not None and int(match["count"]) >= 1 << 64):
-        from chatapp.errors import SettingsError
-
-        raise SettingsError(
-            f"{SPIN_ENV}={value!r} is not a spin count (OpenMP's wait at a join)",
-            hint=f"unset {SPIN_ENV} (chatapp then sets {SPIN_COUNT}), or set a whole number such as "
-            f"{SPIN_ENV}={SPIN_COUNT} (a k, M, G or T suffix, or INFINITE, as libgomp reads it)",
-        )
-
-
 @contextmanager
 def starting_up() -> Iterator[None]:
     """Imports and model loading without the garbage collector, then what they made frozen out of later
-    collections (module docstring), and OpenMP's spin count set before torch loads it (`SPIN_COUNT`; a user's own
-    checked: `check_spin_count`). Nested or with the collector already off: the collector is left as it is."""
-    check_spin_count()
+    collections (module docstring), and OpenMP's spin count set before torch loads it (`SPIN_COUNT`; a user's own is
+    checked by `settings.check_spin_count` before any command). Nested or with the collector already off: the
+    collector is left as it is."""
     os.environ.setdefault(SPIN_ENV, SPIN_COUNT)
     if not gc.isenabled():
         yield

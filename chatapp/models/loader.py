@@ -275,13 +275,13 @@ def _notice(line: str) -> None:
 
 
 def check_environment() -> None:
-    """Refuse a bad `$CHATAPP_COMPILE`, `$CHATAPP_DTYPE`, `$CHATAPP_THREADS`, `$CHATAPP_KERNEL_THREADS` or
-    `$CHATAPP_DEFAULT_MODEL` before any work (a model load takes seconds; a bad value found after it wastes them).
-    Raises a `ChatappError` naming the variable and the fix. (`$CHATAPP_HOME` is checked where the data directory
+    """Refuse a bad `$CHATAPP_COMPILE`, `$CHATAPP_DTYPE`, `$CHATAPP_THREADS`, `$CHATAPP_KERNEL_THREADS`,
+    `$GOMP_SPINCOUNT` or `$CHATAPP_DEFAULT_MODEL` before any work (a model load takes seconds; a bad value found
+    after it wastes them). Raises a `ChatappError` naming the variable and the fix. (`$CHATAPP_HOME` is checked where the data directory
     is first written, `settings.check_data_dir`.)"""
     from chatapp.errors import ChatappError, SettingsError
     from chatapp.models.registry import default_model_name
-    from chatapp.settings import KERNEL_THREADS_ENV, threads_from_env
+    from chatapp.settings import KERNEL_THREADS_ENV, check_spin_count, threads_from_env
     from chatapp.validation import parse_format
 
     env_flag(COMPILE_ENV)
@@ -293,6 +293,7 @@ def check_environment() -> None:
             raise SettingsError(f"{DTYPE_ENV}={value!r}: {err.message}", hint=err.hint) from None
     threads_from_env(THREADS_ENV)
     threads_from_env(KERNEL_THREADS_ENV)
+    check_spin_count()  # the TUI's engine process and library callers load through here, not the CLI's group
     default_model_name()
 
 

@@ -85,11 +85,11 @@ def test_13_what_libgomp_reads_is_taken(monkeypatch, value: str) -> None:
     assert result.exit_code == 0 and result.stdout == "2\n", result.output
 
 
-def test_13_starting_up_checks_it_too(monkeypatch) -> None:
-    """The TUI's engine process and library callers start through `starting_up`, not the CLI's command group."""
+def test_13_a_model_load_checks_it_too(monkeypatch) -> None:
+    """The TUI's engine process and library callers load through `load_model`, not the CLI's command group."""
     from chatapp.errors import SettingsError
-    from chatapp.lifecycle import starting_up
+    from chatapp.models import load_model
 
     monkeypatch.setenv("GOMP_SPINCOUNT", "abc")
-    with pytest.raises(SettingsError, match="GOMP_SPINCOUNT"), starting_up():
-        pass
+    with pytest.raises(SettingsError, match="GOMP_SPINCOUNT"):
+        load_model("tiny")
