@@ -277,8 +277,8 @@ def _notice(line: str) -> None:
 def check_environment() -> None:
     """Refuse a bad `$CHATAPP_COMPILE`, `$CHATAPP_DTYPE`, `$CHATAPP_THREADS`, `$CHATAPP_KERNEL_THREADS`,
     `$GOMP_SPINCOUNT` or `$CHATAPP_DEFAULT_MODEL` before any work (a model load takes seconds; a bad value found
-    after it wastes them). Raises a `ChatappError` naming the variable and the fix. (`$CHATAPP_HOME` is checked where the data directory
-    is first written, `settings.check_data_dir`.)"""
+    after it wastes them). Raises a `ChatappError` naming the variable and the fix. (`$CHATAPP_HOME` is checked
+    where the data directory is first written, `settings.check_data_dir`.)"""
     from chatapp.errors import ChatappError, SettingsError
     from chatapp.models.registry import default_model_name
     from chatapp.settings import KERNEL_THREADS_ENV, check_spin_count, threads_from_env
