@@ -9,7 +9,6 @@ clear message on stderr, exit code 1, no traceback (`chatapp/cli_errors.py`).
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Annotated, NoReturn
 
@@ -17,7 +16,7 @@ import typer
 from rich.console import Console
 
 from chatapp import __version__
-from chatapp.cli_errors import ChatappGroup, err_console
+from chatapp.cli_errors import ChatappGroup, StdoutError, StdoutPipeError, err_console, guard_stdout, stdout_failed
 from chatapp.cli_options import DeviceOption, DtypeOption, ModelOption
 from chatapp.commands.convert import convert
 from chatapp.commands.eval import eval_model
@@ -348,18 +347,20 @@ def main() -> NoReturn:
     from chatapp.lifecycle import exit_process
 
     code: object = 0
+    guard_stdout()  # a broken stdout, whichever command finds it, is one error line (`cli_errors.StdoutError`)
     try:
-        app()
-    except SystemExit as done:
-        code = done.code
+        try:
+            app()
+        except SystemExit as done:
+            code = done.code
+        sys.stdout.flush()  # here, not in the exit's flush, so that output a full disk refused is reported
     except KeyboardInterrupt:
         err_console.print("interrupted")
         code = 130
-    except BrokenPipeError:
-        # The reader went away (`chatapp generate ... | head -c 5`): stop quietly, and keep the exit-time flush of
-        # stdout from raising again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = 1
+    except StdoutError as err:
+        code = stdout_failed(err)
+    except BrokenPipeError as err:  # from a writer that bypassed `sys.stdout` (its file descriptor): as above
+        code = stdout_failed(StdoutPipeError(err))
     exit_process(code)
 
 

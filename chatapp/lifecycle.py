@@ -41,13 +41,12 @@ from typing import NoReturn
 # all, OMP_WAIT_POLICY=passive: 40-99, but half the speed on an idle box); idle, 122-185 either way (no difference
 # beyond the noise). A user's own `$GOMP_SPINCOUNT` wins.
 SPIN_ENV, SPIN_COUNT = "GOMP_SPINCOUNT", "50000"
-
-
 @contextmanager
 def starting_up() -> Iterator[None]:
     """Imports and model loading without the garbage collector, then what they made frozen out of later
-    collections (module docstring), and OpenMP's spin count set before torch loads it (`SPIN_COUNT`). Nested or with
-    the collector already off: the collector is left as it is."""
+    collections (module docstring), and OpenMP's spin count set before torch loads it (`SPIN_COUNT`; a user's own is
+    checked by `settings.check_spin_count` before any command). Nested or with the collector already off: the
+    collector is left as it is."""
     os.environ.setdefault(SPIN_ENV, SPIN_COUNT)
     if not gc.isenabled():
         yield

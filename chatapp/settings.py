@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
@@ -136,6 +137,30 @@ def threads_from_env(name: str) -> int | None:
     if threads < 1:
         raise SettingsError(f"{name}={shown!r} must be at least 1", hint=hint)
     return min(threads, usable_cores())
+
+
+# What libgomp accepts for `$GOMP_SPINCOUNT` (its `parse_spincount`): a count, optionally followed by k, M, G or T,
+# or INFINITE / INFINITY. Anything else it answers with a warning of its own and its default spin: neither names the
+# fix. (chatapp's own default is set in `lifecycle.starting_up`.)
+_SPIN_VALUE = re.compile(r"\s*(?:infinite|infinity|\+?(?P<count>[0-9]+)\s*[kmgt]?)\s*", re.IGNORECASE)
+
+
+def check_spin_count() -> None:
+    """Refuse (`SettingsError`, naming the variable and the fix) a `$GOMP_SPINCOUNT` that libgomp would not take,
+    before torch (and libgomp with it) is loaded."""
+    from chatapp.lifecycle import SPIN_COUNT, SPIN_ENV
+
+    value = os.environ.get(SPIN_ENV)
+    if value is None:
+        return
+    match = _SPIN_VALUE.fullmatch(value)
+    if match is None or (match["count"] is not None and int(match["count"]) >= 1 << 64):
+        shown = value if len(value) <= 30 else f"{value[:27]}..."
+        raise SettingsError(
+            f"{SPIN_ENV}={shown!r} is not a spin count (OpenMP's wait at a join)",
+            hint=f"unset {SPIN_ENV} (chatapp then sets {SPIN_COUNT}), or set a whole number such as "
+            f"{SPIN_ENV}={SPIN_COUNT} (a k, M, G or T suffix, or INFINITE, as libgomp reads it)",
+        )
 
 
 def _home_override() -> Path | None:

@@ -126,16 +126,128 @@ def _locked_fd(path: Path, blocking: bool) -> int | None:
 
 def is_complete(target: str | Path) -> bool:
     """Whether `target` is a directory written whole by `staged_dir` (its stamp is there and readable)."""
+    return _read_stamp(Path(target)) is not None
+
+
+def _read_stamp(target: Path) -> dict | None:
     try:
-        data = read_regular_bytes(Path(target) / STAMP, 4096)
-        return json.loads(data).get("format") == STAMP_FORMAT
-    except (DataDirError, OSError, ValueError, AttributeError):
-        return False
+        stamp = json.loads(read_regular_bytes(target / STAMP, _STAMP_BYTES))
+    except (DataDirError, OSError, ValueError):
+        return None
+    return stamp if isinstance(stamp, dict) and stamp.get("format") == STAMP_FORMAT else None
 
 
-def write_stamp(directory: str | Path) -> None:
-    """Put the completeness stamp in `directory`, once everything else in it is written (`is_complete`)."""
-    (Path(directory) / STAMP).write_text(json.dumps({"format": STAMP_FORMAT}) + "\n", encoding="utf-8")
+_STAMP_BYTES = 1 << 20  # a stamp with checksums names every file of its target: a few hundred bytes each
+
+
+def write_stamp(directory: str | Path, *, checksums: bool = False) -> None:
+    """Put the completeness stamp in `directory`, once everything else in it is written (`is_complete`); with
+    `checksums`, the stamp also records every file's size and SHA-256 (`files_damage` checks them)."""
+    stamp: dict = {"format": STAMP_FORMAT}
+    if checksums:
+        stamp[_FILES] = {name: _file_record(Path(directory) / name) for name in _stamped_names(Path(directory))}
+    (Path(directory) / STAMP).write_text(json.dumps(stamp, indent=1) + "\n", encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------ checking what is read
+# A target written with checksums is checked when it is read back (`files_damage`), because its files are what a
+# later command runs (the prepared default model: 570 MB that `generate` would otherwise serve whatever a disk or a
+# stray write left in them). Hashing them at every start costs too much (sha256 of the default model's files: 0.5 s
+# of a 3 s `generate` on the 2-core box), so each file's record also keeps its identity when it was last hashed:
+# size, modification time, inode change time (ctime) and inode number. Any write to a file through the file system
+# moves its ctime, which no user call can set back (`touch -d` and `os.utime` set mtime, and move ctime doing so), and
+# a copy gets a new inode: a file whose identity is unchanged has had nothing written to it since it was hashed, and
+# is not read. A file whose identity changed is hashed whole and compared; when it still matches (a copied or backed
+# up data directory) its new identity is recorded, so the next start reads nothing again. Damage below the file
+# system (a failing disk) leaves the identity alone; the served store, which is what a CPU start reads, checks its
+# own bytes every load (`stt.served.check_sums`).
+_FILES = "files"
+
+
+def _stamped_names(directory: Path) -> list[str]:
+    """The files under `directory` a stamp records (relative, POSIX), the stamp itself excepted."""
+    names = []
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and not path.is_symlink() and path.name != STAMP:
+            names.append(path.relative_to(directory).as_posix())
+    return names
+
+
+def _identity(info: os.stat_result) -> list[int]:
+    return [info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino]
+
+
+def _sha256(path: Path) -> tuple[str, os.stat_result]:
+    with open_regular(path) as fh:
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+        return digest, os.fstat(fh.fileno())
+
+
+def _file_record(path: Path) -> dict:
+    digest, info = _sha256(path)
+    return {"size": info.st_size, "sha256": digest, "seen": _identity(info)}
+
+
+def has_checksums(target: str | Path) -> bool:
+    """Whether `target` is complete and its stamp records its files' checksums (`write_stamp(checksums=True)`)."""
+    stamp = _read_stamp(Path(target))
+    return stamp is not None and isinstance(stamp.get(_FILES), dict)
+
+
+def files_damage(target: str | Path, *, locks: Path | None = None) -> str | None:
+    """What is wrong with the files of `target` against the checksums its stamp records, or None when every file is
+    whole. A target without a stamp, or whose stamp records no checksums, is reported too (nothing vouches for it).
+    Cheap when nothing was written to the files since they were last hashed (see above: no file is read then);
+    a file whose identity moved is hashed, and when it matches, its new identity is recorded (best effort: under
+    the target's lock, in `locks` as `target_lock` has it, when no writer holds it)."""
+    target = Path(target)
+    stamp = _read_stamp(target)
+    if stamp is None:
+        return f"its completeness stamp {STAMP} is missing or unreadable"
+    files = stamp.get(_FILES)
+    if not isinstance(files, dict) or not files:
+        return f"its stamp {STAMP} records no checksums"
+    moved = False
+    try:
+        for name, record in files.items():
+            path = target / name
+            try:
+                info = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                return f"{name} is missing"
+            if not stat.S_ISREG(info.st_mode):
+                return f"{name} is not a regular file ({_kind(info.st_mode)})"
+            if info.st_size != record["size"]:
+                return f"{name} is {info.st_size} bytes, not the {record['size']} it was written with"
+            if _identity(info) == record.get("seen"):
+                continue
+            digest, now = _sha256(path)
+            if digest != record["sha256"]:
+                return f"{name} does not match its checksum (its bytes changed after it was written)"
+            record["seen"] = _identity(now)
+            moved = True
+    except (OSError, DataDirError) as err:
+        return f"its files cannot be read: {getattr(err, 'message', None) or err}"
+    except (KeyError, TypeError) as err:
+        return f"its stamp {STAMP} does not describe its files ({err})"
+    if moved:
+        _remember_identities(target, stamp, locks)
+    return None
+
+
+def _remember_identities(target: Path, stamp: dict, locks: Path | None) -> None:
+    text = json.dumps(stamp, indent=1) + "\n"
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.chmod(0o644)  # as the stamp it replaces (a temporary file is created private)
+
+    try:
+        with target_lock(target, blocking=False, locks=locks) as locked:
+            if locked:
+                atomic_write(target / STAMP, write)
+    except OSError:
+        pass  # a read-only data directory: the next start hashes the files again, and finds them as whole
 
 
 def check_output(target: str | Path, what: str) -> Path:
@@ -218,13 +330,19 @@ def _link_text(path: Path) -> str:
 
 @contextlib.contextmanager
 def staged_dir(
-    target: str | Path, *, stamp: bool = True, what: str = "directory", locks: Path | None = None
+    target: str | Path,
+    *,
+    stamp: bool = True,
+    what: str = "directory",
+    locks: Path | None = None,
+    checksums: bool = False,
 ) -> Iterator[Path]:
     """Yield an empty staging directory beside `target`; when the block ends without an exception, put the
     completeness stamp in it (unless `stamp` is False) and rename it into place, replacing any earlier `target`. On
     any exception (KeyboardInterrupt too) the staging directory is removed and `target` is left as it was. The
     target's lock (in `locks`, else beside it: `lock_path`) is held throughout, and stale staging and set-aside
-    directories of the same target are removed first."""
+    directories of the same target are removed first. `checksums`: the stamp records every file's checksum, for
+    `files_damage` to check when the target is read back."""
     target = Path(target)
     check_writable_dir(target.parent, f"parent of the {what}")
     if target.exists() and not target.is_dir():
@@ -240,7 +358,7 @@ def staged_dir(
         try:
             yield staging
             if stamp:
-                write_stamp(staging)
+                write_stamp(staging, checksums=checksums)
             os.chmod(staging, 0o755)  # mkdtemp makes it private; a model directory is not
             _replace_dir(staging, target)
         except BaseException:

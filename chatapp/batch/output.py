@@ -173,6 +173,12 @@ class FileSink:
         try:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as err:
+            if isinstance(err, NotADirectoryError) and (blocker := _file_above(path)) is not None:
+                # Creating a directory cannot help: one of the path's directories is a file.
+                raise BatchFileError(
+                    f"cannot open {path} for writing: {blocker} is a file, not a directory",
+                    hint="choose an output file in a directory (or move the file away)",
+                ) from None
             missing = isinstance(err, FileNotFoundError | NotADirectoryError)
             raise BatchFileError(
                 f"cannot open {path} for writing: {err.strerror}",
@@ -201,6 +207,14 @@ class FileSink:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _file_above(path: Path) -> Path | None:
+    """The nearest of `path`'s parents that exists and is not a directory, if any."""
+    for parent in path.parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
 
 
 class StreamSink:

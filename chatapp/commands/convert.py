@@ -48,7 +48,7 @@ def convert(
             hint="pass a llama.cpp .gguf model file (the download may be incomplete or an HTML page), "
             "or a Qwen2 model directory",
         )
-    with store.staged_dir(target, what="output directory", locks=locks) as staging:
+    with store.staged_dir(target, what="output directory", locks=locks, checksums=True) as staging:
         if gguf:
             from rich.progress import Progress
 

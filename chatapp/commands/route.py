@@ -7,6 +7,7 @@ directory routes the same way, and a model no recipe made (a converted GGUF) onl
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -205,6 +206,9 @@ def route(
     speaker = load_model(source)
     routed = fit_routing(loaded, options, log, cache_dir=data_dir() / "routing-data", speaker=speaker)
     write_routed(routed, source, target, locks)
+    if routed.checkpoint is not None:  # only a run that did not finish resumes from it; 4.5 MB each for tiny
+        with contextlib.suppress(OSError):  # the model is written: a checkpoint left behind costs only space
+            routed.checkpoint.unlink(missing_ok=True)
     typer.echo(f"{routed.report.summary()}\nwrote {target}")
     if out is None:
         typer.echo(f"a routed copy of {model}: run it with --model {target.name} (`chatapp models` lists it)")

@@ -106,12 +106,20 @@ def load_model(
     model_dir = resolve_model(model)
     hint = repair_hint(model, model_dir)  # the fix depends on what wrote the files (shipped, prepared, converted)
     check_model_dir(model_dir, hint=hint)
+    _check_written_files(model_dir, hint)
     tokenizer = _load_tokenizer(model_dir, hint)
 
     from chatapp.chat import chat_format_for
     from chatapp.stt.weights import default_format
 
-    chat_format = chat_format_for(tokenizer, model_dir)
+    try:
+        chat_format = chat_format_for(tokenizer, model_dir)
+    except ModelDirError as err:
+        if hint is None:  # the user's own checkpoint: the file's own fix (restore it, use another checkpoint)
+            raise
+        # Files chatapp wrote (the shipped or prepared model, a converted or routed copy) are remade by chatapp,
+        # never restored from a checkpoint the user does not have.
+        raise ModelDirError(err.message, hint=hint) from None
     count = _parameter_count(model_dir, hint)
     fmt = fmt or default_format(resolved, count)
     model = _served_model(model_dir, resolved, fmt, hint)
@@ -128,6 +136,24 @@ def load_model(
         _compile_decode(model, model_dir)
     _return_freed_memory()
     return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
+
+
+def _check_written_files(model_dir: Path, hint: str | None) -> None:
+    """A model directory chatapp wrote with its files' checksums (a converted or routed copy; the prepared default
+    model is checked, and prepared again, before this: `smollm2.ensure_prepared`) is refused when a file no longer
+    matches, rather than run on changed weights. Costs a few `stat` calls unless a file was written to since it was
+    last checked (`store.files_damage`)."""
+    from chatapp import store
+    from chatapp.settings import LOCKS_SUBDIR, data_dir
+
+    if not store.has_checksums(model_dir):
+        return  # a user's checkpoint, or written before chatapp recorded checksums
+    # Outputs a user names (`convert`, `route`) keep their lock files in the data directory's lock directory.
+    if problem := store.files_damage(model_dir, locks=data_dir() / LOCKS_SUBDIR):
+        raise ModelDirError(
+            f"the model directory {model_dir} is damaged: {problem}",
+            hint=hint or f"remove {model_dir} and write it again with the chatapp command that made it",
+        )
 
 
 def _return_freed_memory() -> None:
@@ -249,13 +275,13 @@ def _notice(line: str) -> None:
 
 
 def check_environment() -> None:
-    """Refuse a bad `$CHATAPP_COMPILE`, `$CHATAPP_DTYPE`, `$CHATAPP_THREADS`, `$CHATAPP_KERNEL_THREADS` or
-    `$CHATAPP_DEFAULT_MODEL` before any work (a model load takes seconds; a bad value found after it wastes them).
-    Raises a `ChatappError` naming the variable and the fix. (`$CHATAPP_HOME` is checked where the data directory
-    is first written, `settings.check_data_dir`.)"""
+    """Refuse a bad `$CHATAPP_COMPILE`, `$CHATAPP_DTYPE`, `$CHATAPP_THREADS`, `$CHATAPP_KERNEL_THREADS`,
+    `$GOMP_SPINCOUNT` or `$CHATAPP_DEFAULT_MODEL` before any work (a model load takes seconds; a bad value found
+    after it wastes them). Raises a `ChatappError` naming the variable and the fix. (`$CHATAPP_HOME` is checked
+    where the data directory is first written, `settings.check_data_dir`.)"""
     from chatapp.errors import ChatappError, SettingsError
     from chatapp.models.registry import default_model_name
-    from chatapp.settings import KERNEL_THREADS_ENV, threads_from_env
+    from chatapp.settings import KERNEL_THREADS_ENV, check_spin_count, threads_from_env
     from chatapp.validation import parse_format
 
     env_flag(COMPILE_ENV)
@@ -267,6 +293,7 @@ def check_environment() -> None:
             raise SettingsError(f"{DTYPE_ENV}={value!r}: {err.message}", hint=err.hint) from None
     threads_from_env(THREADS_ENV)
     threads_from_env(KERNEL_THREADS_ENV)
+    check_spin_count()  # the TUI's engine process and library callers load through here, not the CLI's group
     default_model_name()
 
 

@@ -37,8 +37,9 @@ DEFAULT_MODEL_ENV = "CHATAPP_DEFAULT_MODEL"
 
 
 def default_model_name() -> str:
-    """The model used when none is named: `$CHATAPP_DEFAULT_MODEL` when set, else the SmolLM2 model when its weights
-    package is installed (the set-up installs it), else the tiny model, so a checkout without set-up still runs."""
+    """The model used when none is named, as a `--model` value: `$CHATAPP_DEFAULT_MODEL` when set (a registered
+    name, a routed copy's name or a model directory, checked here), else the SmolLM2 model when its weights package
+    is installed (the set-up installs it), else the tiny model, so a checkout without set-up still runs."""
     import os
 
     from chatapp.models.smollm2 import wheel_installed
@@ -46,13 +47,35 @@ def default_model_name() -> str:
     chosen = os.environ.get(DEFAULT_MODEL_ENV)
     if chosen:
         if chosen not in MODELS:
-            raise ModelDirError(f"{DEFAULT_MODEL_ENV}={chosen!r} is not a model name", hint=f"use one of {', '.join(MODELS)}")
+            _check_default_dir(chosen)
         return chosen
     return "default" if wheel_installed() else "tiny"
 
 
+def _check_default_dir(chosen: str) -> None:
+    """`$CHATAPP_DEFAULT_MODEL` naming a directory (or a routed copy): refused, naming the variable, unless it is a
+    directory with a model config (whether its weights load is checked when they are loaded, as for `--model`)."""
+    hint = (
+        f"set {DEFAULT_MODEL_ENV} to one of {', '.join(MODELS)}, or to a model directory (config.json, "
+        "model.safetensors, tokenizer.json)"
+    )
+    path = Path(chosen).expanduser()
+    if not path.exists() and routed_copy(chosen) is not None:
+        return
+    if not path.exists():
+        raise ModelDirError(
+            f"{DEFAULT_MODEL_ENV}={chosen!r} is neither a model name nor an existing model directory", hint=hint
+        )
+    if not path.is_dir():
+        raise ModelDirError(f"{DEFAULT_MODEL_ENV}={chosen!r} is a file, not a model directory", hint=hint)
+    if not (path / "config.json").is_file():
+        raise ModelDirError(
+            f"{DEFAULT_MODEL_ENV}={chosen!r} is a directory without config.json, not a model directory", hint=hint
+        )
+
+
 def default_model_dir() -> Path:
-    return MODELS[default_model_name()]()
+    return resolve_model(None)
 
 
 def is_registered(name_or_path: str | Path | None) -> bool:
@@ -65,13 +88,15 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
 
     A path must exist; whether it holds a usable checkpoint is checked when it is loaded (`check_model_dir`).
     """
-    if name_or_path is None or name_or_path == "default":
-        return MODELS[default_model_name()]() if name_or_path is None else MODELS["default"]()
+    if name_or_path is None:
+        name_or_path = default_model_name()
     if isinstance(name_or_path, str) and name_or_path in MODELS:
         return MODELS[name_or_path]()
     path = Path(name_or_path).expanduser()
     if not path.exists() and (routed := routed_copy(str(name_or_path))) is not None:
         return routed
+    if _is_prepared_dir(path):  # the prepared default model named by its path: checked (and re-prepared) as such
+        return MODELS["default"]()
     if not path.exists():
         raise ModelDirError(
             f"model directory {path} does not exist",
@@ -79,6 +104,12 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
             f"or a model name ({', '.join(MODELS)})",
         )
     return path
+
+
+def _is_prepared_dir(path: Path) -> bool:
+    from chatapp.models.smollm2 import prepared_dir
+
+    return path.is_dir() and _same_dir(path, prepared_dir())
 
 
 def routed_copy(name: str) -> Path | None:
@@ -206,6 +237,9 @@ def model_listing() -> list[ModelEntry]:
             path, state = MODELS[name](), "shipped"
         entries.append(_describe(name, path, state))
     entries.extend(_describe(path.name, path, "routed copy (chatapp route)") for path in routed_copies())
+    chosen = default_model_name()
+    if all(entry.name != chosen for entry in entries):  # a directory named by $CHATAPP_DEFAULT_MODEL
+        entries.append(_describe(chosen, Path(chosen).expanduser(), f"${DEFAULT_MODEL_ENV}"))
     return entries
 
 

@@ -68,7 +68,8 @@ MANIFEST_FILE = "manifest.json"
 PREPARED_STAMP = "prepared.json"
 # What a prepared directory holds; raised when that changes, so older preparations are redone.
 # 2: the merged adapters are also kept apart (`merged_adapters.safetensors`) for the int4 format.
-PREPARED_LAYOUT = 2
+# 3: the store's stamp records every file's checksum (`store.files_damage` checks them at every start).
+PREPARED_LAYOUT = 3
 
 
 def write_manifest(**fields: Any) -> None:
@@ -164,7 +165,7 @@ def prepare(model_dir: Path, progress: Progress | None = None) -> Path:
     model = STTForCausalLM(config)
     model.load_state_dict(state, strict=True)
     report(85, 100, "saving")
-    with store.staged_dir(model_dir, what="prepared default model") as tmp:
+    with store.staged_dir(model_dir, what="prepared default model", checksums=True) as tmp:
         save_model(model, tmp)
         save_merged_adapters(adapters, tmp)
         write_tokenizer_files(tmp, read)
@@ -202,12 +203,15 @@ def ensure_prepared(progress: Progress | None = None) -> Path:
 
 
 def prepared_damage(model_dir: Path) -> str | None:
-    """What is wrong with the files of a prepared directory (a quick look: no tensor is read), or None. Catches
-    what a disk or a user can do to them after preparation: a truncated or non-regular file, an unreadable config
-    or tokenizer. Such a directory is prepared again (`ensure_prepared`), not reported as a user's error."""
+    """What is wrong with the files of a prepared directory, or None. Every file is checked against the checksum
+    recorded when it was prepared (`store.files_damage`: no file is read unless something wrote to it since), so
+    bytes changed anywhere in the weights are caught, not served; then a quick look at what the loader reads first.
+    Such a directory is prepared again (`ensure_prepared`), not reported as a user's error."""
     from chatapp import store
     from chatapp.errors import ChatappError
 
+    if problem := store.files_damage(model_dir):
+        return problem
     try:
         config = json.loads(store.read_regular_bytes(model_dir / "config.json", 1 << 20))
         if not isinstance(config, dict) or "hidden_size" not in config:

@@ -613,6 +613,8 @@ class Routed:
     model: STTForCausalLM
     report: RouteReport
     adapters: Adapters = field(default_factory=dict)
+    # The fine-tune's resumable checkpoint, if one was kept: the caller removes it once the routed model is written.
+    checkpoint: Path | None = None
 
 
 def route(
@@ -670,12 +672,12 @@ def route(
     routed, probs = fit_routers(model, candidates, fit, options, skips, log)
     seconds["fit routers"] = time.perf_counter() - clock
     adapters: Adapters = {}
+    checkpoint = None
     if options.tune.steps:
         # The backbone learns to tolerate these routers' skips; then everything downstream of the weights (the
         # dense passes, the update scores, the routers) is measured again on the tuned backbone, and routed runs are
         # compared with the untuned model's dense perplexity, so that what the tune cost counts.
         clock = time.perf_counter()
-        checkpoint = None
         if cache_dir is not None:
             cache_dir.mkdir(parents=True, exist_ok=True)
             key = json.dumps(
@@ -749,7 +751,7 @@ def route(
     report.seconds = seconds
     report.chosen = best
     if best is None:
-        return Routed(with_routed_layers(model, [], options.skip_mode), report, adapters)
+        return Routed(with_routed_layers(model, [], options.skip_mode), report, adapters, checkpoint)
     final = with_routed_layers(model, best.layers, options.skip_mode, skips)
     final.config.route_prompt = not prompts_dense
     report.cutoffs = cutoffs_at(best.rate, best.layers)
@@ -760,7 +762,7 @@ def route(
         fold_cutoff(target, report.cutoffs[layer])
     report.levels, report.level_measures = measure_levels(final, held, skips, log)
     final.config.routing_levels = dict(report.levels)
-    return Routed(final, report, adapters)
+    return Routed(final, report, adapters, checkpoint)
 
 
 # Router thresholds tried for the "fast" level, above the calibrated 0.5 (higher skips more in every layer), and the
@@ -866,7 +868,7 @@ def write_routed(routed: Routed, source: Path, target: Path, locks: Path | None 
     (`stt.io.MERGED_ADAPTERS_NAME`, which int4 keeps apart from the rounded weights): two low-rank updates of one
     module are one of the summed rank, [B1 B2] [A1; A2]."""
     adapters = combine_adapters(load_merged_adapters(source), routed.adapters)
-    with store.staged_dir(target, what="routed model directory", locks=locks) as staging:
+    with store.staged_dir(target, what="routed model directory", locks=locks, checksums=True) as staging:
         for path in source.iterdir():
             if (
                 path.is_file()

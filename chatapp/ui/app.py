@@ -137,6 +137,8 @@ class ChatApp(App[None]):
         if getattr(self.store, "notice", None):
             self.notify(self.store.notice, severity="warning", timeout=15)
         self.store.on_unsaved = self._history_unsaved
+        if hasattr(self.store, "on_notice"):  # the history database was written again on its own (deleted under us)
+            self.store.on_notice = lambda text: self.notify(text, title="History", severity="warning", timeout=15)
         if (unsaved := getattr(self.store, "unsaved", None)) is not None:  # it could not be written from the start
             self._history_unsaved(unsaved)
         self._panels = _Panels(

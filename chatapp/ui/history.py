@@ -11,12 +11,19 @@ those small frequent commits cheap and lets a second instance read while one wri
 
 A database that stops taking writes mid-session (made read-only, disk full, locked by another program) never costs
 the conversation: the store goes on in an in-memory copy and says so once (`HistoryStore.on_unsaved`).
+
+A database deleted while the app runs (`rm history.sqlite3`) would go on taking writes: the open connection writes
+into the unlinked file, and everything vanishes when the app closes. So before each transaction (and at close) the
+store checks that its path still names the file it opened (a `stat`: microseconds, against a transaction's
+milliseconds), and when it is gone writes what it held into a new database at the same path, saying so once
+(`HistoryStore.on_notice`). A path that names another file by then is not the store's to write: it goes on in memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
@@ -144,6 +151,9 @@ class HistoryStore:
         self.notice: str | None = None  # set by `open_history` when it moved a damaged database aside
         self.unsaved: HistoryError | None = None
         self.on_unsaved: Callable[[HistoryError], None] | None = None
+        self.on_notice: Callable[[str], None] | None = None  # called with what the store did on its own (re-saved)
+        self._timeout = timeout
+        self._opened: tuple[int, int] | None = None  # (device, inode) of the file the connection has open
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = self._open(timeout)
@@ -176,13 +186,63 @@ class HistoryStore:
         except sqlite3.Error:
             db.close()
             raise
+        self._opened = _file_identity(self.path)
         return db
 
     def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error, OSError):
+            self._check_file()  # deleted after the last write: what it held is written again before the app ends
         self._db.close()
+
+    def _check_file(self) -> None:
+        """Make sure the connection writes the file at `self.path` (module docstring): re-save into a new one when
+        the file was deleted, go on in memory when another file took its place."""
+        if self._opened is None or self.unsaved is not None:
+            return  # in memory already
+        now = _file_identity(self.path)
+        if now == self._opened:
+            return
+        memory = sqlite3.connect(":memory:")
+        memory.row_factory = sqlite3.Row
+        self._db.backup(memory)  # the unlinked file (and its WAL) stays readable through the open connection
+        memory.execute("PRAGMA foreign_keys=ON")
+        if now is not None:
+            # Another file is at the path now. Closing the old connection would let SQLite delete "<path>-wal" by its
+            # name, the new file's own journal: it is kept open (and unused) until the process ends instead.
+            _KEPT_OPEN.append(self._db)
+            self._db, self._opened = memory, None
+            self._moved_to_memory(f"it was replaced by another file while chatapp ran ({self.path})")
+            return
+        # Closed first: SQLite checkpoints it into the unlinked file and removes its -wal and -shm by name, which
+        # must not be left for the new database at the same path to read as its own.
+        with contextlib.suppress(sqlite3.Error):
+            self._db.close()
+        for suffix in ("-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = self._open(self._timeout)
+            memory.backup(db)
+        except (sqlite3.Error, OSError) as err:
+            self._db, self._opened = memory, None
+            self._moved_to_memory(f"it was deleted while chatapp ran and cannot be written again ({err})")
+            return
+        memory.close()
+        self._db = db
+        if self.on_notice is not None:
+            self.on_notice(
+                f"the history database {self.path} was deleted while chatapp ran; everything it held, this session "
+                "included, was written into a new one at the same path"
+            )
 
     def _use(self, query: Callable[[sqlite3.Connection], _T]) -> _T:
         """Run `query` in one transaction, on disk while the database takes it and in memory after it failed."""
+        try:
+            self._check_file()
+        except (sqlite3.Error, OSError) as err:
+            if self.unsaved is None:
+                self._go_on_in_memory(sqlite3.OperationalError(str(err)))
         try:
             with self._db:
                 return query(self._db)
@@ -207,9 +267,12 @@ class HistoryStore:
         memory.executescript(_SCHEMA)
         with contextlib.suppress(sqlite3.Error):
             self._db.close()
-        self._db = memory
+        self._db, self._opened = memory, None
+        self._moved_to_memory(f"cannot be written ({err})")
+
+    def _moved_to_memory(self, why: str) -> None:
         self.unsaved = HistoryError(
-            f"the history database {self.path} cannot be written ({err}); this session is kept in memory only and "
+            f"the history database {self.path} {why}; this session is kept in memory only and "
             "is lost when the app closes",
             hint="export the conversation now (ctrl+s), then free disk space or fix the file's permissions, or pass "
             "--db with a writable file next time",
@@ -369,6 +432,19 @@ class HistoryStore:
             updated=row["updated"],
             messages=row["n"],
         )
+
+
+# Connections to a history database whose path another file took (`HistoryStore._check_file`): never closed.
+_KEPT_OPEN: list[sqlite3.Connection] = []
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`, or None when there is none."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def _pieces_content(db: sqlite3.Connection, message_id: int) -> Content | None:

@@ -163,12 +163,15 @@ def test_6_convert_of_a_non_gguf_dot_gguf_file_says_it_is_not_gguf(tmp_path: Pat
     assert "config.json" not in out
 
 
-def _fake_prepare(model_dir: Path, progress=None) -> Path:
-    """What `prepare` writes, made from the tiny model in milliseconds."""
-    with store.staged_dir(model_dir, what="prepared default model") as staging:
+def _fake_prepare(model_dir: Path, progress=None, *, tokenizer: str | None = None) -> Path:
+    """What `prepare` writes (its files' checksums too), made from the tiny model in milliseconds; `tokenizer`: the
+    text of its tokenizer.json instead of the tiny model's."""
+    with store.staged_dir(model_dir, what="prepared default model", checksums=True) as staging:
         for path in tiny_model_dir().iterdir():
             if path.is_file():
                 shutil.copyfile(path, staging / path.name)
+        if tokenizer is not None:
+            (staging / "tokenizer.json").write_text(tokenizer)
         stamp = {"parts": smollm2.parts_fingerprint(), "layout": smollm2.PREPARED_LAYOUT}
         (staging / smollm2.PREPARED_STAMP).write_text(json.dumps(stamp))
     return model_dir
@@ -205,9 +208,10 @@ def test_6_each_origin_gets_its_own_fix(tmp_path: Path, small_gguf: Path) -> Non
 
 
 def test_6_a_prepared_model_that_fails_to_load_names_the_prepared_fix(monkeypatch) -> None:
-    target = _fake_prepare(smollm2.prepared_dir())
-    monkeypatch.setattr(smollm2, "prepare", _fake_prepare)
-    (target / "tokenizer.json").write_text(json.dumps({"not": "a tokenizer"}))  # valid JSON, not a tokenizer
+    """Files that match their checksums and still do not load (a preparation that went wrong, not damage since)."""
+    bad = json.dumps({"not": "a tokenizer"})  # valid JSON, not a tokenizer
+    target = _fake_prepare(smollm2.prepared_dir(), tokenizer=bad)
+    monkeypatch.setattr(smollm2, "prepare", lambda d, p=None: _fake_prepare(d, tokenizer=bad))
     _refused(["generate", "hi", "--model", "default"], f"remove {target} and run again")
 
 
