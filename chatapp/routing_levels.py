@@ -33,12 +33,15 @@ def level_thresholds(levels: Mapping[str, float] | None, router_threshold: float
 
 
 def pick_level(table: Mapping[str, float | None], requested: str | None) -> str:
-    """The level a request runs at: `requested` when the table has it, else the default (the first); ValueError
-    naming the levels there are."""
+    """The level a request runs at: `requested` when the table has it, else the default (the first). The one check
+    of a requested level, wherever it comes from (a command's option, a loaded model's settings, the TUI's):
+    `SettingsError` naming the levels there are."""
     if requested is None:
         return next(iter(table))
     if requested not in table:
-        raise ValueError(f"this model has no routing level {requested!r}; its levels: {', '.join(table)}")
+        raise SettingsError(
+            f"this model has no routing level {requested!r}; its levels: {', '.join(table)}", hint=LEVEL_HINT
+        )
     return requested
 
 
@@ -49,7 +52,5 @@ def config_level(config: Mapping[str, Any], requested: str | None) -> str:
     levels = config.get("routing_levels")
     try:
         return pick_level(level_thresholds(levels if isinstance(levels, Mapping) else None, threshold), requested)
-    except ValueError as err:
-        raise SettingsError(str(err), hint=LEVEL_HINT) from None
     except TypeError:  # thresholds that are not numbers: loading the model names what is wrong with its config
         return requested or ""

@@ -20,7 +20,8 @@ ROOT = Path(chatapp.__file__).resolve().parent
 # Lowest first. `chat` imports the tool protocol (`tools.base`) and nothing above it; the engine takes a chat format
 # through `ChatFormatLike` without importing `chat`, so the two share a level.
 LEVELS: list[set[str]] = [
-    {"errors", "special_tokens", "compute_saved", "byte_level", "lifecycle", "routing_levels", "cli_options"},
+    {"errors", "special_tokens", "compute_saved", "byte_level", "lifecycle", "cli_options"},
+    {"routing_levels"},  # a requested level is checked in one place, which raises the errors' `SettingsError`
     {"store"},  # everything written under the data directory goes through it (docs/architecture.md)
     {"validation"},
     {"settings"},

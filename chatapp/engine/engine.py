@@ -95,11 +95,9 @@ class Engine:
         return tuple(routing_levels(self.model.config))
 
     def resolve_level(self, level: str | None) -> str:
-        """The routing level a request names (None: the model's default), checked against the model's levels."""
-        try:
-            return routing_level(self.model.config, level)
-        except ValueError as err:
-            raise SettingsError(str(err), hint="pass one of those to --routing (chatapp models lists them)") from None
+        """The routing level a request names (None: the model's default), checked against the model's levels
+        (`SettingsError` naming them)."""
+        return routing_level(self.model.config, level)
 
     @property
     def tool_markers(self) -> ToolMarkers:

@@ -57,7 +57,7 @@ from chatapp.engine.programs import ProgramRunner
 from chatapp.engine.protocols import ConstraintLike, ForwardOutput, KVCacheLike, ModelLike
 from chatapp.engine.sampling import SamplingParams, sample, sample_with_log_probs
 from chatapp.engine.tools import ForcedToken, ToolMachine
-from chatapp.errors import ChatappError, ContextOverflowError, SettingsError, user_message
+from chatapp.errors import ChatappError, ContextOverflowError, user_message
 from chatapp.settings import GenerationSettings
 from chatapp.stt.config import routing_level, routing_levels
 
@@ -87,10 +87,7 @@ def call_routing(config: Any, settings: GenerationSettings) -> tuple[str, float 
     level (`routing_level`, one of the model's `stt.config.routing_levels`)."""
     if settings.routing_level is None:
         return settings.routing, settings.routing_threshold
-    try:
-        threshold = routing_levels(config)[routing_level(config, settings.routing_level)]
-    except ValueError as err:
-        raise SettingsError(str(err), hint="pass one of those to --routing (chatapp models lists each model's)") from None
+    threshold = routing_levels(config)[routing_level(config, settings.routing_level)]
     return ("off", None) if threshold is None else ("student", threshold)
 
 

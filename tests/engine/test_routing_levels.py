@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from chatapp.cli import app
 from chatapp.compute_saved import compute_saved, skip_cost
+from chatapp.errors import SettingsError
 from chatapp.routing_levels import level_thresholds, pick_level
 from chatapp.stt import STTConfig
 
@@ -39,7 +40,7 @@ def test_levels_are_the_models_own_then_off() -> None:
     table = level_thresholds({"fast": 0.8, "quality": 0.5}, 0.5)  # as config.json's sorted keys give them
     assert list(table.items()) == [("quality", 0.5), ("fast", 0.8), ("off", None)]
     assert pick_level(table, None) == "quality" and pick_level(table, "off") == "off"
-    with pytest.raises(ValueError, match="quality, fast, off"):
+    with pytest.raises(SettingsError, match="quality, fast, off"):
         pick_level(table, "turbo")
     with pytest.raises(ValueError, match="routing_levels"):
         STTConfig(hidden_size=8, num_attention_heads=1, num_key_value_heads=1, routing_levels={"fast": 1.5}).validate_stt()
