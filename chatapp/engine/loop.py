@@ -1,21 +1,26 @@
 """The decode loop: prefill, then one model forward per step over the device batch. This file tells the story.
 
-    prompts ─► prefill (ragged, one chunked `extend` per batch) ─► replicate rows for num_samples
+    prompts ─► prefill (each prompt in its own row of the cache: `prefill_row`) ─► replicate rows for num_samples
       loop:  grammar masks on the logits (`constraints.py`) ─► sample(logits) on device (`sampling.py`)
              ─► known tokens replace samples: a tool's queued output, tokens the grammar forces
              ─► the TTFA automaton steps (`programs.py`): feeds / timeouts replace tokens, zone tags
-             ─► model.decode (or a ragged `extend` when some row fast-forwards a known run)
+             ─► model.decode (or `model.feed` when some row fast-forwards a known run or has finished)
              ─► log-probs, entropy, top-N alternatives when a row asks (`logprobs.py`)
              ─► ONE device→host copy (tokens, routing, program state, log-probs) ─► per-row host bookkeeping
                 (detokenize, stop / length / context / program checks, tool machine, grammar) ─► Step event
 
 The request front (`engine.py`) validates a call and builds the rows; this module runs them. What it does
 differently from nanochat's engine (docs/architecture.md lists that engine's weaknesses):
-- Ragged batches: every row has its own position (`cache.seen[b]`); prompts of different lengths prefill together.
-- Per-row randomness keyed by (seed, sample index, tokens emitted) — see `sampling.py` — so a row's tokens do not
-  depend on what else is in the batch.
+- Ragged batches: every row has its own position (`cache.seen[b]`), and its numbers never depend on the batch:
+  each prompt is prefilled on its own, in chunks of its own length (`prefill_row`), and on a CPU every decode step
+  of an int8 batch is the native step, which computes a row the same whatever rows are beside it (finished rows
+  idle in its call, known runs fed a position a call: `STTForCausalLM.feed`). Greedy `batch` answers as
+  `generate` does, token for token.
+- Per-row randomness keyed by (seed, sample index, tokens emitted) — see `sampling.py` — so a row's sampled tokens
+  do not depend on what else is in the batch either.
 - `max_tokens` counts sampled tokens only; forced tokens (tool output, program feeds, grammar) never eat it.
-- Finished rows stop costing compute: they are fed nothing (length 0) and the batch is compacted with
+- Finished rows stop costing compute: they are fed nothing (idle in the native step's call, length 0 in a ragged
+  `extend`) and the batch is compacted with
   `cache.select_rows` once at least a quarter of the device batch has finished (compacting copies the cache, so
   doing it on every single finish would cost more than it saves on large batches; small batches compact at once).
 - The cache never overflows: the host mirrors each row's position, grows the cache on demand up to the model's
@@ -25,8 +30,9 @@ differently from nanochat's engine (docs/architecture.md lists that engine's wea
   holds exactly the tokens the consumer saw.
 
 Fast-forward. A row whose next tokens are already known (a tool's output block, the tokens a grammar leaves no
-choice about, a program's feed — see `programs.py`) pushes the whole run through one ragged `extend` call while
-the other rows advance by their one sampled token. The tokens are those of the one-per-step path by construction:
+choice about, a program's feed — see `programs.py`) pushes the whole run through one step while the other rows
+advance by their one sampled token (`STTForCausalLM.feed`: a native call per position, the row's tokens computed as
+one a step; on the torch path one ragged `extend`). The tokens are those of the one-per-step path by construction:
 forced tokens are never sampled, and each forced token still consumes one draw counter, so the row's later random
 draws are unchanged (tests compare both paths). When it pays off depends on the hardware: the other rows of a
 ragged call are padded to the run's width, which is nearly free on a GPU (decode is memory-bound) but is wasted

