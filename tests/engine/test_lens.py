@@ -103,6 +103,12 @@ def test_the_last_layer_reads_the_models_own_distribution(routed_model_dir: Path
         assert_reads_the_models_distribution(*lens_of(engine, prompt))
 
 
+def test_the_shipped_tiny_model_reads_its_own_distribution() -> None:
+    engine = load_engine("tiny", "cpu")
+    for prompt in PROMPTS:
+        assert_reads_the_models_distribution(*lens_of(engine, prompt))
+
+
 @pytest.mark.parametrize("fmt", ["float32", "int8"])
 @pytest.mark.parametrize("model", ["kv", "predict", "dense prompts"])
 def test_every_skip_mode_and_a_dense_prompt_read_the_models_own_distribution(

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -372,20 +371,28 @@ def test_eval_refuses_an_over_long_line_by_its_number_with_bounded_memory(tmp_pa
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("hello there\n\n" + "x" * 20_000_000 + "\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, "-m", "chatapp.cli", "eval", str(corpus), "--model", "tiny"]
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = threading.Timer(120, proc.kill)  # tokenizing a 20 MB line whole took minutes and gigabytes
-    deadline.start()
+    # The command runs under a small Python parent that reports its peak memory (RUSAGE_CHILDREN). Spawned straight
+    # from here, the child's ru_maxrss would start at this test process's own peak: Linux carries a process's peak
+    # across exec, and subprocess spawns with vfork, whose child runs in the parent's memory until it execs (a worker
+    # that loaded the default model before this test read 1 GB).
+    command = [sys.executable, "-m", "chatapp.cli", "eval", str(corpus), "--model", "tiny"]
+    parent = (
+        "import resource, subprocess, sys; "
+        f"code = subprocess.run({command!r}).returncode; "
+        "print('peak', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+        "sys.exit(code)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", parent], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
-        _, status, usage = os.wait4(proc.pid, 0)  # the child's peak memory comes with its exit status
+        _, stderr = proc.communicate(timeout=120)  # tokenizing a 20 MB line whole took minutes and gigabytes
     finally:
-        deadline.cancel()
-    stderr = proc.stderr.read()
-    proc.stdout.close()
-    proc.stderr.close()
-    assert os.waitstatus_to_exitcode(status) == 1, stderr
+        proc.kill()
+    assert proc.returncode == 1, stderr
     assert f"{corpus}:3: the line is longer than 1 MiB" in stderr and "fix: split line 3" in stderr, stderr
-    assert usage.ru_maxrss < 1_000_000, f"peak {usage.ru_maxrss} KiB for a 20 MB line"  # ru_maxrss is in KiB
+    peak = int(stderr.rsplit("peak ", 1)[1].split()[0])
+    assert peak < 1_000_000, f"peak {peak} KiB for a 20 MB line"  # ru_maxrss is in KiB
 
 
 def test_eval_reads_no_more_of_the_corpus_than_it_evaluates(tmp_path: Path) -> None:

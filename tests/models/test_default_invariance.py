@@ -64,7 +64,9 @@ def test_greedy_batch_answers_as_each_prompt_alone(engine) -> None:
         assert [e.token for e in alone[0].events] == [e.token for e in batched[i].events], prompt
 
 
-@pytest.mark.parametrize(("fmt", "level"), [("int8", "quality"), ("int8", "off"), ("float32", "quality")])
+@pytest.mark.parametrize(
+    ("fmt", "level"), [("int8", "quality"), ("int8", "off"), ("float32", "quality"), ("float32", "off")]
+)
 def test_the_lens_reads_the_default_models_own_distribution(model_dir: Path, engine, fmt: str, level: str) -> None:
     """The default model's config says `route_prompt` false: its prompts run dense, and so does the lens's replay."""
     from chatapp.engine.lens_pass import reply_lens
