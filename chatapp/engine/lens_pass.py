@@ -23,7 +23,7 @@ import torch
 from chatapp.engine.lens import LayerLens, LensAlternative, ReplyLens, TokenLens
 from chatapp.engine.loop import prefill_row, prompt_routing
 from chatapp.errors import SettingsError
-from chatapp.stt.lens import LensHead, Translators, decision_depths, read_layers
+from chatapp.stt.lens import FinalReading, LensHead, Translators, decision_depths, read_layers
 
 if TYPE_CHECKING:
     from chatapp.engine.engine import Engine
@@ -39,28 +39,34 @@ class Replayed:
     """What the model computed for the tokens at some positions of a conversation, each read by the next token."""
 
     states: torch.Tensor  # (L, P, D) float32: every decoder layer's output at each position
-    logits: torch.Tensor  # (P, V) float32: the model's logits there (its distribution of the next token)
+    final: FinalReading  # the model's own distribution of the next token there, read at the token that came next
     flags: list[list[bool]]  # (P, L_stt): which STT layers computed the token at each position
 
 
 @torch.inference_mode()
 def replay(model, ids: Sequence[int], reads: Sequence[int], routing: str, threshold: float | None) -> Replayed:
-    """Replay `ids` through the model as the engine generated them, and keep what it computed at positions `reads`:
-    everything up to the first read position is prefilled as a prompt, each later token decoded as a reply token,
-    at `routing` ("student" at `threshold`, or "off")."""
+    """Replay `ids` through the model as the engine generated them, and keep what it computed at positions `reads`
+    (each < len(ids) - 1: its reading is of the token after it): everything up to the first read position is
+    prefilled as a prompt, each later token decoded as a reply token, at `routing` ("student" at `threshold`, or
+    "off")."""
     first, last, wanted = min(reads), max(reads), set(reads)
     cache = model.new_cache(1, last + 1)
+
+    def keep(position: int, out) -> tuple:
+        emitted = torch.tensor([ids[position + 1]])
+        return out.states[:, 0], FinalReading.of(out.logits[:1], emitted), out.selected[:, 0, -1]
+
     out = prefill_row(model, cache, ids[: first + 1], prompt_routing(model, routing), threshold, capture=True)
-    kept = {first: (out.states[:, 0], out.logits[0], out.selected[:, 0, -1])}
+    kept = {first: keep(first, out)}
     for position in range(first + 1, last + 1):
         token = torch.tensor([ids[position]], dtype=torch.long, device=model.device)
         out = model.decode(token, cache, routing=routing, threshold=threshold, capture=True)
         if position in wanted:
-            kept[position] = (out.states[:, 0], out.logits[0], out.selected[:, 0, -1])
-    states, logits, flags = zip(*(kept[p] for p in reads), strict=True)
+            kept[position] = keep(position, out)
+    states, finals, flags = zip(*(kept[p] for p in reads), strict=True)
     return Replayed(
         states=torch.stack(states, dim=1).float(),
-        logits=torch.stack(logits).float(),
+        final=FinalReading.join(list(finals)),
         flags=torch.stack(flags).bool().cpu().tolist(),
     )
 
@@ -99,7 +105,7 @@ class AnswerLens:
         self.emitted = torch.tensor([self.ids[p] for p in self.targets])
         routing = "off" if dense or not getattr(model, "routing_active", True) else "student"
         replayed = replay(model, self.ids, [p - 1 for p in self.targets], routing, threshold)
-        self.states, self.final, self.flags = replayed.states, replayed.logits, replayed.flags
+        self.states, self.final, self.flags = replayed.states, replayed.final, replayed.flags
         self.head = LensHead(model, translators)
         self.depths = decision_depths(self.head, self.states, self.emitted, self.final).tolist()
         self.text = _token_text(engine)
@@ -114,7 +120,7 @@ class AnswerLens:
                 f"token {index} is not among the {len(self.targets)} tokens explained",
                 hint=f"ask for a token from 0 to {len(self.targets) - 1}",
             )
-        table = read_layers(self.head, self.states[:, [index]], self.emitted[[index]], top, self.final[[index]])
+        table = read_layers(self.head, self.states[:, [index]], self.emitted[[index]], top, self.final.at([index]))
         return _layer_rows(table, 0, self.num_layers, self.stt_layers, self.flags[index], self.text)
 
     def result(self, tables: Sequence[int] = (), top: int = DEFAULT_TOP) -> ReplyLens:

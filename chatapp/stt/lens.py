@@ -142,38 +142,72 @@ class LensTable:
     top_probs: torch.Tensor
 
 
+# Alternatives kept of the model's own distribution at a position (`FinalReading`); a table shows a few of them.
+FINAL_TOP = 16
+
+
+@dataclass(frozen=True)
+class FinalReading:
+    """The model's own distribution at some positions (the last layer's reading), kept small: the emitted token's
+    probability and rank, and the `FINAL_TOP` most likely tokens. A reply's logits in full would cost a vocabulary of
+    floats a token (200 KB for the default model's)."""
+
+    prob: torch.Tensor  # (P,)
+    rank: torch.Tensor  # (P,) 1 = the model's top token
+    top_ids: torch.Tensor  # (P, FINAL_TOP)
+    top_probs: torch.Tensor  # (P, FINAL_TOP)
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, emitted: torch.Tensor) -> FinalReading:
+        """From logits (P, V) and the tokens emitted after them (P,)."""
+        logits = logits.float()
+        own = logits.gather(1, emitted.to(logits.device)[:, None])
+        log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
+        values, ids = logits.topk(min(FINAL_TOP, logits.shape[-1]), dim=-1)
+        return cls((own - log_z).exp()[:, 0].cpu(), ((logits > own).sum(-1) + 1).cpu(), ids.cpu(), (values - log_z).exp().cpu())
+
+    @classmethod
+    def join(cls, parts: list[FinalReading]) -> FinalReading:
+        return cls(*(torch.cat([getattr(p, name) for p in parts]) for name in ("prob", "rank", "top_ids", "top_probs")))
+
+    def at(self, index: list[int]) -> FinalReading:
+        return FinalReading(self.prob[index], self.rank[index], self.top_ids[index], self.top_probs[index])
+
+
 @torch.no_grad()
 def read_layers(
-    head: LensHead, states: torch.Tensor, emitted: torch.Tensor, k: int = 3, final: torch.Tensor | None = None
+    head: LensHead, states: torch.Tensor, emitted: torch.Tensor, k: int = 3, final: FinalReading | None = None
 ) -> LensTable:
     """Every layer's reading of `states` (L, P, D) at the P positions, whose emitted tokens are `emitted` (P,).
-    `final` (P, V): the model's own logits there, which are the last layer's reading (the head's product of the
-    last state would differ from them by the rounding of the model's own head kernel).
+    `final`: the model's own distribution there, which is the last layer's reading (the head's product of the last
+    state would differ from it by the rounding of the model's own head kernel); `k` at most `FINAL_TOP` then.
 
     The rows of all layers go through the head together: for a few positions (the TUI's one token) the product is
     bound by reading the head's weight, so one pass over it serves every layer."""
     layers, count, _ = states.shape
     read = layers - 1 if final is not None else layers
     emitted = emitted.to(states.device)
-    rows = torch.cat([head.prepare(layer, states[layer]) for layer in range(read)]) if read else None
-    chunks = [] if rows is None else [head.read(rows[s : s + READ_ROWS]) for s in range(0, rows.shape[0], READ_ROWS)]
-    if final is not None:
-        chunks.append(final.to(states.device).float())
+    targets = emitted.repeat(read)  # row r = layer r // P, position r % P
     prob, rank, top_ids, top_probs = [], [], [], []
-    targets = emitted.repeat(layers)  # row r = layer r // P, position r % P
-    at = 0
-    for logits in chunks:
-        own = logits.gather(1, targets[at : at + logits.shape[0], None])
-        at += logits.shape[0]
-        log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
-        prob.append((own - log_z).exp()[:, 0])
-        rank.append((logits > own).sum(-1) + 1)
-        values, ids = logits.topk(k, dim=-1)
-        top_ids.append(ids)
-        top_probs.append((values - log_z).exp())
+    if read:
+        rows = torch.cat([head.prepare(layer, states[layer]) for layer in range(read)])
+        for start in range(0, rows.shape[0], READ_ROWS):
+            logits = head.read(rows[start : start + READ_ROWS])
+            own = logits.gather(1, targets[start : start + READ_ROWS, None])
+            log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
+            prob.append((own - log_z).exp()[:, 0].cpu())
+            rank.append(((logits > own).sum(-1) + 1).cpu())
+            values, ids = logits.topk(k, dim=-1)
+            top_ids.append(ids.cpu())
+            top_probs.append((values - log_z).exp().cpu())
+    if final is not None:
+        prob.append(final.prob)
+        rank.append(final.rank)
+        top_ids.append(final.top_ids[:, :k])
+        top_probs.append(final.top_probs[:, :k])
 
     def by_position(parts: list[torch.Tensor]) -> torch.Tensor:
-        joined = torch.cat(parts).cpu()
+        joined = torch.cat(parts)
         return joined.view(layers, count, *joined.shape[1:]).transpose(0, 1)
 
     return LensTable(by_position(prob), by_position(rank), by_position(top_ids), by_position(top_probs))
@@ -181,11 +215,11 @@ def read_layers(
 
 @torch.no_grad()
 def decision_depths(
-    head: LensHead, states: torch.Tensor, emitted: torch.Tensor, final: torch.Tensor | None = None
+    head: LensHead, states: torch.Tensor, emitted: torch.Tensor, final: FinalReading | None = None
 ) -> torch.Tensor:
     """Per position (P,): the first layer from which every reading's top token is the emitted one; -1 where even the
-    last layer's is not (a sampled or forced token the model did not rank first). `final` (P, V): the model's own
-    logits, the last layer's reading (`read_layers`).
+    last layer's is not (a sampled or forced token the model did not rank first). `final`: the model's own
+    distribution, the last layer's reading (`read_layers`).
 
     Read from the last layer down, and only the positions still settled are read: a token decided at layer 20 of 30
     costs 11 readings, not 30. Layers go through the head a block at a time (as many as keep a product near
@@ -197,7 +231,7 @@ def decision_depths(
     alive = torch.arange(count, device=states.device)
     layer = layers - 1
     if final is not None:
-        alive = alive[final.to(states.device).argmax(-1) == emitted]
+        alive = alive[(final.rank == 1).to(states.device)]
         depth[alive.cpu()] = layer
         layer -= 1
     while layer >= 0 and alive.numel():
