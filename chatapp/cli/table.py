@@ -1,10 +1,10 @@
 """The `chatapp` command line: the table of its commands (Typer).
 
 The commands that run a model's replies (`run`, `generate`, `batch`) and `calc` are here; the others live in their
-own modules with their options and what they do (`chatapp/commands/`, `chatapp/lens_command.py`,
+own modules with their options and what they do (the other modules of `chatapp/cli/`,
 `chatapp/batch/command.py`) and are registered below. Heavy imports (torch, transformers, textual, the trainers)
 happen inside the commands so `chatapp --help` stays instant. User-caused errors are `ChatappError`s: printed as one
-clear message on stderr, exit code 1, no traceback (`chatapp/cli_errors.py`).
+clear message on stderr, exit code 1, no traceback (`chatapp/cli/errors.py`).
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ import typer
 from rich.console import Console
 
 from chatapp import __version__
-from chatapp.cli_errors import ChatappGroup, StdoutError, StdoutPipeError, err_console, guard_stdout, stdout_failed
-from chatapp.cli_options import DeviceOption, DtypeOption, ModelOption
-from chatapp.commands.convert import convert
-from chatapp.commands.eval import eval_model
-from chatapp.commands.info import info, models
-from chatapp.commands.program import program_app
-from chatapp.commands.prompt_input import read_json_schema, read_prompt
-from chatapp.commands.route import route
-from chatapp.commands.train import train
+from chatapp.cli.convert import convert
+from chatapp.cli.errors import ChatappGroup, StdoutError, StdoutPipeError, err_console, guard_stdout, stdout_failed
+from chatapp.cli.eval import eval_model
+from chatapp.cli.info import info, models
+from chatapp.cli.lens import lens_app
+from chatapp.cli.options import DeviceOption, DtypeOption, ModelOption
+from chatapp.cli.program import program_app
+from chatapp.cli.prompt_input import read_json_schema, read_prompt
+from chatapp.cli.route import route
+from chatapp.cli.train import train
 from chatapp.errors import SettingsError
-from chatapp.lens_command import lens_app
 
 app = typer.Typer(
     name="chatapp",
@@ -88,7 +88,7 @@ def root(
     clean_data_dir()  # staging that a killed process left in the data directory (never fails)
 
 
-app.command()(info)  # chatapp/commands/info.py
+app.command()(info)  # chatapp/cli/info.py
 app.command()(models)
 
 
@@ -114,9 +114,9 @@ def calc(
     typer.echo(result.text)
 
 
-app.add_typer(lens_app, name="lens")  # `chatapp lens "PROMPT"`, `chatapp lens fit MODEL` (chatapp/lens_command.py)
+app.add_typer(lens_app, name="lens")  # `chatapp lens "PROMPT"`, `chatapp lens fit MODEL` (chatapp/cli/lens.py)
 
-app.add_typer(program_app, name="program")  # chatapp/commands/program.py
+app.add_typer(program_app, name="program")  # chatapp/cli/program.py
 
 
 @app.command()
@@ -243,7 +243,7 @@ def generate(
     prompt = read_prompt() if prompt == "-" else prompt
     check_prompt_text(prompt)
     with starting_up():
-        from chatapp.cli_render import stream_reply  # torch
+        from chatapp.cli.render import stream_reply  # torch
         from chatapp.models import load_engine
 
         engine = load_engine(model, device, dtype=dtype, compile=compile)
@@ -334,7 +334,7 @@ def batch(
     raise typer.Exit(summary.exit_code)
 
 
-# The commands that build or measure a model, each in its module with its options (chatapp/commands/).
+# The commands that build or measure a model, each in its module with its options (chatapp/cli/).
 app.command()(convert)
 app.command()(train)
 app.command()(route)
@@ -347,7 +347,7 @@ def main() -> NoReturn:
     from chatapp.lifecycle import exit_process
 
     code: object = 0
-    guard_stdout()  # a broken stdout, whichever command finds it, is one error line (`cli_errors.StdoutError`)
+    guard_stdout()  # a broken stdout, whichever command finds it, is one error line (`errors.StdoutError`)
     try:
         try:
             app()

@@ -1,4 +1,5 @@
-"""Command-line options more than one command module takes (`cli.py`, `lens_command.py`, `commands/`), typed once."""
+"""Command-line options more than one command module of the package takes (`table.py`, `lens.py`, `eval.py`,
+`train.py`), typed once."""
 
 from __future__ import annotations
 
