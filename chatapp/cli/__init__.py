@@ -1,10 +1,11 @@
 """The `chatapp` command line in one package.
 
-- `table.py`: the table of commands (Typer), the commands that run a model's replies (`run`, `generate`, `batch`),
-  `calc`, and `main`, the console script's entry point;
+- `table.py`: the table of commands (Typer), the commands that run a model's replies (`run`, `generate`), `calc`,
+  and `main`, the console script's entry point;
 - one module per command that builds, measures or looks (`train.py`, `eval.py`, `route.py`, `convert.py`,
-  `lens.py`, `info.py` for `info` and `models`, `program.py`): each holds its command's options and what it does
-  (progress bars, tables, callbacks, recovering half-written output); `table.py` registers them;
+  `lens.py`, `info.py` for `info` and `models`, `program.py`) and `batch.py`, the front of `chatapp/batch/`: each
+  holds its command's options and what it does (progress bars, tables, callbacks, recovering half-written output);
+  `table.py` registers them;
 - `render.py`: a reply streamed onto the console; `errors.py`: an error as one line on stderr and the exit status;
   `options.py`: the options several command modules take; `prompt_input.py`: a prompt or a schema read from stdin
   or a file.
