@@ -1,7 +1,7 @@
 """The layer lens on held-out chat: does each layer's reading agree with the model, and do routed layers skip the
 tokens whose prediction was already settled? The model card's "Lens" numbers.
 
-The held-out half of the conversations `chatapp lens fit` draws (`chatapp/lens_command.py`,
+The held-out half of the conversations `chatapp lens fit` draws (`chatapp/cli/lens.py`,
 `held_out_conversations`: the recipe's held-out tool conversations and the model's own answers to general prompts,
 interleaved; the fit learns from the first half) are read at every position that predicts an assistant token, with the
 model's own routing (`chatapp/stt/lens.py`, `capture_states`). Printed, for the raw lens and the tuned one (the
@@ -21,7 +21,7 @@ import argparse
 import torch
 from _machine import machine
 
-from chatapp.lens_command import held_out_conversations
+from chatapp.cli.lens import held_out_conversations
 from chatapp.models import load_engine, resolve_model
 from chatapp.models.lens_files import lens_translators
 from chatapp.stt.lens import LensHead, agreement, capture_states, decision_depths

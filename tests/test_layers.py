@@ -20,7 +20,7 @@ ROOT = Path(chatapp.__file__).resolve().parent
 # Lowest first. `chat` imports the tool protocol (`tools.base`) and nothing above it; the engine takes a chat format
 # through `ChatFormatLike` without importing `chat`, so the two share a level.
 LEVELS: list[set[str]] = [
-    {"errors", "special_tokens", "compute_saved", "byte_level", "lifecycle", "cli_options"},
+    {"errors", "special_tokens", "compute_saved", "byte_level", "lifecycle"},
     {"routing_levels"},  # a requested level is checked in one place, which raises the errors' `SettingsError`
     {"store"},  # everything written under the data directory goes through it (docs/architecture.md)
     {"validation"},
@@ -30,9 +30,8 @@ LEVELS: list[set[str]] = [
     {"models"},
     {"training"},  # build-time fitting (`chatapp route`); the runtime never imports it
     {"recipes"},
-    {"batch", "ui", "lens_command", "commands"},  # commands: the CLI's build and look-up commands
-    {"cli_render", "cli_errors"},  # a reply's and an error's rendering on the console: the CLI side
-    {"cli"},
+    {"batch", "ui"},
+    {"cli"},  # the command line: its table, a module per command, rendering, errors, shared options
 ]
 LEVEL = {name: level for level, names in enumerate(LEVELS) for name in names}
 
@@ -170,7 +169,7 @@ def test_the_route_command_never_imports_a_recipe() -> None:
     """`chatapp route` reads its prompts as data (the set a model ships, or the user's file): nothing it imports,
     directly or through other modules, deferred or not, is a recipe."""
     edges = _imports()
-    seen, todo = set(), ["chatapp.commands.route"]
+    seen, todo = set(), ["chatapp.cli.route"]
     while todo:
         module = todo.pop()
         if module not in seen:

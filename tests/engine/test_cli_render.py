@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from chatapp.cli_render import stream_reply
+from chatapp.cli.render import stream_reply
 from chatapp.settings import GenerationSettings
 
 

@@ -295,8 +295,8 @@ def test_17_a_prompt_over_the_context_is_named_by_file_and_line(tmp_path: Path) 
 
 
 def test_17_the_per_layer_table_keeps_its_numbers_at_80_columns() -> None:
+    from chatapp.cli.lens import render_layers
     from chatapp.engine.lens import LayerLens, LensAlternative, ReplyLens, TokenLens
-    from chatapp.lens_command import render_layers
 
     wide = tuple(LensAlternative(i, " a rather long alternative token", 0.123) for i in range(3))
     layers = tuple(LayerLens(n, n % 2 == 1, n != 3, 0.25 + n / 100, n + 1, wide) for n in range(6))

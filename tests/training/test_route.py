@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from chatapp.cli import app
-from chatapp.commands.route import route_dialogues
+from chatapp.cli.route import route_dialogues
 from chatapp.models.registry import tiny_model_dir
 from chatapp.models.route_prompts import route_prompts_file
 from chatapp.models.smollm2 import PARTS_DIR, PREPARED_STAMP

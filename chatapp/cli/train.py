@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from chatapp.cli_options import DeviceOption
+from chatapp.cli.options import DeviceOption
 from chatapp.errors import ChatappError
 
 

@@ -1,10 +1,10 @@
 """The `chatapp` command line: the table of its commands (Typer).
 
-The commands that run a model's replies (`run`, `generate`, `batch`) and `calc` are here; the others live in their
-own modules with their options and what they do (`chatapp/commands/`, `chatapp/lens_command.py`,
-`chatapp/batch/command.py`) and are registered below. Heavy imports (torch, transformers, textual, the trainers)
+The commands that run a model's replies (`run`, `generate`) and `calc` are here; the others live in their own
+modules with their options and what they do (the other modules of `chatapp/cli/`; `batch` in `batch.py`, in front
+of `chatapp/batch/command.py`) and are registered below. Heavy imports (torch, transformers, textual, the trainers)
 happen inside the commands so `chatapp --help` stays instant. User-caused errors are `ChatappError`s: printed as one
-clear message on stderr, exit code 1, no traceback (`chatapp/cli_errors.py`).
+clear message on stderr, exit code 1, no traceback (`chatapp/cli/errors.py`).
 """
 
 from __future__ import annotations
@@ -16,17 +16,31 @@ import typer
 from rich.console import Console
 
 from chatapp import __version__
-from chatapp.cli_errors import ChatappGroup, StdoutError, StdoutPipeError, err_console, guard_stdout, stdout_failed
-from chatapp.cli_options import DeviceOption, DtypeOption, ModelOption
-from chatapp.commands.convert import convert
-from chatapp.commands.eval import eval_model
-from chatapp.commands.info import info, models
-from chatapp.commands.program import program_app
-from chatapp.commands.prompt_input import read_json_schema, read_prompt
-from chatapp.commands.route import route
-from chatapp.commands.train import train
+from chatapp.cli.batch import batch
+from chatapp.cli.convert import convert
+from chatapp.cli.errors import ChatappGroup, StdoutError, StdoutPipeError, err_console, guard_stdout, stdout_failed
+from chatapp.cli.eval import eval_model
+from chatapp.cli.info import info, models
+from chatapp.cli.lens import lens_app
+from chatapp.cli.options import (
+    CompileOption,
+    DeviceOption,
+    DtypeOption,
+    LogprobsOption,
+    MaxTokensOption,
+    ModelOption,
+    ProgramOption,
+    RoutingOption,
+    SeedOption,
+    TemperatureOption,
+    TopKOption,
+    TopPOption,
+)
+from chatapp.cli.program import program_app
+from chatapp.cli.prompt_input import read_json_schema, read_prompt
+from chatapp.cli.route import route
+from chatapp.cli.train import train
 from chatapp.errors import SettingsError
-from chatapp.lens_command import lens_app
 
 app = typer.Typer(
     name="chatapp",
@@ -36,38 +50,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     cls=ChatappGroup,
 )
-
-
-# Options several commands share, typed once.
-CompileOption = Annotated[
-    bool | None,
-    typer.Option(
-        "--compile/--no-compile",
-        help="CUDA: compile the decode step (torch.compile) before the first token. On a CPU the step is one "
-        "native call (int8) or eager, never compiled. Default: $CHATAPP_COMPILE, else no.",
-    ),
-]
-ProgramOption = Annotated[
-    str | None,
-    typer.Option("--program", help="TTFA program: a built-in name (chat, think, calc, json) or a .toml file."),
-]
-TemperatureOption = Annotated[float, typer.Option("--temperature", help="0 = greedy.")]
-TopKOption = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
-TopPOption = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")]
-MaxTokensOption = Annotated[int, typer.Option("--max-tokens", help="Most sampled tokens (forced ones are free).")]
-SeedOption = Annotated[int, typer.Option("--seed", help="Random seed for sampling.")]
-RoutingOption = Annotated[
-    str | None,
-    typer.Option(
-        "--routing",
-        metavar="LEVEL",
-        help="STT routing level: off, or one the model names, e.g. quality or fast (default: the model's first; "
-        "chatapp models lists them).",
-    ),
-]
-LogprobsOption = Annotated[
-    int, typer.Option("--logprobs", help="Per token: log-probability, entropy and N alternatives (0-20; 0 = off).")
-]
 
 
 def _version_callback(value: bool) -> None:
@@ -88,7 +70,7 @@ def root(
     clean_data_dir()  # staging that a killed process left in the data directory (never fails)
 
 
-app.command()(info)  # chatapp/commands/info.py
+app.command()(info)  # chatapp/cli/info.py
 app.command()(models)
 
 
@@ -114,9 +96,9 @@ def calc(
     typer.echo(result.text)
 
 
-app.add_typer(lens_app, name="lens")  # `chatapp lens "PROMPT"`, `chatapp lens fit MODEL` (chatapp/lens_command.py)
+app.add_typer(lens_app, name="lens")  # `chatapp lens "PROMPT"`, `chatapp lens fit MODEL` (chatapp/cli/lens.py)
 
-app.add_typer(program_app, name="program")  # chatapp/commands/program.py
+app.add_typer(program_app, name="program")  # chatapp/cli/program.py
 
 
 @app.command()
@@ -243,7 +225,7 @@ def generate(
     prompt = read_prompt() if prompt == "-" else prompt
     check_prompt_text(prompt)
     with starting_up():
-        from chatapp.cli_render import stream_reply  # torch
+        from chatapp.cli.render import stream_reply  # torch
         from chatapp.models import load_engine
 
         engine = load_engine(model, device, dtype=dtype, compile=compile)
@@ -275,66 +257,10 @@ def generate(
         raise typer.Exit(1)
 
 
-@app.command()
-def batch(
-    input: Annotated[str, typer.Argument(help="A .jsonl file of requests, or - for stdin.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="Where records go (- = stdout, the default).")] = "-",
-    model: ModelOption = None,
-    device: DeviceOption = None,
-    dtype: DtypeOption = None,
-    compile: CompileOption = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Rows per device batch.")] = 32,
-    samples: Annotated[int, typer.Option("--samples", min=1, max=1024, help="Samples per line that sets none.")] = 1,
-    temperature: TemperatureOption = 0.0,
-    top_k: TopKOption = 0,
-    top_p: TopPOption = 1.0,
-    max_tokens: MaxTokensOption = 256,
-    seed: SeedOption = 0,
-    program: Annotated[
-        str | None,
-        typer.Option("--program", help="TTFA program (chat, think, calc, json or a .toml) for lines that name none."),
-    ] = None,
-    ordered: Annotated[bool, typer.Option("--ordered", help="Write records in input order.")] = False,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Keep the (id, sample) records already in --output, add the rest.")
-    ] = False,
-    fsync: Annotated[bool, typer.Option("--fsync", help="fsync every record (survives power loss).")] = False,
-    logprobs: LogprobsOption = 0,
-    routing: RoutingOption = None,
-) -> None:
-    """Generate every line of a JSONL file in device batches: one JSON record per (id, sample), an error record per
-    bad line (exit code 1 if any), a summary on stderr. The sampling options are the defaults a line may override."""
-    from chatapp.batch.command import run_batch_command
-    from chatapp.batch.requests import BatchDefaults
-    from chatapp.batch.runner import BatchOptions
-    from chatapp.settings import GenerationSettings
-
-    settings = GenerationSettings(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        max_tokens=max_tokens,
-        seed=seed,
-        logprobs=logprobs,
-        routing_level=routing,
-    )
-    summary = run_batch_command(
-        input,
-        output=output,
-        model=model,
-        device=device,
-        dtype=dtype,
-        compile=compile,
-        defaults=BatchDefaults(settings=settings, samples=samples, program=program),
-        options=BatchOptions(batch_size=batch_size, ordered=ordered),
-        resume=resume,
-        fsync=fsync,
-        console=err_console,
-    )
-    raise typer.Exit(summary.exit_code)
+app.command()(batch)  # chatapp/cli/batch.py: the front of chatapp/batch/
 
 
-# The commands that build or measure a model, each in its module with its options (chatapp/commands/).
+# The commands that build or measure a model, each in its module with its options (chatapp/cli/).
 app.command()(convert)
 app.command()(train)
 app.command()(route)
@@ -347,7 +273,7 @@ def main() -> NoReturn:
     from chatapp.lifecycle import exit_process
 
     code: object = 0
-    guard_stdout()  # a broken stdout, whichever command finds it, is one error line (`cli_errors.StdoutError`)
+    guard_stdout()  # a broken stdout, whichever command finds it, is one error line (`errors.StdoutError`)
     try:
         try:
             app()
@@ -362,7 +288,3 @@ def main() -> NoReturn:
     except BrokenPipeError as err:  # from a writer that bypassed `sys.stdout` (its file descriptor): as above
         code = stdout_failed(StdoutPipeError(err))
     exit_process(code)
-
-
-if __name__ == "__main__":
-    main()

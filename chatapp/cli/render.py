@@ -1,6 +1,6 @@
 """`chatapp generate "PROMPT"`: stream one reply to the terminal, or its exact text to a pipe.
 
-The command (in `chatapp/cli.py`) loads the model and builds the Engine; this module only consumes `Step` events
+The command (in `chatapp/cli/table.py`) loads the model and builds the Engine; this module only consumes `Step` events
 and folds them with the engine's reply fold (`chatapp/engine/reply.py`), so its numbers are the TUI's and the batch records'.
 
 On a terminal, sampled text prints plain; forced text (tool output) prints italic cyan, so it differs without

@@ -1,6 +1,6 @@
 """How the CLI reports what a user got wrong: a `ChatappError` from any command, and a Click usage error (a bad
 option value, an unknown option), printed as an `error:` line and a `fix:` line on stderr, exit code 1, no traceback
-and no usage box (`ChatappGroup`, the command group `chatapp.cli` builds its table on)."""
+and no usage box (`ChatappGroup`, the command group `chatapp/cli/table.py` builds its table on)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def fail(err: ChatappError) -> typer.Exit:
 # stdout broken: redirected to a full disk (ENOSPC), a reader gone (EPIPE), or closed before the process started
 # (`>&-`: Python then sets `sys.stdout` to None, and the first write is an AttributeError). Rather than teach every
 # writer, `guard_stdout` puts one wrapper in `sys.stdout` whose failures are all `StdoutError`, and the entry point
-# (`chatapp.cli.main`) turns that into one `error:` line on stderr and exit status 1, for every command.
+# (`chatapp.cli.main`, in `table.py`) turns that into one `error:` line on stderr and exit status 1, for every command.
 class StdoutError(OSError):
     """Writing to stdout failed. Its errno is None on purpose: Click swallows an OSError whose errno is EPIPE
     (exit 1, not a word), and the message must reach the entry point. `cause` is the original error."""

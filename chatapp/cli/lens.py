@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
-from chatapp.cli_options import DeviceOption, DtypeOption, ModelOption
+from chatapp.cli.options import DeviceOption, DtypeOption, ModelOption
 from chatapp.errors import ContextOverflowError, SettingsError
 
 if TYPE_CHECKING:

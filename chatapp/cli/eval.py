@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from chatapp.cli_options import DeviceOption, ModelOption
+from chatapp.cli.options import DeviceOption, ModelOption
 
 
 def eval_model(
