@@ -27,23 +27,12 @@ from typer.testing import CliRunner
 from chatapp import store
 from chatapp.cli import app
 from chatapp.models.registry import tiny_model_dir
+from tests.hostile.refusals import refused as _refused
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--layers", "3", "--conversations", "8", "--answer-tokens", "8"]  # a route of the tiny model in ~2 s
 _NO_OVERRIDE = ["--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
-
-
-def _refused(args: list[str], *messages: str) -> str:
-    """The command exits 1 with exactly one `error:` and one `fix:` line, no traceback, no usage box."""
-    result = runner.invoke(app, args)
-    assert result.exit_code == 1, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output and "Usage:" not in result.output and "╭" not in result.output
-    assert result.output.count("error:") == 1 and result.output.count("fix:") == 1, result.output
-    for message in messages:
-        assert message in result.output, result.output
-    return result.output
 
 
 def _routed(args: list[str]) -> str:

@@ -193,11 +193,9 @@ def test_a_model_without_a_prompt_set_asks_for_one(converted: Path, tmp_path: Pa
     assert "Traceback" not in result.output
 
 
-@given(st.floats(1e-4, 1 - 1e-4), st.lists(st.floats(-30, 30), min_size=1, max_size=64))
-def test_folded_cutoff_decides_as_the_cutoff(cutoff: float, logits: list[float]) -> None:
-    """After `fold_cutoff`, a router's probability is >= 0.5 exactly where it was >= the cutoff (away from ties).
-    The router's output is made to be each given logit: weights zero, the logit in its bias."""
-    config = STTConfig(
+def router_config() -> STTConfig:
+    """A config whose causal router is small: the fold's tests need only the router."""
+    return STTConfig(
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=2,
@@ -206,6 +204,13 @@ def test_folded_cutoff_decides_as_the_cutoff(cutoff: float, logits: list[float])
         vocab_size=32,
         causal_router_hidden_size=8,
     )
+
+
+@given(st.floats(1e-4, 1 - 1e-4), st.lists(st.floats(-30, 30), min_size=1, max_size=64))
+def test_folded_cutoff_decides_as_the_cutoff(cutoff: float, logits: list[float]) -> None:
+    """After `fold_cutoff`, a router's probability is >= 0.5 exactly where it was >= the cutoff (away from ties).
+    The router's output is made to be each given logit: weights zero, the logit in its bias."""
+    config = router_config()
     router = CausalRouter(config).double()
     x = torch.zeros(1, 16, dtype=torch.float64)
     with torch.no_grad():
@@ -220,15 +225,7 @@ def test_folded_cutoff_decides_as_the_cutoff(cutoff: float, logits: list[float])
 
 
 def test_fold_cutoff_shifts_the_router_bias() -> None:
-    config = STTConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=32,
-        causal_router_hidden_size=8,
-    )
+    config = router_config()
     router = CausalRouter(config)
     x, prev = torch.randn(50, 16), torch.randn(50, 16)
     with torch.no_grad():
