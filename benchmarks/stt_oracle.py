@@ -1,4 +1,4 @@
-"""Which layers can skip tokens at all? A forward-only oracle over cached layer inputs (issue 27, item 1).
+"""Which layers can skip tokens at all? A forward-only oracle over cached layer inputs.
 
 Before training any router, measure the ceiling: for one decoder layer (or a set), skip the 30 / 50 / 70% of the
 tokens a *score* rates lowest, and measure held-out perplexity relative to the dense model (routing off)

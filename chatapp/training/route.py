@@ -1,4 +1,4 @@
-"""Fit a model's STT routing with its backbone frozen: `chatapp route MODEL_DIR` (issue 27, item 4).
+"""Fit a model's STT routing with its backbone frozen: `chatapp route MODEL_DIR`.
 
 Minutes on 2 CPU cores, on any chatapp model directory (a converted GGUF, a Qwen2 directory, the default model):
 
@@ -766,7 +766,7 @@ def route(
 
 
 # Router thresholds tried for the "fast" level, above the calibrated 0.5 (higher skips more in every layer), and the
-# net share of all block work it aims at (issue 39: "fast" skips at least a fifth).
+# net share of all block work it aims at: "fast" should skip at least a fifth, or it is not worth a level of its own.
 FAST_THRESHOLDS = (0.6, 0.7, 0.8, 0.9, 0.95)
 FAST_TARGET = 0.20
 

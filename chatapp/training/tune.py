@@ -1,4 +1,4 @@
-"""Fine-tune a backbone to tolerate its own routing: LoRA trained with the routers' skips in the loop (issue 27).
+"""Fine-tune a backbone to tolerate its own routing: LoRA trained with the routers' skips in the loop.
 
 The frozen-backbone fit (`chatapp.training.route`) found that most of what skipping costs is the backbone's, not the
 router's: even the update score's own choice of tokens costs ~14% perplexity at 30% skipped in seven layers of the default
