@@ -188,10 +188,11 @@ OneCallStep = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | N
 @dataclass
 class DecodeRuntime:
     """How one model decodes, in one object (`STTForCausalLM.runtime`): the loader fills it in
-    (`chatapp.models.loader.load_model`) and `decode_step` reads it. A model built any other way decodes eagerly
+    (`chatapp.models.loader.load_model`) and `STTForCausalLM.decode` reads it. A model built any other way decodes eagerly
     with the torch step. Nothing else about decoding is kept on the module."""
 
-    native: OneCallStep | None = None  # the whole step in one call, tried first (int8 on a CPU: `stt.cpu_step`)
+    # The whole step in one call, tried first by `STTForCausalLM.decode` (int8 on a CPU: `stt.cpu_step`).
+    native: OneCallStep | None = None
     compiled: DecodeSteps | None = None  # the torch step's blocks compiled (CUDA: `compile_decode`)
     note: str = "the decode step runs eagerly (torch)"  # how it runs, for `--verbose` and logs
     # Derived once and kept: the step's plans and their readers by (student, layers), and the rotary tables.
@@ -517,17 +518,14 @@ def decode_step(
     cutoff: float | torch.Tensor,
     steps: DecodeSteps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token per row (`ids` (B,)): returns (logits (B, V), router_probs (L_stt, B, 1), selected (L_stt, B, 1)).
+    """The torch step: one token per row (`ids` (B,)); returns (logits (B, V), router_probs (L_stt, B, 1),
+    selected (L_stt, B, 1)). A model with a native step tries that first (`STTForCausalLM.decode`).
 
     `student` applies the causal routers with threshold `cutoff` (a float, or one per row); otherwise every layer
     runs every row. `steps`: the block functions to run (default: the model's compiled ones when it has them, else
     eager).
     """
     runtime = model.runtime
-    if steps is None and runtime.native is not None:  # the int8 step as one native call (`stt.cpu_step`)
-        result = runtime.native(model, ids, cache, student, cutoff)
-        if result is not None:
-            return result
     span = max(cache.reserve(1, 1), 1)
     state = step_state(model, cache, span)
     steps = steps or runtime.compiled or EAGER_STEPS
