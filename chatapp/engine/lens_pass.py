@@ -60,7 +60,7 @@ def replay(model, ids: Sequence[int], reads: Sequence[int], routing: str, thresh
     kept = {first: keep(first, out)}
     for position in range(first + 1, last + 1):
         token = torch.tensor([ids[position]], dtype=torch.long, device=model.device)
-        out = model.decode(token, cache, routing=routing, threshold=threshold, capture=True)
+        out = model.decode(token, cache, routing=routing, threshold=threshold, capture=position in wanted)
         if position in wanted:
             kept[position] = keep(position, out)
     states, finals, flags = zip(*(kept[p] for p in reads), strict=True)

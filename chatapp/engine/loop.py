@@ -109,8 +109,9 @@ def prefill_row(
     """Prefill one prompt into a cache of one row (a batch's row: `KVCache.row`) in chunks of `PREFILL_TOKENS`, and
     return the last chunk's output with the routing of every chunk joined, (L_stt, 1, T). The chunks depend on the
     prompt's own length only, so its numbers never depend on the prompts beside it: a product's kernel, and the
-    order of its sums, depend on how many rows it is given (`stt.weights.DEQUANT_ROWS`). Batching prompts into one
-    product was measured no faster than this for a batch's prompts on a CPU, where decode is most of the time
+    order of its sums, depend on how many rows it is given (`stt.weights.DEQUANT_ROWS`, and oneDNN's own choice of
+    kernel by shape). Prefilling a batch's prompts together in one product is faster (32 short prompts: 0.66 s
+    against ~3.4 s one by one, 0.68x the whole batch's throughput) but gives a row other numbers than alone
     (docs/benchmarks.md, batch_throughput.py). `capture`: every layer's output at the last token (the lens)."""
     tokens = torch.tensor(ids, dtype=torch.long, device=model.device)[None]
     outs = []

@@ -489,8 +489,14 @@ int chatapp_decode(const DecodeArgs *a) {
     const int64_t widest = a->qkv_rows > a->up_rows ? a->qkv_rows : a->up_rows;
     /* The widest product input is the hidden state, the attention output or the MLP's activation. */
     const int64_t longest = d > q_width ? (d > inter ? d : inter) : (q_width > inter ? q_width : inter);
-    float *memory = malloc(sizeof(float) * batch * (3 * d + widest + q_width + a->up_rows + inter
-                                                    + longest / QBLOCK * SCALE_SPREAD) + batch * longest);
+    /* The active rows first: an idle row takes no part in the step. */
+    int64_t nl = 0;
+    for (int64_t b = 0; b < batch; b++) nl += !a->active || a->active[b];
+    /* Scratch for the blocks; with idle rows, also the active rows' logits before each is copied to its row. */
+    const int64_t head_scratch = nl < batch ? nl * a->vocab : 0;
+    float *memory = malloc(sizeof(float) * (batch * (3 * d + widest + q_width + a->up_rows + inter
+                                                     + longest / QBLOCK * SCALE_SPREAD) + head_scratch)
+                           + batch * longest);
     /* The active rows; per layer, which of them run the block and which store K/V only, with their slots. */
     int64_t *row_lists = malloc(sizeof(int64_t) * 5 * batch);
     uint8_t *run = malloc(batch);
@@ -502,9 +508,8 @@ int chatapp_decode(const DecodeArgs *a) {
     }
     int64_t *live = row_lists, *taken = live + batch, *taken_slots = taken + batch, *skipped = taken_slots + batch,
             *skipped_slots = skipped + batch;
-    int64_t nl = 0;
-    for (int64_t b = 0; b < batch; b++)
-        if (!a->active || a->active[b]) live[nl++] = b;
+    for (int64_t b = 0, i = 0; b < batch; b++)
+        if (!a->active || a->active[b]) live[i++] = b;
     t.xs = memory;
     t.h = t.xs + batch * d;
     t.projected = t.h + batch * d;
@@ -513,7 +518,8 @@ int chatapp_decode(const DecodeArgs *a) {
     t.gate_up = t.attended + batch * q_width;
     t.act = t.gate_up + batch * a->up_rows;
     t.d = t.act + batch * inter;
-    t.q = (int8_t *)(t.d + batch * (longest / QBLOCK * SCALE_SPREAD));
+    float *head = t.d + batch * (longest / QBLOCK * SCALE_SPREAD);
+    t.q = (int8_t *)(head + head_scratch);
 
     for (int64_t layer = 0; layer < a->layers; layer++) {
         const int64_t slot = a->stt_slot[layer];
@@ -566,17 +572,9 @@ int chatapp_decode(const DecodeArgs *a) {
     if (nl == batch) {
         int8_matmul(t.h, batch, d, a->head_w, a->head_s, NULL, 0, a->vocab, a->logits, t.q, t.d);
     } else if (nl > 0) { /* the active rows' logits, then each copied to its row */
-        float *head = malloc(sizeof(float) * nl * a->vocab);
-        if (!head) {
-            free(memory);
-            free(row_lists);
-            free(run);
-            return -1;
-        }
         int8_matmul(t.h, nl, d, a->head_w, a->head_s, NULL, 0, a->vocab, head, t.q, t.d);
         for (int64_t i = 0; i < nl; i++)
             memcpy(a->logits + live[i] * a->vocab, head + i * a->vocab, sizeof(float) * a->vocab);
-        free(head);
     }
     free(memory);
     free(row_lists);
