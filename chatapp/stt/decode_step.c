@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -295,25 +295,85 @@ static void rotate(const float *src, float *dst, const float *cos, const float *
 
 static float silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* Attention reads a (row, K/V head)'s cached keys, then its values, one entry per position: dh floats (256 bytes
- * for the default model) out of every kv_heads * dh, so each task walks the cache with a stride the hardware
- * prefetchers did not follow. Measured with perf, the attention loops waited on those loads (~6 GB/s of K/V where
- * the weights stream at 20+), and attention took over the step as a chat grew. Asking for the entry AHEAD positions
- * on while working on this one took a step at 2,048 cached tokens from 30-38 ms to 22-24 and at 512 from 14-16 to
- * 13-14 (2-core AVX2 EPYC, interleaved; 4, 8 and 16 ahead measured alike). */
+/* The cache keeps keys and values in IEEE half precision (float16), as llama.cpp does by default: a decode step
+ * reads every cached entry of every layer, and past ~2,000 tokens of context that is more bytes than the weights
+ * (float32 K/V of the default model: 46 KB a position). Stored rounded to nearest (ties to even, what torch's
+ * `.half()` does, so a cache written by the torch prefill and one written here hold the same bits), read back
+ * exactly into float32; every sum stays float32. With F16C, one instruction converts eight values each way. */
+#if defined(__F16C__)
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+static inline uint16_t float_to_half(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#else
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    union { uint32_t u; float f; } out;
+    if (exponent == 0x1f) out.u = sign | 0x7f800000u | (mantissa << 13); /* inf, NaN */
+    else if (exponent) out.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    else { /* zero or subnormal: mantissa * 2^-24 */
+        out.f = (float)mantissa * 5.9604644775390625e-8f;
+        out.u |= sign;
+    }
+    return out.f;
+}
+static inline uint16_t float_to_half(float f) {
+    union { float f; uint32_t u; } in = {f};
+    const uint32_t sign = (in.u >> 16) & 0x8000, magnitude = in.u & 0x7fffffffu;
+    if (magnitude >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (magnitude > 0x7f800000u ? 0x200 : 0));
+    if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds past 65504: inf */
+    if (magnitude < 0x38800000u) { /* below 2^-14: a subnormal half, rounded to nearest even by the float add */
+        union { uint32_t u; float f; } scaled = {magnitude};
+        scaled.f += 0.5f; /* 2^-1: its last mantissa bit is 2^-24, the smallest subnormal half */
+        return (uint16_t)(sign | (scaled.u - 0x3f000000u));
+    }
+    const uint32_t odd = (magnitude >> 13) & 1; /* round to nearest, ties to even */
+    return (uint16_t)(sign | ((magnitude + 0xc8000fffu + odd) >> 13));
+}
+#endif
+
+static void halves_to_floats(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = half_to_float(src[i]);
+}
+
+static void floats_to_halves(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) dst[i] = float_to_half(src[i]);
+}
+
+/* Attention reads a (row, K/V head)'s cached keys, then its values, one entry per position: dh values out of every
+ * kv_heads * dh, so each task walks the cache with a stride the hardware prefetchers did not follow. Measured with
+ * perf, the attention loops waited on those loads, and attention took over the step as a chat grew. Asking for the
+ * entry AHEAD positions on while working on this one took a step at 2,048 cached tokens from 30-38 ms to 22-24 and
+ * at 512 from 14-16 to 13-14 (2-core AVX2 EPYC, float32 entries, interleaved; 4, 8 and 16 ahead measured alike). */
 #ifndef AHEAD
 #define AHEAD 8
 #endif
-#define PV_CHUNK 32 /* positions of values summed head by head (`block`) */
-static inline void prefetch_entry(const float *entry, int64_t dh) {
-    for (int64_t at = 0; at < dh; at += 16) __builtin_prefetch(entry + at); /* one 64-byte line each */
+#define PV_CHUNK 32 /* positions of values summed head by head (`attend_span`) */
+static inline void prefetch_entry(const uint16_t *entry, int64_t dh) {
+    for (int64_t at = 0; at < dh; at += 32) __builtin_prefetch(entry + at); /* one 64-byte line each */
 }
+
+/* Attention splits each (row, K/V head)'s positions into spans of SPAN, one task each, so that a batch of one row
+ * with three K/V heads (the default model) keeps every thread busy: as one task per head, two threads did two heads
+ * and one. Each span's softmax is local (its own peak and total); `attend` merges them in span order. The spans
+ * depend on the row's length only, so a row's numbers depend neither on the rows beside it nor on the threads. */
+#ifndef SPAN
+#define SPAN 256
+#endif
 
 /* Scratch for one block on every row of the batch, allocated once per step. */
 typedef struct {
     float *xs, *h, *qkv, *attended, *projected, *gate_up, *act;
     int8_t *q; /* a product's input quantized (`int8_matmul`): its levels, then its block scales in `d` */
     float *d;
+    float *parts; /* attention's spans (`attend_span`): room for every row's, K/V head's and span's */
 } Scratch;
 
 /* A skipped token's predicted update in "predict" skip mode (`layers.SkipPredictor`): x += up . (down . h) + bias
@@ -337,6 +397,92 @@ static void predict(const DecodeArgs *a, int64_t slot, const int64_t *rows, int6
     }
 }
 
+/* One span [lo, hi) of one (row, K/V head)'s cached entries against its `group` query heads (the row's projected
+ * q at `q_at` of `qkv`, rotated here): each head's softmax over the span, unnormalized, into `out` (group * dh),
+ * with the span's peak score and total of exp(score - peak) per head. `entry0` is the element offset of the row's
+ * first entry for this K/V head, `stride` the elements from one position to the next. */
+static void attend_span(const float *qkv, const uint16_t *keys, const uint16_t *values, int64_t entry0,
+                        int64_t stride, int64_t lo, int64_t hi, int64_t group, int64_t q_at, int64_t dh,
+                        const float *cos, const float *sin, float scale, float *out, float *peaks, float *totals) {
+    const int64_t width = hi - lo;
+    float q[group * dh], entry[dh], scores[group * width];
+    for (int64_t h = 0; h < group; h++) rotate(qkv + q_at + h * dh, q + h * dh, cos, sin, dh);
+    for (int64_t s = lo; s < hi; s++) {
+        const uint16_t *key = keys + entry0 + s * stride;
+        if (s + AHEAD < hi) prefetch_entry(key + AHEAD * stride, dh);
+        halves_to_floats(key, entry, dh);
+        for (int64_t h = 0; h < group; h++) {
+            float dot = 0.0f;
+            for (int64_t e = 0; e < dh; e++) dot += q[h * dh + e] * entry[e];
+            scores[h * width + s - lo] = dot * scale;
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {
+        float *row = scores + h * width, peak = row[0], total = 0.0f;
+        for (int64_t s = 1; s < width; s++) peak = row[s] > peak ? row[s] : peak;
+        for (int64_t s = 0; s < width; s++) total += (row[s] = expf(row[s] - peak));
+        peaks[h] = peak, totals[h] = total;
+    }
+    memset(out, 0, sizeof(float) * group * dh);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    /* Heads of 64 (most small models'): each head's sum stays in eight registers over PV_CHUNK positions, whose
+     * values stay in L1 for the group's other heads, where the plain loop below loads and stores the sum at every
+     * position and head. A step at 2,048 cached float32 tokens: 22-28 -> 20-24 ms (5 interleaved pairs). */
+    if (dh == 64) {
+        for (int64_t c = lo; c < hi; c += PV_CHUNK) {
+            const int64_t end = c + PV_CHUNK < hi ? c + PV_CHUNK : hi;
+            for (int64_t s = c; s < end && s + AHEAD < hi; s++) prefetch_entry(values + entry0 + (s + AHEAD) * stride, dh);
+            for (int64_t h = 0; h < group; h++) {
+                __m256 acc[8];
+                for (int e = 0; e < 8; e++) acc[e] = _mm256_loadu_ps(out + h * dh + 8 * e);
+                for (int64_t s = c; s < end; s++) {
+                    const uint16_t *value = values + entry0 + s * stride;
+                    const __m256 weight = _mm256_set1_ps(scores[h * width + s - lo]);
+                    for (int e = 0; e < 8; e++)
+                        acc[e] = _mm256_fmadd_ps(
+                            weight, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(value + 8 * e))), acc[e]);
+                }
+                for (int e = 0; e < 8; e++) _mm256_storeu_ps(out + h * dh + 8 * e, acc[e]);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t s = lo; s < hi; s++) {
+        const uint16_t *value = values + entry0 + s * stride;
+        if (s + AHEAD < hi) prefetch_entry(value + AHEAD * stride, dh);
+        halves_to_floats(value, entry, dh);
+        for (int64_t h = 0; h < group; h++) {
+            const float weight = scores[h * width + s - lo];
+            for (int64_t e = 0; e < dh; e++) out[h * dh + e] += weight * entry[e];
+        }
+    }
+}
+
+/* The spans of one (row, K/V head) as one softmax: each span's sums rescaled from its own peak to the overall one,
+ * added in span order, divided by the rescaled totals; `parts` holds `spans` tasks' results `part` floats apart
+ * (`attend_span`'s out, peaks, totals). */
+static void merge_spans(const float *parts, int64_t spans, int64_t part, int64_t group, int64_t dh, float *attended) {
+    for (int64_t h = 0; h < group; h++) {
+        float peak = -INFINITY, total = 0.0f;
+        for (int64_t s = 0; s < spans; s++) {
+            const float p = parts[s * part + group * dh + h];
+            peak = p > peak ? p : peak;
+        }
+        float *o = attended + h * dh;
+        memset(o, 0, sizeof(float) * dh);
+        for (int64_t s = 0; s < spans; s++) {
+            const float *span = parts + s * part;
+            if (span[group * dh + group + h] == 0.0f) continue; /* an empty span */
+            const float weight = expf(span[group * dh + h] - peak);
+            total += weight * span[group * dh + group + h];
+            for (int64_t e = 0; e < dh; e++) o[e] += weight * span[h * dh + e];
+        }
+        const float inverse = 1.0f / total;
+        for (int64_t e = 0; e < dh; e++) o[e] *= inverse;
+    }
+}
+
 /* One decoder block on `n` rows (indices `rows` into the batch and the cache), whose tokens are stored at slots
  * `slots`. `kv_only`: store K/V and stop (an STT layer's skipped token in "kv" mode), after adding the predicted
  * update in "predict" mode. */
@@ -345,7 +491,7 @@ static void block(const DecodeArgs *a, int64_t layer, const int64_t *rows, const
     const int64_t d = a->hidden, dh = a->head_dim, hkv = a->kv_heads, q_width = a->heads * dh;
     const int64_t kv_width = hkv * dh, inter = a->up_rows / 2, s1 = a->slots;
     const int64_t first = kv_only ? q_width : 0, qkv_width = a->qkv_rows - first;
-    float *keys = a->keys + layer * a->batch * s1 * kv_width, *values = a->values + layer * a->batch * s1 * kv_width;
+    uint16_t *keys = a->keys + layer * a->batch * s1 * kv_width, *values = a->values + layer * a->batch * s1 * kv_width;
 
     for (int64_t i = 0; i < n; i++) {
         memcpy(t->xs + i * d, a->x + rows[i] * d, d * sizeof(float));
@@ -358,8 +504,10 @@ static void block(const DecodeArgs *a, int64_t layer, const int64_t *rows, const
         const int64_t b = rows[i];
         for (int64_t g = 0; g < hkv; g++) {
             const int64_t at = ((b * s1 + slots[i]) * hkv + g) * dh;
-            rotate(t->qkv + i * qkv_width + k_at + g * dh, keys + at, a->cos + b * dh, a->sin + b * dh, dh);
-            memcpy(values + at, t->qkv + i * qkv_width + v_at + g * dh, dh * sizeof(float));
+            float key[dh];
+            rotate(t->qkv + i * qkv_width + k_at + g * dh, key, a->cos + b * dh, a->sin + b * dh, dh);
+            floats_to_halves(key, keys + at, dh);
+            floats_to_halves(t->qkv + i * qkv_width + v_at + g * dh, values + at, dh);
         }
     }
     if (kv_only) {
@@ -367,68 +515,33 @@ static void block(const DecodeArgs *a, int64_t layer, const int64_t *rows, const
         return;
     }
 
-    /* Attention over the row's entries 0..slot, softmax in float32: one task per (row, K/V head), whose query
-     * heads read each key and value once between them. */
+    /* Attention over the row's entries 0..slot, softmax in float32: one task per (row, K/V head, span of SPAN
+     * positions), whose query heads read each key and value once between them; then each (row, K/V head)'s spans
+     * merged in order. */
     const int64_t group = a->heads / hkv;
+    int64_t most = 0;
+    for (int64_t i = 0; i < n; i++) most = slots[i] + 1 > most ? slots[i] + 1 : most;
+    const int64_t spans = (most + SPAN - 1) / SPAN, tasks = n * hkv * spans;
+    /* Per task: its heads' unnormalized outputs (group * dh), then their peaks and totals (group each). */
+    const int64_t part = group * dh + 2 * group;
+    float *parts = t->parts;
     const float scale = 1.0f / sqrtf((float)dh);
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < n * hkv; task++) {
-        const int64_t i = task / hkv, g = task % hkv, b = rows[i], count = slots[i] + 1;
-        float q[group * dh], out[group * dh];
-        float *scores = malloc(sizeof(float) * group * count);
-        for (int64_t h = 0; h < group; h++)
-            rotate(t->qkv + i * qkv_width + (g * group + h) * dh, q + h * dh, a->cos + b * dh, a->sin + b * dh, dh);
-        for (int64_t s = 0; s < count; s++) {
-            const float *key = keys + ((b * s1 + s) * hkv + g) * dh;
-            if (s + AHEAD < count) prefetch_entry(key + AHEAD * hkv * dh, dh);
-            for (int64_t h = 0; h < group; h++) {
-                float dot = 0.0f;
-                for (int64_t e = 0; e < dh; e++) dot += q[h * dh + e] * key[e];
-                scores[h * count + s] = dot * scale;
-            }
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t i = task / (hkv * spans), g = task / spans % hkv, span = task % spans;
+        const int64_t b = rows[i], count = slots[i] + 1, lo = span * SPAN, hi = lo + SPAN < count ? lo + SPAN : count;
+        float *out = parts + task * part, *peaks = out + group * dh, *totals = peaks + group;
+        if (lo >= hi) { /* past this row's length: an empty span */
+            for (int64_t h = 0; h < group; h++) peaks[h] = -INFINITY, totals[h] = 0.0f;
+            continue;
         }
-        for (int64_t h = 0; h < group; h++) {
-            float *row = scores + h * count, peak = row[0], total = 0.0f;
-            for (int64_t s = 1; s < count; s++) peak = row[s] > peak ? row[s] : peak;
-            for (int64_t s = 0; s < count; s++) total += (row[s] = expf(row[s] - peak));
-            for (int64_t s = 0; s < count; s++) row[s] /= total;
-        }
-        memset(out, 0, sizeof(out));
-#if defined(__AVX2__) && defined(__FMA__)
-        /* Heads of 64 (most small models'): each head's sum stays in eight registers over PV_CHUNK positions,
-         * whose values stay in L1 for the group's other heads, where the plain loop below loads and stores the
-         * sum at every position and head. A step at 2,048 cached tokens: 22-28 -> 20-24 ms (5 interleaved pairs,
-         * faster in each). */
-        if (dh == 64) {
-            for (int64_t c = 0; c < count; c += PV_CHUNK) {
-                const int64_t end = c + PV_CHUNK < count ? c + PV_CHUNK : count;
-                for (int64_t s = c; s < end && s + AHEAD < count; s++)
-                    prefetch_entry(values + ((b * s1 + s + AHEAD) * hkv + g) * dh, dh);
-                for (int64_t h = 0; h < group; h++) {
-                    __m256 acc[8];
-                    for (int e = 0; e < 8; e++) acc[e] = _mm256_loadu_ps(out + h * dh + 8 * e);
-                    for (int64_t s = c; s < end; s++) {
-                        const float *value = values + ((b * s1 + s) * hkv + g) * dh;
-                        const __m256 weight = _mm256_set1_ps(scores[h * count + s]);
-                        for (int e = 0; e < 8; e++)
-                            acc[e] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * e), acc[e]);
-                    }
-                    for (int e = 0; e < 8; e++) _mm256_storeu_ps(out + h * dh + 8 * e, acc[e]);
-                }
-            }
-        } else
-#endif
-        for (int64_t s = 0; s < count; s++) {
-            const float *value = values + ((b * s1 + s) * hkv + g) * dh;
-            if (s + AHEAD < count) prefetch_entry(value + AHEAD * hkv * dh, dh);
-            for (int64_t h = 0; h < group; h++) {
-                const float weight = scores[h * count + s];
-                for (int64_t e = 0; e < dh; e++) out[h * dh + e] += weight * value[e];
-            }
-        }
-        memcpy(t->attended + i * q_width + g * group * dh, out, sizeof(out));
-        free(scores);
+        attend_span(t->qkv + i * qkv_width, keys, values, ((b * s1) * hkv + g) * dh, hkv * dh, lo, hi, group,
+                    (g * group) * dh, dh, a->cos + b * dh, a->sin + b * dh, scale, out, peaks, totals);
     }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t g = 0; g < hkv; g++)
+            merge_spans(parts + (i * hkv + g) * spans * part, spans, part, group, dh,
+                        t->attended + i * q_width + g * group * dh);
     int8_matmul(t->attended, n, q_width, a->o_w + layer * d * q_width, a->o_s + layer * d, NULL, 0, d, t->projected, t->q,
                 t->d);
     for (int64_t j = 0; j < n * d; j++) t->xs[j] += t->projected[j];
@@ -494,8 +607,11 @@ int chatapp_decode(const DecodeArgs *a) {
     for (int64_t b = 0; b < batch; b++) nl += !a->active || a->active[b];
     /* Scratch for the blocks; with idle rows, also the active rows' logits before each is copied to its row. */
     const int64_t head_scratch = nl < batch ? nl * a->vocab : 0;
+    /* Attention's spans: at most every row's, K/V head's and span of the cache's slots (`block`). */
+    const int64_t group = a->heads / a->kv_heads, span_parts = batch * a->kv_heads * ((s1 + SPAN - 1) / SPAN) *
+                                                                (group * a->head_dim + 2 * group);
     float *memory = malloc(sizeof(float) * (batch * (3 * d + widest + q_width + a->up_rows + inter
-                                                     + longest / QBLOCK * SCALE_SPREAD) + head_scratch)
+                                                     + longest / QBLOCK * SCALE_SPREAD) + head_scratch + span_parts)
                            + batch * longest);
     /* The active rows; per layer, which of them run the block and which store K/V only, with their slots. */
     int64_t *row_lists = malloc(sizeof(int64_t) * 5 * batch);
@@ -519,7 +635,8 @@ int chatapp_decode(const DecodeArgs *a) {
     t.act = t.gate_up + batch * a->up_rows;
     t.d = t.act + batch * inter;
     float *head = t.d + batch * (longest / QBLOCK * SCALE_SPREAD);
-    t.q = (int8_t *)(head + head_scratch);
+    t.parts = head + head_scratch;
+    t.q = (int8_t *)(t.parts + span_parts);
 
     for (int64_t layer = 0; layer < a->layers; layer++) {
         const int64_t slot = a->stt_slot[layer];

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chatapp.stt.cache import attention_inputs
 from chatapp.stt.config import STTConfig
 from chatapp.stt.qwen2 import MLP, RMSNorm, apply_rotary_pos_emb, rotate_half
 
@@ -152,8 +153,9 @@ class Attention(nn.Module):
         # Rotary on (B, S, H, D) with cos/sin (B, S, D): unsqueeze at the head axis.
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
         keys, values, mask = sink(k, v)
-        # The cache may hold K/V in another dtype than the activations (float32 on a CPU, see
-        # `STTForCausalLM.kv_dtype`): attention runs in the cache's dtype.
+        # The cache may hold K/V in another dtype than the activations (float32, or float16 for the native step, on
+        # a CPU: see `STTForCausalLM.kv_dtype`): attention runs in the dtype the cache is read in.
+        keys, values = attention_inputs(keys, values)
         out = F.scaled_dot_product_attention(
             q.to(keys.dtype).transpose(1, 2),
             keys.transpose(1, 2),
@@ -383,12 +385,13 @@ def cache_attention(
     batch = x.shape[0]
     qkv = attn.project_qkv(x).view(batch, heads + 2 * kv_heads, head_dim)
     # Rotary runs once over Q and K side by side (B', H + H_kv, Dh), in the activations' dtype as `extend` does.
-    qk = rotate(qkv[:, : heads + kv_heads], cos, sin).to(keys.dtype)
-    keys.index_put_((rows, slots), qk[:, heads:])
+    qk = rotate(qkv[:, : heads + kv_heads], cos, sin)
+    keys.index_put_((rows, slots), qk[:, heads:].to(keys.dtype))
     values.index_put_((rows, slots), qkv[:, heads + kv_heads :].to(values.dtype))
     if subset:
         keys, values = keys[rows], values[rows]
-    keys, values = keys[:, :span], values[:, :span]
+    keys, values = attention_inputs(keys[:, :span], values[:, :span])
+    qk = qk.to(keys.dtype)
     if keys.dtype == torch.float32:
         out = F.scaled_dot_product_attention(
             qk[:, :heads, None],

@@ -265,12 +265,17 @@ class STTForCausalLM(nn.Module):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype: float32 on a CPU whatever the weights, the activation dtype elsewhere.
+        """The KV cache's dtype: the attached decode step's (`DecodeRuntime.kv_dtype`: float16 for the native CPU
+        step, `stt.cpu_step`), else float32 on a CPU whatever the weights, the activation dtype elsewhere.
 
         torch's CPU kernels run one reduced-precision query against its keys 3-6x slower than float32 attention
         (scaled_dot_product_attention at 128-512 keys; benchmarks/cpu_decode.py), and at decode attention is a
-        large share of a small model's step. The cache costs twice the memory of a bfloat16 one for it.
+        large share of a small model's step: the torch step's cache is float32. The native step converts as it reads
+        (`decode_step.c`), so its cache takes half the bytes; the torch passes over that cache widen it to float32
+        (`cache.attention_inputs`).
         """
+        if self.runtime.kv_dtype is not None:
+            return self.runtime.kv_dtype
         return torch.float32 if self.device.type == "cpu" else self.dtype
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:

@@ -54,8 +54,12 @@ def quantized_products():
 
 
 def int8_model(skip_mode: str = "strict", **overrides):
+    """A routed int8 model with the native step attached where it can be, as the loader leaves one: its caches are
+    then the step's (float16 K/V), which the torch step, the oracle here, reads as well."""
     model = prepare_weights(routed_model(seed=3, initializer_range=0.05, skip_mode=skip_mode, **overrides), "int8")
-    return model.float().eval()
+    model = model.float().eval()
+    cpu_step.attach(model)
+    return model
 
 
 def prefilled(model, lengths: list[int], max_len: int = 64):
