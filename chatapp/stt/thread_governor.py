@@ -10,8 +10,9 @@ runs on the free core at its full single-thread rate (~70% of two threads' idle 
 No count is right at every moment: idle, the whole team is fastest; under load, fewer threads than cores. So the
 count follows the machine (`ThreadGovernor`):
 - what else runs: the CPU time other processes used since the last look (`OtherLoad`, from /proc/stat less this
-  process's own time). A count that the free cores cannot hold is a candidate to drop to; one that they can, to
-  return to. Niced work is left out: the scheduler gives it way to ours;
+  process's own time). When the free cores cannot hold the current count, or other work takes a share of a core
+  (`BUSY`), the count below is a candidate; when they can hold the count above, that one. Niced work is left out:
+  the scheduler gives way to ours over it;
 - what the steps measure: a candidate count runs a few steps (a probe) and is kept only if it is faster than the
   current count's recent steps of the same work (`shape`: the rows fed; 8 rows take longer than 1 at any count).
   Steps turning much slower than when the count was chosen (a busy process started) call a look at once; the looks
@@ -44,9 +45,9 @@ MARGIN = 0.9
 # Steps this much slower (median of the last four) than when the count was chosen mean the machine changed.
 SLOWDOWN = 1.5
 RECENT = 8
-# Other processes' use, in cores, above which a core is taken: half a core busy on average already deschedules a
-# thread sharing it often enough to stall the joins.
-BUSY = 0.5
+# Other processes' use, in cores, past which the joins may stall: a quarter of a core busy on average (a UI drawing
+# a stream beside the engine) already deschedules a thread sharing it now and then. It calls a probe, not a switch.
+BUSY = 0.25
 
 
 class OtherLoad:
@@ -153,12 +154,15 @@ class ThreadGovernor:
         at = ladder.index(self.current)
         below = ladder[at - 1] if at > 0 else None
         above = ladder[at + 1] if at + 1 < len(ladder) else None
-        if others is None:  # no load reading: probe on the schedule, below first
+        free = None if others is None else self.ceiling - others
+        if free is None:  # no load reading: probe on the schedule, below first
             candidate = below or above
-        elif below is not None and self.ceiling - others < self.current - 1 + BUSY:
+        elif below is not None and free < self.current - 1 + BUSY:
             candidate = below  # the current count does not fit on the free cores
-        elif above is not None and self.ceiling - others >= above - BUSY:
+        elif above is not None and free >= above - BUSY:
             candidate = above  # a larger count fits again
+        elif below is not None and others >= BUSY:
+            candidate = below  # it fits, barely: measure whether fewer threads wait less
         else:
             candidate = None
         if candidate is None:

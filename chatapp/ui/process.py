@@ -379,13 +379,9 @@ def serve(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl+c belongs to the UI; it closes us through the pipe
     if log_path is not None:
         _redirect_output(log_path)
-    # The int8 step's parallel loops (`stt.cpu_step`) wait for every thread at each of ~150 joins a step: beside the
-    # UI drawing the stream, two threads on a 2-core box lose a scheduler slice at each (in the TUI, 1-6 tokens/s).
-    # One core is left to the UI. Measured on the 2-core EPYC with another job busy (the same loops in numba): 28 ms
-    # a step on one thread, 76 on two.
-    from chatapp.settings import KERNEL_THREADS_ENV, usable_cores
-
-    os.environ.setdefault(KERNEL_THREADS_ENV, str(max(1, usable_cores() - 1)))
+    # The UI draws the stream beside this process: the int8 step's thread count follows the cores it leaves free
+    # (`stt.thread_governor`), where a fixed count of one fewer than the cores gave up a second thread even while
+    # the UI was idle between batches.
     from chatapp.lifecycle import starting_up
     from chatapp.ui.backend import EngineBackend
 
