@@ -33,10 +33,25 @@ see the same machine load), and the table reports medians:
   (all prompts in one batch, its perplexity decoded token by token through that step), and the `--compiled`
   formats through their compiled step.
 
+As users run it (`--busy N`, `--contexts A,B,C`; only these sections then): the default model as `chatapp generate`
+loads it (int8 through the native step, its thread count chosen afresh for every reply, `thread_governor`) against
+llama.cpp on the GGUF it is prepared from, both at batch 1 in interleaved rounds:
+- `--busy N`: a greedy story reply, idle and beside N busy-loop processes (`python -c 'while True: pass'`), with
+  the share of its idle rate each side keeps under load;
+- `--contexts`: decode after prose prompts of those lengths, with chatapp's step as bytes read (weights plus its
+  K/V at that context) over its time, against the machine's read bandwidth.
+llama.cpp runs in a worker process (`_llama_worker.py`) under `--llama-python`, an interpreter with llama-cpp-python
+built outside the project's environment, e.g. (about 10 minutes on 2 cores; these VMs report AMX, whose tiles fault
+on prompts of more than a few tokens):
+  python3 -m venv /tmp/llama && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON"
+  /tmp/llama/bin/pip install llama-cpp-python==0.3.36       (the AVX512 flags only where the CPU has them)
+
 llama.cpp is not a dependency: it builds from source (about 10 minutes on 2 cores). Install it with
 `CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install llama-cpp-python` to fill its column.
 
-Run: .venv/bin/python benchmarks/cpu_decode.py --model DIR [--threads 2] [--rounds 3] [--batches 1,8,32]
+Run: .venv/bin/python benchmarks/cpu_decode.py --busy 1 --contexts 100,2000,4000 --llama-python /tmp/llama/bin/python
+     .venv/bin/python benchmarks/cpu_decode.py --model DIR [--threads 2] [--rounds 3] [--batches 1,8,32]
      [--formats float32,bfloat16,int8,int4] [--compiled int8,int4] [--skip-quality] [--skip-speed]
      [--skip-ttft] [--skip-routing] [--routing-formats int8] [--routing-steps eager,kernel,compiled]
      [--routing-layers 3,4,5 --routing-rate 0.5 --skip-mode kv] [--routing-text chat|prose]
