@@ -347,6 +347,10 @@ static void floats_to_halves(const float *src, uint16_t *dst, int64_t n) {
     for (; i < n; i++) dst[i] = float_to_half(src[i]);
 }
 
+/* The conversions the cache's entries go through, for the tests to hold against torch's `.half()`. */
+void chatapp_to_halves(const float *src, uint16_t *dst, int64_t n) { floats_to_halves(src, dst, n); }
+void chatapp_from_halves(const uint16_t *src, float *dst, int64_t n) { halves_to_floats(src, dst, n); }
+
 /* Attention reads a (row, K/V head)'s cached keys, then its values, one entry per position: dh values out of every
  * kv_heads * dh, so each task walks the cache with a stride the hardware prefetchers did not follow. Measured with
  * perf, the attention loops waited on those loads, and attention took over the step as a chat grew. Asking for the

@@ -310,3 +310,41 @@ def test_loading_the_kernel_leaves_the_process_float_mode_alone() -> None:
     tiny = sys.float_info.min
     assert tiny / 2 > 0
     assert torch.tensor(1e-40, dtype=torch.float32).item() > 0
+
+
+def half_cases() -> torch.Tensor:
+    """Floats across float16's range and its edges: ties between two halves, subnormals, the largest half and the
+    values past it that round to infinity, infinities, NaN, signed zeros."""
+    generator = torch.Generator().manual_seed(11)
+    spread = torch.randn(4096, generator=generator) * torch.pow(2.0, torch.randint(-30, 18, (4096,), generator=generator))
+    ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 2**-24 * 1.5, 2**-24 * 2.5, 2**-25, 2**-26, 65504.0, 65519.0,
+                         65520.0, 65536.0, 1e6, 6.1e-5, 6.0e-5, 2**-14, 2**-14 * (1 - 2**-11)])
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")])
+    return torch.cat([spread, ties, -ties, special])
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-f16c",)], ids=["f16c", "portable"])
+def test_cache_entries_round_as_torch_rounds_to_float16(tmp_path, flags) -> None:
+    """The step stores K/V as float16 rounded as torch's `.half()` rounds (the prefill writes the same cache), and
+    reads them back exactly: bit for bit, with F16C's instructions and with the portable conversion of a CPU without
+    them."""
+    import ctypes
+
+    if flags:
+        path = tmp_path / "decode_step_portable.so"
+        cpu_step.build(path, flags)
+        library = ctypes.CDLL(str(path))
+    else:
+        library = cpu_step.library()
+    values = half_cases()
+    halves = torch.empty(values.shape, dtype=torch.float16)
+    library.chatapp_to_halves(ctypes.c_void_p(values.data_ptr()), ctypes.c_void_p(halves.data_ptr()),
+                              ctypes.c_int64(values.numel()))
+    want = values.half()
+    nan = want.isnan()
+    assert torch.equal(halves.isnan(), nan)
+    assert torch.equal(halves[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    back = torch.empty(values.shape, dtype=torch.float32)
+    library.chatapp_from_halves(ctypes.c_void_p(halves.data_ptr()), ctypes.c_void_p(back.data_ptr()),
+                                ctypes.c_int64(values.numel()))
+    assert torch.equal(back[~nan], want[~nan].float()) and back[nan].isnan().all()
