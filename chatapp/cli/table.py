@@ -39,6 +39,7 @@ from chatapp.cli.options import (
 from chatapp.cli.program import program_app
 from chatapp.cli.prompt_input import read_json_schema, read_prompt
 from chatapp.cli.route import route
+from chatapp.cli.serve import serve
 from chatapp.cli.train import train
 from chatapp.errors import SettingsError
 
@@ -258,6 +259,7 @@ def generate(
 
 
 app.command()(batch)  # chatapp/cli/batch.py: the front of chatapp/batch/
+app.command()(serve)  # chatapp/cli/serve.py: the front of chatapp/serve/
 
 
 # The commands that build or measure a model, each in its module with its options (chatapp/cli/).
