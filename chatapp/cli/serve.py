@@ -16,12 +16,7 @@ def serve(
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port (0: any free one).")] = 8000,
     model: opt.ModelOption = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            "--api-key", envvar="CHATAPP_API_KEY", help="Require `Authorization: Bearer KEY` on every request (401)."
-        ),
-    ] = None,
+    api_key: opt.ApiKeyOption = None,
     device: opt.DeviceOption = None,
     dtype: opt.DtypeOption = None,
     routing: opt.RoutingOption = None,

@@ -23,6 +23,7 @@ from chatapp.cli.eval import eval_model
 from chatapp.cli.info import info, models
 from chatapp.cli.lens import lens_app
 from chatapp.cli.options import (
+    ApiKeyOption,
     CompileOption,
     DeviceOption,
     DtypeOption,
@@ -32,6 +33,7 @@ from chatapp.cli.options import (
     ProgramOption,
     RoutingOption,
     SeedOption,
+    ServerOption,
     TemperatureOption,
     TopKOption,
     TopPOption,
@@ -210,9 +212,12 @@ def generate(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timing: tokens/s, forced %, ...")] = False,
     logprobs: LogprobsOption = 0,
     routing: RoutingOption = None,
+    server: ServerOption = None,
+    api_key: ApiKeyOption = None,
 ) -> None:
     """Stream a reply to PROMPT: sampled tokens plain, forced tokens (tool output) in italic cyan. Into a pipe or
-    a file it writes exactly the reply's text (timing and errors go to stderr)."""
+    a file it writes exactly the reply's text (timing and errors go to stderr). With --server, a running `chatapp
+    serve` answers (no model is loaded here)."""
     from chatapp.lifecycle import starting_up
     from chatapp.settings import GenerationSettings
     from chatapp.validation import check_prompt_fits, check_prompt_text
@@ -225,6 +230,23 @@ def generate(
     schema = read_json_schema(json_schema) if json_schema is not None else None
     prompt = read_prompt() if prompt == "-" else prompt
     check_prompt_text(prompt)
+    if server is not None:
+        local_only = {"--device": device, "--dtype": dtype, "--compile": compile, "--program": program,
+                      "--regex": regex, "--logprobs": logprobs or None, "--routing": routing}
+        if given := [name for name, value in local_only.items() if value is not None]:
+            raise SettingsError(
+                f"{', '.join(given)} cannot be used with --server (the server's model runs as it was started)",
+                hint=f"drop {', '.join(given)}, or run without --server",
+            )
+        from chatapp.cli.remote import generate_remote
+
+        exact = None if sys.stdout.isatty() else sys.stdout
+        console = Console(highlight=False) if exact is None else err_console
+        generate_remote(
+            server, prompt, settings, console, model=model, json_schema=schema, api_key=api_key, exact=exact,
+            verbose=verbose,
+        )
+        return
     with starting_up():
         from chatapp.cli.render import stream_reply  # torch
         from chatapp.models import load_engine

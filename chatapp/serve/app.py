@@ -286,7 +286,12 @@ class EventStream:
         request = exchange.request
         if request.kind == "chat":  # OpenAI's first chunk gives each choice its role
             first = [
-                {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                {
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 for c in exchange.choices.values()
             ]
             yield sse(exchange.chunk(first))

@@ -236,7 +236,9 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             raise bad_value(param, f"{param} must be an object with role and content")
         content = message.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise bad_value(f"{param}.content", f"{param}.content: only text parts are supported")
             content = "".join(p["text"] for p in content)
         role = "system" if message.get("role") == "developer" else message.get("role")

@@ -73,7 +73,8 @@ class EngineLoop:
         with self._cond:
             if self._draining or self._stopped:
                 raise ApiError(503, "the server is shutting down; retry against another server", code="shutting_down")
-            if len(self._waiting) >= self.max_queue:
+            free_rows = self.max_rows - len(self._tickets)  # a request that fits them waits only for the next step
+            if len(self._waiting) >= self.max_queue + max(free_rows, 0):
                 raise ApiError(
                     429,
                     f"the server is busy: {len(self._waiting)} requests wait for a row already; retry shortly",
