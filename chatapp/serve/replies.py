@@ -2,8 +2,8 @@
 reason, and chatapp's extension field.
 
 Each choice folds its row's token events with the engine's one reply fold (`engine/reply.py`), so its text is what
-`chatapp generate` prints: a calculator call and its result are part of it (`<|python_start|>37*45<|python_end|>`
-then the forced `<|output_start|>1665<|output_end|>`).
+`chatapp generate` prints: a calculator call and its result are part of it, markers included (the default model
+writes `<jupyter_code>37*45<jupyter_output>1665<jupyter_text>37*45 is 1665.`, its result tokens forced).
 
 The extension field, `chatapp`, is sent only to a request that asked for it (`"chatapp": {"tokens": true}`). Each
 chunk's choice (or the whole reply's choice) gets `{"tokens": [...]}`, one object per token whose text it carries:
