@@ -63,7 +63,33 @@ class Service:
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "chatapp"}
+        """OpenAI's model object, with what a chatapp client shows about the model under `chatapp`."""
+        engine = self.engine
+        config = engine.model.config
+        markers = engine.tool_markers
+        return {
+            "id": self.config.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "chatapp",
+            "chatapp": {
+                "device": str(engine.device),
+                "num_layers": engine.num_layers,
+                "stt_layers": engine.stt_layers,
+                "context_size": engine.context_size,
+                "supports_tools": bool(engine.chat_format.supports_tools),
+                "tool_markers": {
+                    "call_start": markers.call_start,
+                    "call_end": markers.call_end,
+                    "output_start": markers.output_start,
+                    "output_end": markers.output_end,
+                },
+                "skip_mode": str(getattr(config, "skip_mode", "strict")),
+                "skip_cost": engine.skip_cost,
+                "routing_levels": list(engine.routing_levels),
+                "routing_level": self.config.routing_level,
+            },
+        }
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_id:
@@ -294,6 +320,10 @@ class EventStream:
                 }
                 for c in exchange.choices.values()
             ]
+            if request.insight:
+                context = exchange.service.engine.context_size
+                for choice in first:
+                    choice["chatapp"] = {"tokens": [], "prompt_tokens": exchange.prompt_tokens, "context_size": context}
             yield sse(exchange.chunk(first))
         try:
             async for deltas in exchange.deltas():

@@ -35,6 +35,26 @@ def api_base(url: str) -> tuple[str, int, str, bool]:
     return parts.hostname, port, path, https
 
 
+def get_json(url: str, path: str, *, api_key: str | None = None, timeout: float = 30.0) -> dict[str, Any]:
+    """GET `path` (under the API's `/v1`) and return its JSON; a refusal raises `ServerError`."""
+    host, port, prefix, https = api_base(url)
+    connection_class = http.client.HTTPSConnection if https else http.client.HTTPConnection
+    connection = connection_class(host, port, timeout=timeout)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        try:
+            connection.request("GET", f"{prefix}{path}", headers=headers)
+            response = connection.getresponse()
+            body = response.read()
+        except (OSError, http.client.HTTPException) as err:
+            raise _unreachable(url, err) from None
+        if response.status != 200:
+            raise _refusal(url, response.status, body)
+        return json.loads(body)
+    finally:
+        connection.close()
+
+
 def stream_chat(
     url: str, body: dict[str, Any], *, api_key: str | None = None, timeout: float = 600.0
 ) -> Iterator[dict[str, Any]]:
@@ -51,11 +71,7 @@ def stream_chat(
             connection.request("POST", f"{prefix}/chat/completions", json.dumps({**body, "stream": True}), headers)
             response = connection.getresponse()
         except (OSError, http.client.HTTPException) as err:
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err) or type(err).__name__
-            raise ServerError(
-                f"cannot reach the server at {url}: {reason}",
-                hint="start one with `chatapp serve`, or check the URL and port",
-            ) from None
+            raise _unreachable(url, err) from None
         if response.status != 200:
             raise _refusal(url, response.status, response.read())
         for raw in response:
@@ -73,6 +89,13 @@ def stream_chat(
         raise ServerError(f"the server at {url} did not answer within {timeout:g} s", hint="try again") from None
     finally:
         connection.close()
+
+
+def _unreachable(url: str, err: Exception) -> ServerError:
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err) or type(err).__name__
+    return ServerError(
+        f"cannot reach the server at {url}: {reason}", hint="start one with `chatapp serve`, or check the URL and port"
+    )
 
 
 def _refusal(url: str, status: int, body: bytes) -> ServerError:

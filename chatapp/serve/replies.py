@@ -9,7 +9,10 @@ The extension field, `chatapp`, is sent only to a request that asked for it (`"c
 chunk's choice (or the whole reply's choice) gets `{"tokens": [...]}`, one object per token whose text it carries:
 `id`, `text`, `forced` (the system put it there: tool output, grammar), `special`, `zone` and `tags` (a TTFA zone),
 `computed` and `router_probs` (per STT layer, in `stt_layers` order: did the layer compute this token), and
-`tool` (a call, its result or refusal). The choice that finishes adds `finish` (chatapp's own finish reason, an
+`tool` (a call, its result or refusal), `finish_reason` and `error` (chatapp's, on the row's last token, the final
+stop token included though it adds no text), and `logprobs` (with the request's log-probs: the model's `logprob`,
+`entropy`, `bytes` and `top` alternatives with their ids). The first chunk of a stream gives `prompt_tokens` and
+`context_size`. The choice that finishes adds `finish` (chatapp's own finish reason, an
 `error` when there is one, `forced_tokens`, `compute_saved` and the model's `stt_layers`). OpenAI clients ignore
 fields they do not know, so they read the reply as any other.
 """
@@ -68,7 +71,9 @@ class Choice:
             if self.finished:
                 break
             piece = self.reply.add(event)
-            if not (event.finish_reason == "stop" and not piece):  # a final stop token is not part of the reply
+            if event.finish_reason == "stop" and not piece:  # a final stop token is not part of the reply's text
+                self._held.append((None, self._token_entry(event)))
+            else:
                 self.completion_tokens += 1
                 self._held.append((self._logprob_entry(event), self._token_entry(event)))
             check = self.stops.push(piece)
@@ -126,6 +131,7 @@ class Choice:
         if not self.insight:
             return None
         tool = event.tool
+        lp = event.logprobs
         return {
             "id": event.token,
             "text": event.text,
@@ -134,10 +140,20 @@ class Choice:
             "zone": event.zone,
             "tags": list(event.tags),
             "computed": None if event.computed is None else list(event.computed),
-            "router_probs": None if event.router_probs is None else [round(p, 4) for p in event.router_probs],
+            "router_probs": None if event.router_probs is None else list(event.router_probs),
             "tool": None
             if tool is None
             else {"kind": tool.kind, "tool": tool.tool, "expression": tool.expression, "output": tool.output},
+            "finish_reason": event.finish_reason,
+            "error": event.error,
+            "logprobs": None
+            if lp is None or self.top_logprobs is None
+            else {
+                "logprob": lp.logprob,
+                "entropy": lp.entropy,
+                "bytes": list(lp.piece),
+                "top": [{"id": a.token, "bytes": list(a.piece), "logprob": a.logprob} for a in lp.top],
+            },
         }
 
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from chatapp.errors import ChatappError
 from chatapp.serve.errors import ApiError, bad_value
 from chatapp.settings import MAX_MAX_TOKENS, GenerationSettings
+from chatapp.tools.parts import PART_TYPES
 from chatapp.validation import MAX_LOGPROBS
 
 MAX_SAMPLES = 16  # `n`: rows one request may take in the batch
@@ -236,11 +237,16 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             raise bad_value(param, f"{param} must be an object with role and content")
         content = message.get("content")
         if isinstance(content, list):
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                content = "".join(p["text"] for p in content)
+            elif message.get("role") != "assistant" or not all(
+                isinstance(p, dict) and p.get("type") in PART_TYPES for p in content
             ):
-                raise bad_value(f"{param}.content", f"{param}.content: only text parts are supported")
-            content = "".join(p["text"] for p in content)
+                raise bad_value(
+                    f"{param}.content",
+                    f"{param}.content: only text parts are supported (and chatapp's tool-call parts in an "
+                    "assistant message)",
+                )
         role = "system" if message.get("role") == "developer" else message.get("role")
         extra = set(message) - {"role", "content", "name"}
         if extra:

@@ -71,10 +71,11 @@ def test_the_calculator_runs_inside_the_server(served) -> None:
     choice = reply.choices[0]
     assert choice.message.content == expected.text
     tokens = choice.model_extra["chatapp"]["tokens"]
-    assert [t["id"] for t in tokens] == expected.tokens
-    assert [t["forced"] for t in tokens] == expected.forced
+    assert [t["id"] for t in tokens] == [e.token for e in expected.events]  # the final stop token too
+    assert [t["forced"] for t in tokens] == [e.forced for e in expected.events]
     assert any(t["forced"] for t in tokens) and any(t["tool"] for t in tokens)
     assert all(len(t["computed"]) == len(served.engine.stt_layers) for t in tokens)
+    assert tokens[-1]["finish_reason"] == expected.finish_reason
     assert choice.model_extra["chatapp"]["finish"]["forced_tokens"] == sum(expected.forced)
 
 
