@@ -44,3 +44,14 @@ def test_generate_with_a_server_reports_its_refusal(served) -> None:
     done = chatapp("generate", "--server", served.url, "Hi", "--model", "other")
     assert done.returncode == 1
     assert "'other' does not exist here" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_run_with_a_server_refuses_local_only_options(served) -> None:
+    done = chatapp("run", "--server", served.root, "--program", "think")
+    assert done.returncode == 1
+    assert "--program cannot be used with --server" in done.stderr
+
+
+def test_run_with_an_unreachable_server_says_so_before_the_tui() -> None:
+    done = chatapp("run", "--server", "http://127.0.0.1:9")
+    assert done.returncode == 1 and "cannot reach the server" in done.stderr and "Traceback" not in done.stderr
