@@ -59,6 +59,7 @@ class Reply:
 class Run:
     seconds: float
     replies: list[Reply] = field(default_factory=list)
+    generating: float | None = None  # of `seconds`, the generation's own (a command's start and model load aside)
 
     @property
     def tokens(self) -> int:
@@ -226,6 +227,9 @@ def main() -> None:
         ttft = [x.ttft for r in done for x in r.replies]
         gaps = [g for r in done for x in r.replies for g in x.gaps]
         rate = f"{tokens / seconds:.1f}" if tokens else "-"
+        if done[0].generating is not None:  # the command's own generation time beside its wall time
+            generating = statistics.median(r.generating for r in done)
+            rate += f" ({tokens / generating:.1f} generating, {generating:.1f} s)"
         print(
             f"| {name} | {n} | {seconds:.1f} | {tokens:.0f} | {rate} | {percentile(ttft, 0.5):.2f} s "
             f"| {percentile(ttft, 0.99):.2f} s | {fmt_ms(percentile(gaps, 0.5))} | {fmt_ms(percentile(gaps, 0.99))} |"
@@ -270,7 +274,9 @@ def batch_command(batch: list[str], max_tokens: int, scratch: Path) -> Run:
     )
     seconds = time.perf_counter() - started
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    return Run(seconds, [Reply(r["text"], len(r["tokens"]), float("nan"), [], True) for r in records])
+    # One device batch: its prefill (every prompt's), then decode steps until its longest row ends.
+    generating = max(r["timings"]["prefill_s"] for r in records) + max(r["timings"]["decode_s"] for r in records)
+    return Run(seconds, [Reply(r["text"], len(r["tokens"]), float("nan"), [], True) for r in records], generating)
 
 
 def fmt_ms(seconds: float) -> str:

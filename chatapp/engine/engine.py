@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["ChatFormatLike", "Engine", "ModelLike", "TurnRequest"]
 
 CACHE_SLACK = 64  # extra cache slots allocated up front for forced tool output
+ADMISSION_REPLY_SLOTS = 256  # cache slots a row joining a running batch starts with for its reply
 
 
 class Engine:
@@ -198,7 +199,10 @@ class Engine:
         self._check_fits(0, 0, len(ids))
         compiled = None if constraint is None else fresh_constraint(constraint, self._regex_constraint)
         rows = [self._new_row(first_row + s, settings, compiled) for s in range(num_samples)]
-        cache_len = min(self.context_size, len(ids) + settings.max_tokens + CACHE_SLACK)
+        # A request that names no max_tokens may run to the context's end (OpenAI's default), but the joined batch
+        # takes its largest row's length: start small and let the cache grow on demand (it doubles).
+        reply_slots = min(settings.max_tokens, ADMISSION_REPLY_SLOTS)
+        cache_len = min(self.context_size, len(ids) + reply_slots + CACHE_SLACK)
         return Admission(ids, rows, cache_len)
 
     def session(self, system: str | None = None) -> ChatSession:

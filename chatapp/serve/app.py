@@ -103,10 +103,9 @@ class Service:
     def admit(self, request: ServeRequest) -> Ticket:
         """The request's rows, checked and built (host work: run it in a worker thread)."""
         engine = self.engine
-        text = request.prompt if request.prompt is not None else None
         param = "messages" if request.kind == "chat" else "prompt"
         try:
-            check_prompt_fits(prompt_chars(text, request.messages), engine.context_size, engine.tokenizer)
+            check_prompt_fits(prompt_chars(request.prompt, request.messages), engine.context_size, engine.tokenizer)
             if request.kind == "chat":
                 ids = engine.chat_format.render_for_completion(request.messages or [])
             else:
