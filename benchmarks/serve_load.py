@@ -120,6 +120,20 @@ def cold_generate(batch: list[str], max_tokens: int) -> Run:
     return Run(time.perf_counter() - started, replies)
 
 
+def client_start(url: str, rounds: int) -> tuple[list[float], list[float]]:
+    """Wall seconds of `chatapp --help` and of `chatapp generate --server URL "Hi" --max-tokens 1`, interleaved."""
+    help_times, remote_times = [], []
+    for _ in range(rounds):
+        for command, times in (
+            (["--help"], help_times),
+            (["generate", "--server", url, "Hi", "--max-tokens", "1"], remote_times),
+        ):
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "chatapp", *command], cwd=ROOT, capture_output=True, check=True)
+            times.append(time.perf_counter() - started)
+    return help_times, remote_times
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -151,6 +165,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--cold", type=int, default=2, help="prompts for the cold `chatapp generate` side")
     parser.add_argument("--soak-tokens", type=int, default=24, help="max_tokens of the 32 x 5 soak's requests")
+    parser.add_argument("--client-rounds", type=int, default=5, help="rounds of the client start-up comparison")
+    parser.add_argument("--client-only", action="store_true", help="only the client start-up comparison")
     args = parser.parse_args()
 
     with socket.socket() as sock:
@@ -159,6 +175,14 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     server = start_server(port)
     scratch = Path(tempfile.mkdtemp(prefix="serve_load-"))
+    if args.client_only:
+        try:
+            help_times, remote_times = client_start(url, args.client_rounds)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=30)
+        print_client_start(help_times, remote_times)
+        return
     try:
         everything = prompts(max(CLIENTS))
         # The reference: `chatapp batch`'s greedy text of every prompt (a reply does not depend on its batch).
@@ -202,6 +226,7 @@ def main() -> None:
             if r.text != expected[p]
         ]
 
+        help_times, remote_times = client_start(url, args.client_rounds)
         soak = concurrent(url, everything[:32], args.soak_tokens, per_client=5)
         soak_ok = sum(
             r.finished and r.text == soak_expected[p]
@@ -243,6 +268,15 @@ def main() -> None:
         f"soak, 32 clients x 5 requests (max_tokens {args.soak_tokens}): {soak_ok}/160 complete and correct in {soak.seconds:.1f} s"
     )
     print(f"SIGTERM: the server exited {code} in {stop_seconds:.2f} s")
+    print_client_start(help_times, remote_times)
+
+
+def print_client_start(help_times: list[float], remote_times: list[float]) -> None:
+    help_median, remote_median = statistics.median(help_times), statistics.median(remote_times)
+    print(
+        f'`chatapp generate --server URL "Hi" --max-tokens 1`: {remote_median:.3f} s median against `chatapp --help` '
+        f"{help_median:.3f} s ({remote_median - help_median:+.3f} s; {len(help_times)} interleaved rounds)"
+    )
 
 
 def batch_command(batch: list[str], max_tokens: int, scratch: Path) -> Run:
