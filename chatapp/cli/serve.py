@@ -37,6 +37,9 @@ def serve(
     together between decode steps. SIGTERM or Ctrl-C finishes replies in flight (10 s at most) and exits 0."""
     from chatapp.lifecycle import starting_up
     from chatapp.models.registry import default_model_name
+    from chatapp.serve.client import check_api_key
+
+    check_api_key(api_key)
 
     with starting_up():
         from chatapp.models import load_engine

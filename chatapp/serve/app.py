@@ -134,7 +134,7 @@ class Service:
             raise ApiError.from_chatapp(err, param="response_format") from None
         except ChatappError as err:
             raise ApiError.from_chatapp(err, param=param) from None
-        return Ticket(admission, deliver=lambda item: None)
+        return Ticket(admission, deliver=lambda item: None)  # `Exchange` routes its deliveries to its queue
 
 
 # ------------------------------------------------------------------------------------------------ one request

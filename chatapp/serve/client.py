@@ -15,6 +15,16 @@ from urllib.parse import urlsplit
 from chatapp.errors import ServerError
 
 SERVER_ENV = "CHATAPP_SERVER"
+API_KEY_ENV = "CHATAPP_API_KEY"
+
+
+def check_api_key(key: str | None) -> None:
+    """An API key travels in an HTTP header: printable ASCII without spaces, or it could never be sent."""
+    if key is not None and (not key or not key.isascii() or not key.isprintable() or any(c.isspace() for c in key)):
+        raise ServerError(
+            f"the API key (--api-key or {API_KEY_ENV}) must be printable ASCII without spaces",
+            hint="use a key of letters, digits and punctuation",
+        )
 
 
 def api_base(url: str) -> tuple[str, int, str, bool]:
@@ -22,13 +32,16 @@ def api_base(url: str) -> tuple[str, int, str, bool]:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ServerError(
-            f"--server {url!r} is not an http(s) URL", hint="give the server's URL, e.g. http://127.0.0.1:8000"
+            f"--server (or {SERVER_ENV}) {url!r} is not an http(s) URL",
+            hint="give the server's URL, e.g. http://127.0.0.1:8000",
         )
     https = parts.scheme == "https"
     try:
         port = parts.port or (443 if https else 80)
     except ValueError:
-        raise ServerError(f"--server {url!r} has a bad port", hint="e.g. http://127.0.0.1:8000") from None
+        raise ServerError(
+            f"--server (or {SERVER_ENV}) {url!r} has a bad port", hint="e.g. http://127.0.0.1:8000"
+        ) from None
     path = parts.path.rstrip("/")
     if not path.endswith("/v1"):
         path += "/v1"
@@ -37,6 +50,7 @@ def api_base(url: str) -> tuple[str, int, str, bool]:
 
 def get_json(url: str, path: str, *, api_key: str | None = None, timeout: float = 30.0) -> dict[str, Any]:
     """GET `path` (under the API's `/v1`) and return its JSON; a refusal raises `ServerError`."""
+    check_api_key(api_key)
     host, port, prefix, https = api_base(url)
     connection_class = http.client.HTTPSConnection if https else http.client.HTTPConnection
     connection = connection_class(host, port, timeout=timeout)
@@ -60,6 +74,7 @@ def stream_chat(
 ) -> Iterator[dict[str, Any]]:
     """POST `body` (with `stream: true`) to the server's `/chat/completions` and yield each event's JSON until
     `[DONE]`. A refused request raises `ServerError` with the server's own message."""
+    check_api_key(api_key)
     host, port, prefix, https = api_base(url)
     connection_class = http.client.HTTPSConnection if https else http.client.HTTPConnection
     connection = connection_class(host, port, timeout=timeout)
@@ -94,7 +109,8 @@ def stream_chat(
 def _unreachable(url: str, err: Exception) -> ServerError:
     reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err) or type(err).__name__
     return ServerError(
-        f"cannot reach the server at {url}: {reason}", hint="start one with `chatapp serve`, or check the URL and port"
+        f"cannot reach the server at {url} (--server or {SERVER_ENV}): {reason}",
+        hint="start one with `chatapp serve`, or check the URL and port",
     )
 
 
