@@ -155,3 +155,9 @@ class DataDirError(ChatappError):
     writable, or a stored file that is not a regular file."""
 
     default_hint = "set CHATAPP_HOME to a writable directory"
+
+
+class ServerError(ChatappError):
+    """A `chatapp serve` server (`--server URL`) could not be reached, or refused the request."""
+
+    default_hint = "check the URL and that `chatapp serve` runs there"

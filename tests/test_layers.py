@@ -30,6 +30,7 @@ LEVELS: list[set[str]] = [
     {"models"},
     {"training"},  # build-time fitting (`chatapp route`); the runtime never imports it
     {"recipes"},
+    {"serve"},  # the OpenAI-compatible server over an engine it is given, and its light client (the TUI's too)
     {"batch", "ui"},
     {"cli"},  # the command line: its table, a module per command, rendering, errors, shared options
 ]

@@ -45,3 +45,19 @@ RoutingOption = Annotated[
 LogprobsOption = Annotated[
     int, typer.Option("--logprobs", help="Per token: log-probability, entropy and N alternatives (0-20; 0 = off).")
 ]
+ServerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--server",
+        envvar="CHATAPP_SERVER",
+        help="Use a running `chatapp serve` at this URL instead of loading a model.",
+    ),
+]
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="CHATAPP_API_KEY",
+        help="The API key: `serve` requires it of every request; `--server` sends it.",
+    ),
+]

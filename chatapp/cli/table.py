@@ -23,6 +23,7 @@ from chatapp.cli.eval import eval_model
 from chatapp.cli.info import info, models
 from chatapp.cli.lens import lens_app
 from chatapp.cli.options import (
+    ApiKeyOption,
     CompileOption,
     DeviceOption,
     DtypeOption,
@@ -32,6 +33,7 @@ from chatapp.cli.options import (
     ProgramOption,
     RoutingOption,
     SeedOption,
+    ServerOption,
     TemperatureOption,
     TopKOption,
     TopPOption,
@@ -39,6 +41,7 @@ from chatapp.cli.options import (
 from chatapp.cli.program import program_app
 from chatapp.cli.prompt_input import read_json_schema, read_prompt
 from chatapp.cli.route import route
+from chatapp.cli.serve import serve
 from chatapp.cli.train import train
 from chatapp.errors import SettingsError
 
@@ -117,8 +120,11 @@ def run(
         ),
     ] = False,
     routing: RoutingOption = None,
+    server: ServerOption = None,
+    api_key: ApiKeyOption = None,
 ) -> None:
-    """Open the chat TUI: streamed tokens (sampled vs forced), zone tags, routing heatmap, tool calls, history."""
+    """Open the chat TUI: streamed tokens (sampled vs forced), zone tags, routing heatmap, tool calls, history.
+    With --server, a running `chatapp serve` answers, and the TUI shows the same from its stream."""
     from pathlib import Path
 
     from chatapp.models.loader import check_environment, check_model_dir, resolve_device
@@ -127,6 +133,14 @@ def run(
     from chatapp.ttfa.loader import load_program_source_by_name
     from chatapp.ui.terminal import end_on_hangup, keys_held_for_the_app
 
+    if server is not None:
+        local_only = {"--model": model, "--program": program, "--device": device, "--routing": routing,
+                      "--in-process": in_process or None}
+        if given := [name for name, value in local_only.items() if value is not None]:
+            raise SettingsError(
+                f"{', '.join(given)} cannot be used with --server (the server's model runs as it was started)",
+                hint=f"drop {', '.join(given)}, or run without --server",
+            )
     # What the user types from now on is the app's, even before the app has the terminal (keys_held_for_the_app).
     with keys_held_for_the_app():
         # Every value the user typed is checked here, before seconds of model loading in the engine process (whose
@@ -134,23 +148,28 @@ def run(
         # the tokenizer, so that part is the engine's, and its error comes back as this one does), the device is
         # resolved, the model directory is looked at; first the environment's settings.
         check_environment()
-        if program is not None:
-            load_program_source_by_name(program)
-        if device is not None:
-            resolve_device(device)
-        if is_registered(model):  # here, not in the engine process: the first use prepares the default model (a bar)
-            model = str(resolve_model(model))
-        config = check_model_dir(resolve_model(model))
-        if routing is not None:  # else the whole TUI is drawn before the engine process refuses it
-            config_level(config, routing)
         backend = None
-        if not in_process:
-            from chatapp.ui.process import start_engine
+        if server is not None:
+            from chatapp.ui.remote import ServerBackend
 
-            # Started before the app's modules are imported (Textual, ~0.5 s): the first answer waits for the
-            # engine process's model, and the two processes load side by side.
-            backend = start_engine(model, device=device, program=program, routing_level=routing)
-            program = None  # the engine process switches to it as it starts
+            backend = ServerBackend(server, api_key=api_key)  # asks the server for its model: refused here if down
+        else:
+            if program is not None:
+                load_program_source_by_name(program)
+            if device is not None:
+                resolve_device(device)
+            if is_registered(model):  # here, not in the engine process: the first use prepares the model (a bar)
+                model = str(resolve_model(model))
+            config = check_model_dir(resolve_model(model))
+            if routing is not None:  # else the whole TUI is drawn before the engine process refuses it
+                config_level(config, routing)
+            if not in_process:
+                from chatapp.ui.process import start_engine
+
+                # Started before the app's modules are imported (Textual, ~0.5 s): the first answer waits for the
+                # engine process's model, and the two processes load side by side.
+                backend = start_engine(model, device=device, program=program, routing_level=routing)
+                program = None  # the engine process switches to it as it starts
         try:
             from chatapp.ui.app import close_backend, make_app
 
@@ -209,9 +228,12 @@ def generate(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timing: tokens/s, forced %, ...")] = False,
     logprobs: LogprobsOption = 0,
     routing: RoutingOption = None,
+    server: ServerOption = None,
+    api_key: ApiKeyOption = None,
 ) -> None:
     """Stream a reply to PROMPT: sampled tokens plain, forced tokens (tool output) in italic cyan. Into a pipe or
-    a file it writes exactly the reply's text (timing and errors go to stderr)."""
+    a file it writes exactly the reply's text (timing and errors go to stderr). With --server, a running `chatapp
+    serve` answers (no model is loaded here)."""
     from chatapp.lifecycle import starting_up
     from chatapp.settings import GenerationSettings
     from chatapp.validation import check_prompt_fits, check_prompt_text
@@ -224,6 +246,23 @@ def generate(
     schema = read_json_schema(json_schema) if json_schema is not None else None
     prompt = read_prompt() if prompt == "-" else prompt
     check_prompt_text(prompt)
+    if server is not None:
+        local_only = {"--device": device, "--dtype": dtype, "--compile": compile, "--program": program,
+                      "--regex": regex, "--logprobs": logprobs or None, "--routing": routing}
+        if given := [name for name, value in local_only.items() if value is not None]:
+            raise SettingsError(
+                f"{', '.join(given)} cannot be used with --server (the server's model runs as it was started)",
+                hint=f"drop {', '.join(given)}, or run without --server",
+            )
+        from chatapp.cli.remote import generate_remote
+
+        exact = None if sys.stdout.isatty() else sys.stdout
+        console = Console(highlight=False) if exact is None else err_console
+        generate_remote(
+            server, prompt, settings, console, model=model, json_schema=schema, api_key=api_key, exact=exact,
+            verbose=verbose,
+        )
+        return
     with starting_up():
         from chatapp.cli.render import stream_reply  # torch
         from chatapp.models import load_engine
@@ -258,6 +297,7 @@ def generate(
 
 
 app.command()(batch)  # chatapp/cli/batch.py: the front of chatapp/batch/
+app.command()(serve)  # chatapp/cli/serve.py: the front of chatapp/serve/
 
 
 # The commands that build or measure a model, each in its module with its options (chatapp/cli/).

@@ -15,6 +15,7 @@ import torch
 
 from chatapp.compute_saved import skip_cost
 from chatapp.engine.constraints import fresh_constraint
+from chatapp.engine.continuous import Admission, ContinuousBatch
 from chatapp.engine.detok import Detokenizer, TokenBytes
 from chatapp.engine.events import Step
 from chatapp.engine.loop import DecodeLoop, RowState
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["ChatFormatLike", "Engine", "ModelLike", "TurnRequest"]
 
 CACHE_SLACK = 64  # extra cache slots allocated up front for forced tool output
+ADMISSION_REPLY_SLOTS = 256  # cache slots a row joining a running batch starts with for its reply
 
 
 class Engine:
@@ -173,6 +175,35 @@ class Engine:
             markers=self.tool_markers,
             skip_cost=self.skip_cost,
         )
+
+    def continuous_batch(self) -> ContinuousBatch:
+        """A decode batch that requests join (`admission`) and leave between steps: a server's one engine loop."""
+        return ContinuousBatch(self.loop, self.model)
+
+    def admission(
+        self,
+        prompt: Sequence[int] | str,
+        settings: GenerationSettings,
+        *,
+        first_row: int,
+        num_samples: int = 1,
+        constraint: str | Constraint | None = None,
+    ) -> Admission:
+        """Check one request (as `generate` does: settings, a prompt that leaves room to answer, the constraint,
+        compiled here) and build its `num_samples` rows, numbered from `first_row`, to join a `ContinuousBatch`.
+        Only host work: a server runs it in the request's own thread while the loop steps."""
+        if num_samples < 1:
+            raise SettingsError(f"num_samples must be >= 1, got {num_samples}", hint="ask for at least one sample")
+        ids = self._prompt_ids(prompt)
+        self._settings_per_prompt(settings, 1)
+        self._check_fits(0, 0, len(ids))
+        compiled = None if constraint is None else fresh_constraint(constraint, self._regex_constraint)
+        rows = [self._new_row(first_row + s, settings, compiled) for s in range(num_samples)]
+        # A request that names no max_tokens may run to the context's end (OpenAI's default), but the joined batch
+        # takes its largest row's length: start small and let the cache grow on demand (it doubles).
+        reply_slots = min(settings.max_tokens, ADMISSION_REPLY_SLOTS)
+        cache_len = min(self.context_size, len(ids) + reply_slots + CACHE_SLACK)
+        return Admission(ids, rows, cache_len)
 
     def session(self, system: str | None = None) -> ChatSession:
         """A multi-turn chat that keeps its KV cache between turns (`chatapp.engine.session.ChatSession`)."""

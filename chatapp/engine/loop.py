@@ -292,6 +292,27 @@ class DecodeLoop:
         programs: Sequence[Program | None] | None = None,
     ) -> Iterator[Step]:
         """Prefill `prompt_ids` (one list per prompt) into `cache`, then decode until every row finished."""
+        batch, info = self.open(prompt_ids, rows, cache, num_samples=num_samples, may_compact=may_compact)
+        if programs and any(p is not None for p in programs):
+            batch.program = ProgramRunner(programs, self.device)
+            batch.pending = batch.program.pending_feed().tolist()  # later steps bring it in their one copy
+        index = 0
+        while batch.active:
+            step = self.step(batch, index)
+            yield step if index else Step(step.index, step.tokens, step.seconds, step.active_rows, prompt=info)
+            index += 1
+
+    def open(
+        self,
+        prompt_ids: list[list[int]],
+        rows: list[RowState],
+        cache: KVCacheLike,
+        *,
+        num_samples: int = 1,
+        may_compact: bool = True,
+    ) -> tuple[DeviceBatch, PromptInfo]:
+        """Prefill `prompt_ids` into `cache` (each prompt in its own row, replicated for `num_samples`) and return
+        the device batch ready for its first step, with what was prefilled."""
         started = time.perf_counter()
         # Routing is a property of the whole call (checked by the front).
         routing, threshold = call_routing(self.model.config, rows[0].settings)
@@ -310,23 +331,57 @@ class DecodeLoop:
             rows=rows,
             cache=cache,
             logits=logits,
-            params=SamplingParams.build([r.settings for r in rows], [r.index % num_samples for r in rows], self.device),
+            params=SamplingParams.build(
+                [r.settings for r in rows], [i % num_samples for i in range(len(rows))], self.device
+            ),
             counters=torch.zeros(len(rows), dtype=torch.long, device=self.device),
             routing=routing,
             threshold=threshold,
             may_compact=may_compact,
             top_n=max(r.settings.logprobs for r in rows),
         )
-        if programs and any(p is not None for p in programs):
-            batch.program = ProgramRunner(programs, self.device)
-            batch.pending = batch.program.pending_feed().tolist()  # later steps bring it in their one copy
-        index = 0
-        while batch.active:
+        return batch, info
+
+    def step(self, batch: DeviceBatch, index: int) -> Step:
+        """One decode step of `batch` (every active row emits its next token or known run), then compaction."""
+        with torch.inference_mode():
+            step = self._step(batch, index)
+            self._maybe_compact(batch)
+        return step
+
+    def admit(self, batch: DeviceBatch, newcomers: Sequence[DeviceBatch]) -> None:
+        """Join the rows of `newcomers` (batches `open` prefilled, each into a cache of its own) to `batch` between
+        two steps, in one copy of the cache: continuous batching. Each newcomer was prefilled alone, and a decode
+        step computes every row the same whatever rows are beside it, so an admitted row emits what it would
+        alone."""
+        for new in newcomers:
+            if new.program is not None or batch.program is not None:
+                raise ValueError("rows running TTFA programs cannot join a running batch")
+            if (new.routing, new.threshold) != (batch.routing, batch.threshold):
+                raise ValueError("rows joining a running batch must share its routing")
+        with torch.inference_mode():
+            batch.cache = batch.cache.join(*(new.cache for new in newcomers))
+            batch.logits = torch.cat([batch.logits, *(new.logits for new in newcomers)])
+            batch.params = batch.params.join(*(new.params for new in newcomers))
+            batch.counters = torch.cat([batch.counters, *(new.counters for new in newcomers)])
+        for new in newcomers:
+            batch.rows = batch.rows + new.rows
+            batch.finished += new.finished
+            batch.top_n = max(batch.top_n, new.top_n)
+
+    def cancel(self, batch: DeviceBatch, indices: set[int]) -> list[int]:
+        """End the rows whose request row index is in `indices` (their consumer left): they are fed nothing from
+        the next step on, and the batch drops them at once. Returns the indices that were still running."""
+        ended = []
+        for row in batch.rows:
+            if row.index in indices and not row.finished:
+                row.finished = True
+                batch.finished += 1
+                ended.append(row.index)
+        if ended:
             with torch.inference_mode():
-                step = self._step(batch, index)
-                self._maybe_compact(batch)
-            yield step if index else Step(step.index, step.tokens, step.seconds, step.active_rows, prompt=info)
-            index += 1
+                self._maybe_compact(batch, at_once=True)
+        return ended
 
     # ------------------------------------------------------------------------------------------------ prefill
     def _prefill(
@@ -690,11 +745,12 @@ class DecodeLoop:
         drawn = item.source == "model"
         return host.logprobs.token(slot, position, item.token, row.settings.logprobs, drawn, row.detok.token_bytes)
 
-    def _maybe_compact(self, batch: DeviceBatch) -> None:
-        """Drop finished rows from the device batch once they are at least a quarter of it (see module doc)."""
+    def _maybe_compact(self, batch: DeviceBatch, at_once: bool = False) -> None:
+        """Drop finished rows from the device batch once they are at least a quarter of it (see module doc), or
+        now with `at_once`."""
         if not batch.finished or not batch.active or not batch.may_compact:
             return
-        if batch.finished < max(1, len(batch.rows) // 4):
+        if not at_once and batch.finished < max(1, len(batch.rows) // 4):
             return
         keep = [i for i, row in enumerate(batch.rows) if not row.finished]
         index = torch.tensor(keep, dtype=torch.long, device=self.device)

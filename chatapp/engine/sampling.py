@@ -22,7 +22,7 @@ Tokens tied with the k-th (or nucleus-boundary) logit are kept, so a tie can kee
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -128,6 +128,23 @@ class SamplingParams:
             ),
             plan=plan,
         )
+
+    def join(self, *others: SamplingParams) -> SamplingParams:
+        """This batch's rows, then each of `others`' (rows admitted into a running batch); the plan covers all."""
+        plans = [p.plan for p in (self, *others)]
+        plan = SamplingPlan(
+            any_sampling=any(p.any_sampling for p in plans),
+            any_greedy=any(p.any_greedy for p in plans),
+            max_top_k=max(p.max_top_k for p in plans),
+            any_top_p=any(p.any_top_p for p in plans),
+            top_p_within_top_k=all(p.top_p_within_top_k for p in plans),
+        )
+        tensors = {
+            f.name: torch.cat([getattr(p, f.name) for p in (self, *others)])
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, plan=plan, **tensors)
 
     def select(self, index: torch.Tensor) -> SamplingParams:
         """The params of rows `index` (batch compaction). The plan stays valid: it is an upper bound."""

@@ -193,6 +193,27 @@ class KVCache:
         new.native_views = None
         return new
 
+    def join(self, *others: KVCache) -> KVCache:
+        """A new cache holding this cache's rows, then each of `others`' (rows admitted into a running batch), in
+        one copy: every cache is first grown to the largest `max_len`, so entries keep their slots and the trash
+        slot stays last."""
+        caches = (self, *others)
+        size = max(c.max_len for c in caches)
+        for cache in caches:
+            cache.grow(size)
+        new = KVCache.__new__(KVCache)
+        new.max_len = size
+        new.batch_size = sum(c.batch_size for c in caches)
+        new.keys = [torch.cat(layer) for layer in zip(*(c.keys for c in caches), strict=True)]
+        new.values = [torch.cat(layer) for layer in zip(*(c.values for c in caches), strict=True)]
+        new.positions = torch.cat([c.positions for c in caches], dim=1)
+        new.lengths = torch.cat([c.lengths for c in caches], dim=1)
+        new.seen = torch.cat([c.seen for c in caches])
+        new.prev_hidden = torch.cat([c.prev_hidden for c in caches], dim=1)
+        new.host_bound = max(c.host_bound for c in caches)
+        new.native_views = None
+        return new
+
     def row(self, index: int) -> KVCache:
         """Row `index` as a cache of one row whose tensors are views of this one's: what is written into it is
         written here. A prompt is prefilled into its own row this way, so its numbers never depend on the rows

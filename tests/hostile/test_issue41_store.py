@@ -121,15 +121,23 @@ def _environment_names() -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("name", sorted(_environment_names() - {"CHATAPP_HOME"}))
+@pytest.mark.parametrize("name", sorted(_environment_names() - {"CHATAPP_HOME", "CHATAPP_API_KEY"}))
 def test_5_every_chatapp_setting_is_checked_before_any_work(name: str, monkeypatch) -> None:
     """Every `CHATAPP_*` variable the package reads (found in its source) refuses a bad value at start, with one
     `error:` naming it and one `fix:`. `CHATAPP_HOME` is a path: any value names a directory (checked where it is
-    first written)."""
+    first written); `CHATAPP_API_KEY` is a secret: "bogus-value" is a key (one that cannot travel in a header is
+    refused: `test_5_an_api_key_that_cannot_be_sent_is_refused`)."""
     monkeypatch.setattr("chatapp.models.loader.resolve_model", lambda *a: pytest.fail("the model was looked up"))
     result = _generate("Say hi", "--model", "tiny", env={name: "bogus-value"})
     assert result.exit_code == 1, result.output
     assert result.output.count("error:") == 1 and name in result.output, result.output
+    assert result.output.count("fix:") == 1, result.output
+
+
+def test_5_an_api_key_that_cannot_be_sent_is_refused(monkeypatch) -> None:
+    result = _generate("Say hi", "--server", "http://127.0.0.1:9", env={"CHATAPP_API_KEY": "two words"})
+    assert result.exit_code == 1, result.output
+    assert result.output.count("error:") == 1 and "CHATAPP_API_KEY" in result.output, result.output
     assert result.output.count("fix:") == 1, result.output
 
 
