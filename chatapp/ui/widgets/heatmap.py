@@ -10,11 +10,18 @@ was". With the layer lens on (`set_depths`), a depth row under it draws each tok
 layer from which the logit lens's top token stays the emitted one; `chatapp.engine.lens`) as a block, taller for a
 later decision. It is a `ScrollView` that renders only the visible lines, follows new tokens while scrolled to the
 right end, and marks the selected token's column with `▲` under the grid.
+
+While an answer streams, its columns are drawn at most every `PAINT_INTERVAL` rather than with every batch (~30 a
+second). Textual repaints the box that bounds every changed region, so a heatmap changed in the same frame as the
+transcript beside it repaints the whole side panel with it (the stats, the inspector): ~6 ms of the UI's ~7 ms a
+frame, measured in a 160x48 terminal, CPU that the engine process's threads wait for. Between its paints a frame
+repaints the transcript alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 from rich.segment import Segment
@@ -22,6 +29,7 @@ from rich.style import Style
 from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.timer import Timer
 
 from chatapp.engine.events import TokenEvent
 from chatapp.engine.lens import depth_block
@@ -30,6 +38,9 @@ from chatapp.ui.widgets.probability import surprise_colour, surprise_shade
 # A perceptual ramp (viridis' end points and middle) for router probability 0 → 1.
 _RAMP = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
 _CHUNK = 32  # columns added to the virtual width at a time
+# Seconds between two paints of a streaming answer's new columns (module docstring): 10 a second still reads as a
+# stream, a third of the frames.
+PAINT_INTERVAL = 0.1
 Column = tuple[tuple[float, ...], tuple[bool, ...]] | None
 SURPRISE_LABEL = "-log p"
 DEPTH_LABEL = "depth"
@@ -70,7 +81,9 @@ def cell(upper: tuple[float, bool] | None, lower: tuple[float, bool] | None) -> 
 class RoutingHeatmap(ScrollView, can_focus=True):
     """STT layers × tokens of one answer (the one streaming, or the one whose token is selected)."""
 
-    def __init__(self, stt_layers: Sequence[int] = (), *, id: str | None = None) -> None:
+    def __init__(
+        self, stt_layers: Sequence[int] = (), *, id: str | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__(id=id)
         self.stt_layers = tuple(stt_layers)
         self.depths: tuple[int | None, ...] | None = None  # per token, with the layer lens on (`set_depths`)
@@ -83,6 +96,11 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         self.selected: int | None = None
         self._room = 0  # columns the virtual width keeps for the answer being streamed
         self._gutter = max(len(self._label(r)) for r in range(self.grid_rows)) + 1
+        self._clock = clock
+        self._painted_columns = 0  # columns drawn so far; `extend` adds columns, `_paint_new` draws them
+        self._painted_at = -PAINT_INTERVAL
+        self._held_back: Timer | None = None  # paints the columns held back by `extend`
+        self._base = Style()  # the widget's own style, read once per repaint (`render_lines`)
 
     def on_mount(self) -> None:
         self._fit_height()
@@ -136,10 +154,12 @@ class RoutingHeatmap(ScrollView, can_focus=True):
     def set_tokens(self, events: Sequence[TokenEvent], selected: int | None = None) -> None:
         """Show a whole answer (e.g. a resumed one, or the answer whose token was selected); a depth row is kept
         empty until `set_depths` fills it for this answer."""
+        self._drop_held_back()
         self.columns = []
         self._cells = [[] for _ in range(self.grid_rows)]
         self._painted_on = None
         self._append(events)
+        self._painted_columns = len(self.columns)
         self.selected = selected
         self._set_virtual_width(len(self.columns))
         if selected is None:
@@ -156,26 +176,46 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         self._room = expected
 
     def extend(self, events: Sequence[TokenEvent]) -> None:
-        """Append streamed tokens, following the newest while it is in view.
+        """Append streamed tokens; they are drawn at once when the last paint is `PAINT_INTERVAL` old, else when it
+        is (module docstring)."""
+        self._append(events)
+        wait = PAINT_INTERVAL - (self._clock() - self._painted_at)
+        if wait <= 0:
+            self._paint_new()
+        elif self._held_back is None:
+            self._held_back = self.set_timer(wait, self._paint_new)
 
-        The view follows in jumps (the newest token lands mid-view) rather than one column per batch: a scroll
-        repaints the whole grid, while between jumps a batch repaints only its own new columns.
+    def _paint_new(self) -> None:
+        """Draw the columns appended since the last paint, following the newest while it is in view.
+
+        The view follows in jumps (the newest token lands mid-view) rather than one column per paint: a scroll
+        repaints the whole grid, while between jumps a paint repaints only its own new columns.
         """
+        self._drop_held_back()
+        self._painted_at = self._clock()
+        first, count = self._painted_columns, len(self.columns)
+        self._painted_columns = count
         visible = self._visible_columns
         # At the right end of the grid counts as following too: the grid may not have grown to its new size yet.
-        following = len(self.columns) <= self.scroll_x + visible or self.scroll_x >= self.max_scroll_x
-        first = len(self.columns)
-        self._append(events)
-        if len(self.columns) > visible:  # plus room for a jump ahead (the scroll position is clamped to the width)
-            self._set_virtual_width(max(len(self.columns), self._room) + visible)
-        if following and len(self.columns) > self.scroll_x + visible:
+        following = first <= self.scroll_x + visible or self.scroll_x >= self.max_scroll_x
+        if count > visible:  # plus room for a jump ahead (the scroll position is clamped to the width)
+            self._set_virtual_width(max(count, self._room) + visible)
+        if following and count > self.scroll_x + visible:
             # Forced: the scrollbar of a grid that has just outgrown the view appears only with the next layout.
-            self.scroll_to(x=len(self.columns) - visible // 2, animate=False, force=True)
+            self.scroll_to(x=count - visible // 2, animate=False, force=True)
         else:
-            self._refresh_columns(first, len(self.columns))
+            self._refresh_columns(first, count)
+
+    def _drop_held_back(self) -> None:
+        if self._held_back is not None:
+            self._held_back.stop()
+            self._held_back = None
 
     def settle(self) -> None:
-        """The answer is complete: drop the room kept for it and, if following, end at the newest token."""
+        """The answer is complete: draw what is held back, drop the room kept for it and, if following, end at the
+        newest token."""
+        if self._painted_columns < len(self.columns):
+            self._paint_new()
         following = len(self.columns) <= self.scroll_x + self._visible_columns or self.scroll_x >= self.max_scroll_x
         self._room = 0
         self._set_virtual_width(len(self.columns))
@@ -232,13 +272,19 @@ class RoutingHeatmap(ScrollView, can_focus=True):
             return None
         return event.router_probs, event.computed
 
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # The widget's colours under the cells' own: `rich_style` walks the widget's ancestors, so once a repaint,
+        # not once a line.
+        self._base = self.rich_style
+        return super().render_lines(crop)
+
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
         row = y + scroll_y
         width = self.scrollable_content_region.width
         visible = max(width - self._gutter, 0)
         columns = range(scroll_x, min(scroll_x + visible, len(self.columns)))
-        base = self.rich_style  # the widget's colours under the cells' own
+        base = self._base
         if row == self.grid_rows:
             ruler = "".join("▲" if i == self.selected else " " for i in columns)
             segments = [Segment(" " * self._gutter, base), Segment(ruler, base + Style(bold=True))]
