@@ -11,11 +11,8 @@ layer from which the logit lens's top token stays the emitted one; `chatapp.engi
 later decision. It is a `ScrollView` that renders only the visible lines, follows new tokens while scrolled to the
 right end, and marks the selected token's column with `▲` under the grid.
 
-While an answer streams, its columns are drawn at most every `PAINT_INTERVAL` rather than with every batch (~30 a
-second). Textual repaints the box that bounds every changed region, so a heatmap changed in the same frame as the
-transcript beside it repaints the whole side panel with it (the stats, the inspector): ~6 ms of the UI's ~7 ms a
-frame, measured in a 160x48 terminal, CPU that the engine process's threads wait for. Between its paints a frame
-repaints the transcript alone.
+While an answer streams, its new columns are drawn at most every `PAINT_INTERVAL`, in the transcript's frames
+(`live.PaintThrottle`, which says why), rather than with every batch.
 """
 
 from __future__ import annotations
@@ -29,17 +26,17 @@ from rich.style import Style
 from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
-from textual.timer import Timer
 
 from chatapp.engine.events import TokenEvent
 from chatapp.engine.lens import depth_block
+from chatapp.ui.widgets.live import PaintThrottle
 from chatapp.ui.widgets.probability import surprise_colour, surprise_shade
 
 # A perceptual ramp (viridis' end points and middle) for router probability 0 → 1.
 _RAMP = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
 _CHUNK = 32  # columns added to the virtual width at a time
-# Seconds between two paints of a streaming answer's new columns (module docstring): 10 a second still reads as a
-# stream, a third of the frames.
+# Seconds between two paints of a streaming answer's new columns: 10 a second still reads as a stream, in a third of
+# the frames.
 PAINT_INTERVAL = 0.1
 Column = tuple[tuple[float, ...], tuple[bool, ...]] | None
 SURPRISE_LABEL = "-log p"
@@ -96,10 +93,8 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         self.selected: int | None = None
         self._room = 0  # columns the virtual width keeps for the answer being streamed
         self._gutter = max(len(self._label(r)) for r in range(self.grid_rows)) + 1
-        self._clock = clock
         self._painted_columns = 0  # columns drawn so far; `extend` adds columns, `_paint_new` draws them
-        self._painted_at = -PAINT_INTERVAL
-        self._held_back: Timer | None = None  # paints the columns held back by `extend`
+        self._throttle = PaintThrottle(self, PAINT_INTERVAL, self._paint_new, clock)
         self._base = Style()  # the widget's own style, read once per repaint (`render_lines`)
 
     def on_mount(self) -> None:
@@ -154,7 +149,7 @@ class RoutingHeatmap(ScrollView, can_focus=True):
     def set_tokens(self, events: Sequence[TokenEvent], selected: int | None = None) -> None:
         """Show a whole answer (e.g. a resumed one, or the answer whose token was selected); a depth row is kept
         empty until `set_depths` fills it for this answer."""
-        self._drop_held_back()
+        self._throttle.cancel()
         self.columns = []
         self._cells = [[] for _ in range(self.grid_rows)]
         self._painted_on = None
@@ -176,14 +171,9 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         self._room = expected
 
     def extend(self, events: Sequence[TokenEvent]) -> None:
-        """Append streamed tokens; they are drawn at once when the last paint is `PAINT_INTERVAL` old, else when it
-        is (module docstring)."""
+        """Append streamed tokens; they are drawn at most every `PAINT_INTERVAL` (`_paint_new`)."""
         self._append(events)
-        wait = PAINT_INTERVAL - (self._clock() - self._painted_at)
-        if wait <= 0:
-            self._paint_new()
-        elif self._held_back is None:
-            self._held_back = self.set_timer(wait, self._paint_new)
+        self._throttle.request()
 
     def _paint_new(self) -> None:
         """Draw the columns appended since the last paint, following the newest while it is in view.
@@ -191,8 +181,7 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         The view follows in jumps (the newest token lands mid-view) rather than one column per paint: a scroll
         repaints the whole grid, while between jumps a paint repaints only its own new columns.
         """
-        self._drop_held_back()
-        self._painted_at = self._clock()
+        self._throttle.painted()
         first, count = self._painted_columns, len(self.columns)
         self._painted_columns = count
         visible = self._visible_columns
@@ -205,11 +194,6 @@ class RoutingHeatmap(ScrollView, can_focus=True):
             self.scroll_to(x=count - visible // 2, animate=False, force=True)
         else:
             self._refresh_columns(first, count)
-
-    def _drop_held_back(self) -> None:
-        if self._held_back is not None:
-            self._held_back.stop()
-            self._held_back = None
 
     def settle(self) -> None:
         """The answer is complete: draw what is held back, drop the room kept for it and, if following, end at the
