@@ -14,6 +14,12 @@ ratio to llama.cpp where both did the same job:
   (the app takes keys from then on) and until the first answer is on the screen (the TUI's engine process loads the
   model while the app draws; a message typed meanwhile waits for it).
 
+With `--phases`, only `chatapp generate "Hi" --max-tokens 1`, split into its phases (start, import, model load,
+prefill, decode, exit: `_phases.py` says where each ends): per phase the wall time, the CPU seconds of the process
+(every thread: on a busy machine the CPU time moves less than the wall time), and the resident set and its peak at
+the phase's end, so that what raises the peak shows in the phase that raised it (with `--before`: beside the same
+from that tree).
+
 Peak memory is each process's own maximum resident set (its ru_maxrss, measured from a small launcher process): the TUI's figure is its engine
 process's, which holds the model. The default model must be prepared, and its stored served format written, before
 a run (any `chatapp generate` does both); a first round is run and dropped as a warm-up.
@@ -26,7 +32,7 @@ a run (any `chatapp generate` does both); a first round is run and dropped as a 
   rounds: the table then shows after / before
   for each command, which is how a change shows that no user command got slower.
 
-Run: .venv/bin/python benchmarks/startup.py [--rounds 5] [--tokens 128] [--tui-only] [--before DIR]
+Run: .venv/bin/python benchmarks/startup.py [--rounds 5] [--tokens 128] [--tui-only] [--phases] [--before DIR]
 """
 
 from __future__ import annotations
@@ -122,7 +128,7 @@ def before_side(side: Side, tree: Path, home: Path) -> Side:
     return Side(f"{side.name} (before)", argv, side.job, env, tree)
 
 
-def before_home(home: Path) -> Path:
+def before_home_dir(home: Path) -> Path:
     """A data directory of the `--before` tree's own: it prepares its default model there from its own parts in the
     warm-up round (a link to this tree's prepared model would not do: the two trees' parts may differ)."""
     (home / "data").mkdir(parents=True, exist_ok=True)
@@ -189,12 +195,82 @@ def engine_peak_mb() -> float:
     return float("nan")
 
 
+PHASES = ("start", "import", "model load", "prefill", "decode", "exit")
+ONE_TOKEN = ["generate", "Hi", "--max-tokens", "1"]
+
+
+@dataclass
+class PhaseRun:
+    """One run's phases: each one's wall and CPU seconds, and the resident set and its peak at its end (MB)."""
+
+    wall: dict[str, float]
+    cpu: dict[str, float]
+    rss: dict[str, float]
+    peak: dict[str, float]
+
+
+def phase_run(tree: Path, env: dict[str, str] | None = None) -> PhaseRun:
+    """`chatapp generate "Hi" --max-tokens 1` from the checkout `tree`, run by `_phases.py` in a fresh process."""
+    env = {**(env or os.environ), "PYTHONPATH": str(tree)}
+    started = time.time()
+    done = subprocess.run(
+        [sys.executable, str(HERE / "_phases.py"), *ONE_TOKEN], capture_output=True, text=True, env=env, cwd=tree
+    )
+    ended = time.time()
+    if done.returncode != 0:
+        raise SystemExit(f"chatapp {' '.join(ONE_TOKEN)} failed:\n{done.stderr[-2000:]}")
+    line = next(line for line in done.stderr.splitlines() if line.startswith("PHASES "))
+    marks = {mark["phase"]: mark for mark in json.loads(line.removeprefix("PHASES "))["marks"]}
+    wall, cpu, before_time, before_cpu = {}, {}, started, 0.0
+    for phase in PHASES[:-1]:
+        wall[phase], cpu[phase] = marks[phase]["time"] - before_time, marks[phase]["cpu"] - before_cpu
+        before_time, before_cpu = marks[phase]["time"], marks[phase]["cpu"]
+    wall["exit"], cpu["exit"] = ended - marks["exit"]["time"], float("nan")  # its own CPU is not reported
+    rss = {phase: marks[phase]["rss"] for phase in PHASES[:-1]}
+    peak = {phase: marks[phase]["peak"] for phase in PHASES[:-1]}
+    return PhaseRun(wall, cpu, rss, peak)
+
+
+def phases(rounds: int, before: Path | None, before_home: Path) -> None:
+    """The 1-token `generate` by phase, in interleaved rounds (with the `--before` tree's beside it), medians."""
+    sys.path.insert(0, str(HERE))
+    from _machine import machine
+
+    trees: dict[str, tuple[Path, dict[str, str] | None]] = {"after": (HERE.parent, None)}
+    if before is not None:
+        home = before_home_dir(before_home)
+        trees["before"] = (before.resolve(), {**os.environ, "CHATAPP_HOME": str(home)})
+    runs: dict[str, list[PhaseRun]] = {name: [] for name in trees}
+    print(machine())
+    for round_ in range(rounds + 1):  # round 0 warms the page cache (and prepares the --before tree's model)
+        for name, (tree, env) in trees.items():
+            run = phase_run(tree, env)
+            if round_:
+                runs[name].append(run)
+        print(f"round {round_}{' (warm-up, dropped)' if not round_ else ''} done", file=sys.stderr)
+    print(f"\nchatapp {' '.join(ONE_TOKEN)}: medians of {rounds} runs per tree, interleaved")
+    for name, tree_runs in runs.items():
+        print(f"\n{name} ({trees[name][0]})")
+        print("| phase | wall s | CPU s | RSS at end MB | peak RSS at end MB |")
+        print("|---|---:|---:|---:|---:|")
+        for phase in PHASES:
+            wall = statistics.median(r.wall[phase] for r in tree_runs)
+            cpu = statistics.median(r.cpu[phase] for r in tree_runs)
+            rss = statistics.median(r.rss.get(phase, float("nan")) for r in tree_runs)
+            peak = statistics.median(r.peak.get(phase, float("nan")) for r in tree_runs)
+            print(f"| {phase} | {wall:.3f} | {cpu:.3f} | {rss:.0f} | {peak:.0f} |")
+        total = statistics.median(sum(r.wall.values()) for r in tree_runs)
+        total_cpu = statistics.median(sum(v for p, v in r.cpu.items() if p != "exit") for r in tree_runs)
+        print(f"| total | {total:.3f} | {total_cpu:.3f} | | |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--no-tui", action="store_true", help="leave out the `chatapp run` side")
     parser.add_argument("--tui-only", action="store_true", help="only the `chatapp run` side")
+    parser.add_argument("--phases", action="store_true", help="only the 1-token generate, by phase")
     parser.add_argument(
         "--before",
         type=Path,
@@ -208,6 +284,9 @@ def main() -> None:
         help="the data directory of the --before sides",
     )
     args = parser.parse_args()
+    if args.phases:
+        phases(args.rounds, args.before, args.before_home)
+        return
 
     sys.path.insert(0, str(HERE))
     from _machine import machine
@@ -245,7 +324,7 @@ def main() -> None:
     if not args.no_tui and shutil.which("tmux"):
         sides.append(Side("chatapp run: first answer shown", None, "tui"))
     if args.before is not None:
-        home = before_home(args.before_home)
+        home = before_home_dir(args.before_home)
         for side in [s for s in sides if s.name.startswith("chatapp")]:
             side.before = before_side(side, args.before.resolve(), home)
             sides.insert(sides.index(side) + 1, side.before)

@@ -1,4 +1,19 @@
-"""Tokens/s of the same greedy chat through the chat TUI (headless) versus the bare engine.
+"""Tokens/s of the same greedy chat through the chat TUI versus the bare engine: headless, and in a real terminal.
+
+`--terminal`: what a user sees. `chatapp run` in a tmux pane (160x48) is sent STORY, and the screen is read every
+50 ms until the answer stops at its max tokens (256, the default; a new chat for each answer); `chatapp generate
+STORY --verbose` answers the same prompt in its own process. Each round runs every side once (interleaved, so the
+machine's load reaches them alike) after a warm-up round; the table gives medians:
+- engine tokens/s: `generate`'s "eval rate", the TUI's stats panel (both: tokens over the seconds of the decode
+  steps, measured in the process that decodes);
+- on-screen tokens/s (TUI): the slope of the stats panel's token count over the times the screen showed it change,
+  i.e. the rate the answer reached the terminal at;
+- the CPU each of the TUI's processes used per second of streaming (/proc: the UI process, the engine process),
+  in cores: the UI's share is what the engine's threads compete with on a small machine.
+`--kernel-threads 1,2` adds a TUI side per count (`$CHATAPP_KERNEL_THREADS` in the engine process) beside the
+engine process's default. The goal: the TUI's on-screen rate >= 85% of `generate`'s eval rate.
+
+The headless sides (the default):
 
 All sides run from this process on the same model and the same turns: the engine side iterates `ChatSession.send`
 directly; the TUI sides are `ChatApp` run headless (`run_test`): a thread worker iterating the backend's stream,
@@ -30,6 +45,7 @@ only add noise, and it leaves the TUI's own thread a core, as on any machine wit
 
 Run: .venv/bin/python benchmarks/ui_throughput.py [--repeats N] [--max-tokens N] [--threads N] [--model DIR]
      [--hidden N --layers N]  (size of the random model; a bigger one is a slower engine)
+     .venv/bin/python benchmarks/ui_throughput.py --terminal [--repeats N] [--kernel-threads 1,2]
 """
 
 from __future__ import annotations
@@ -39,7 +55,11 @@ import asyncio
 import gc
 import inspect
 import os
+import re
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -242,6 +262,205 @@ def compare(label: str, model_dir: Path, turns: Sequence[str], args: argparse.Na
     print()
 
 
+# --- the real terminal ----------------------------------------------------------------------------------------
+STORY = "Tell me a long story about a dragon who learns to bake bread."
+# What a user types, with this checkout's code (`python -m chatapp` from the repository root).
+CHATAPP = [sys.executable, "-m", "chatapp"]
+REPO = Path(__file__).resolve().parent.parent
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class TerminalRun:
+    """One answer in a terminal: the engine's own rate (`generate`'s "eval rate", the TUI's stats panel), the rate
+    the tokens reached the screen at (TUI: the slope of the stats panel's token count over the times it changed),
+    and each process's CPU seconds per second of streaming (TUI)."""
+
+    tokens: int
+    engine_rate: float
+    screen_rate: float = float("nan")
+    ui_cpu: float = float("nan")
+    engine_cpu: float = float("nan")
+
+    FIELDS = ("tokens", "engine_rate", "screen_rate", "ui_cpu", "engine_cpu")
+
+
+def generate_run(prompt: str, env: dict[str, str]) -> TerminalRun:
+    """`chatapp generate PROMPT --verbose`, its reply into a pipe: its eval count and rate."""
+    done = subprocess.run(
+        [*CHATAPP, "generate", prompt, "--verbose"], capture_output=True, text=True, env=env, cwd=REPO, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"chatapp generate failed:\n{done.stderr[-2000:]}")
+    count = re.search(r"^eval count:\s+(\d+)", done.stderr, re.MULTILINE)
+    rate = re.search(r"^eval rate:\s+([\d.]+)", done.stderr, re.MULTILINE)
+    if count is None or rate is None:
+        raise SystemExit(f"chatapp generate printed no eval rate:\n{done.stderr[-2000:]}")
+    return TerminalRun(int(count[1]), float(rate[1]))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _engine_pid(ui_pid: int) -> int:
+    """The TUI's engine process: the child of `ui_pid` that multiprocessing spawned."""
+    for child in Path(f"/proc/{ui_pid}/task/{ui_pid}/children").read_text().split():
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return int(child)
+    raise SystemExit(f"chatapp run (pid {ui_pid}) has no engine process")
+
+
+class TerminalTUI:
+    """`chatapp run` in a tmux pane: types a message, watches the screen until the answer is done."""
+
+    SHOWN = re.compile(r"│ tokens\s+(\d+)\s+\(prompt")
+    RATE = re.compile(r"│ tokens/s\s+([\d.]+)")
+
+    def __init__(self, env: dict[str, str], db: Path, size: tuple[int, int] = (160, 48)) -> None:
+        self.session = f"chatapp-ui-throughput-{os.getpid()}-{db.stem}"
+        self.env = {**env, "TEXTUAL_ANIMATIONS": "none"}
+        # tmux's server keeps the environment it started with: the pane's command sets what it needs itself.
+        exports = [f"{name}={value}" for name, value in self.env.items() if name.startswith(("CHATAPP_", "TEXTUAL_"))]
+        line = " ".join(["env", *exports, *CHATAPP, "run", "--db", str(db)])
+        subprocess.run(["tmux", "kill-session", "-t", self.session], capture_output=True)
+        subprocess.run(
+            [
+                "tmux",
+                "new-session",
+                "-d",
+                "-s",
+                self.session,
+                "-c",
+                str(REPO),
+                "-x",
+                str(size[0]),
+                "-y",
+                str(size[1]),
+                line,
+            ],
+            check=True,
+            env=self.env,
+        )
+        self.wait_for(lambda screen: "enter send" in screen, 120, "its message box")
+        pane = subprocess.run(
+            ["tmux", "display", "-p", "-t", self.session, "#{pane_pid}"], capture_output=True, text=True, check=True
+        )
+        self.ui_pid = int(pane.stdout)
+        self.engine_pid = _engine_pid(self.ui_pid)
+
+    def screen(self) -> str:
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.session], capture_output=True, text=True).stdout
+
+    def wait_for(self, ready: Callable[[str], bool], timeout: float, what: str) -> str:
+        until = time.monotonic() + timeout
+        while time.monotonic() < until:
+            if ready(screen := self.screen()):
+                return screen
+            time.sleep(0.1)
+        raise SystemExit(f"chatapp run did not show {what} in {timeout:.0f} s:\n{self.screen()}")
+
+    def answer(self, prompt: str, timeout: float = 300.0, poll: float = 0.05) -> TerminalRun:
+        """Start a new chat, send `prompt`, and watch until the answer stops at its max tokens."""
+        subprocess.run(["tmux", "send-keys", "-t", self.session, "C-n"], check=True)
+        self.wait_for(lambda screen: "assistant" not in screen, 30, "a new chat")
+        subprocess.run(["tmux", "send-keys", "-t", self.session, "-l", prompt], check=True)
+        subprocess.run(["tmux", "send-keys", "-t", self.session, "Enter"], check=True)
+        seen: list[tuple[float, int]] = []  # (when, tokens) each time the stats' count changed while streaming
+        cpu: tuple[float, float] | None = None
+        until = time.monotonic() + timeout
+        while time.monotonic() < until:
+            screen = self.screen()
+            now = time.perf_counter()
+            if "stopped at max tokens" in screen:
+                break
+            if (shown := self.SHOWN.search(screen)) and (not seen or int(shown[1]) != seen[-1][1]):
+                if cpu is None:
+                    cpu = (_cpu_seconds(self.ui_pid), _cpu_seconds(self.engine_pid))
+                seen.append((now, int(shown[1])))
+            time.sleep(poll)
+        else:
+            raise SystemExit(f"chatapp run's answer did not stop at max tokens in {timeout:.0f} s:\n{screen}")
+        ui_cpu, engine_cpu = _cpu_seconds(self.ui_pid), _cpu_seconds(self.engine_pid)
+        # The stats panel shows the final figures in the frame that ends the answer, or in the next one.
+        time.sleep(0.2)
+        screen = self.screen()
+        total = self.SHOWN.search(screen)
+        rate = self.RATE.search(screen)
+        if total is None or rate is None or cpu is None or len(seen) < 3:
+            raise SystemExit(f"chatapp run's stats panel was not read:\n{screen}")
+        streamed = seen[-1][0] - seen[0][0]
+        return TerminalRun(
+            tokens=int(total[1]),
+            engine_rate=float(rate[1]),
+            screen_rate=_slope(seen),
+            ui_cpu=(ui_cpu - cpu[0]) / streamed,
+            engine_cpu=(engine_cpu - cpu[1]) / streamed,
+        )
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.session], capture_output=True)
+
+
+def _slope(points: list[tuple[float, int]]) -> float:
+    """Least-squares tokens per second through (time, tokens) points."""
+    mean_t = statistics.fmean(t for t, _ in points)
+    mean_n = statistics.fmean(n for _, n in points)
+    return sum((t - mean_t) * (n - mean_n) for t, n in points) / sum((t - mean_t) ** 2 for t, _ in points)
+
+
+def terminal_compare(args: argparse.Namespace, tmp: Path) -> None:
+    """The `--terminal` comparison (module docstring): interleaved rounds, medians."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _machine import machine
+
+    if shutil.which("tmux") is None:
+        raise SystemExit("--terminal needs tmux (apt-get install tmux)")
+    env = dict(os.environ)
+    env.pop("CHATAPP_KERNEL_THREADS", None)  # each side sets its own
+    tuis = {"chatapp run": TerminalTUI(env, tmp / "default.sqlite3")}
+    for threads in args.kernel_threads:
+        tuis[f"chatapp run, {threads} kernel thread(s)"] = TerminalTUI(
+            {**env, "CHATAPP_KERNEL_THREADS": str(threads)}, tmp / f"threads-{threads}.sqlite3"
+        )
+    runs: dict[str, list[TerminalRun]] = {"chatapp generate": [], **{name: [] for name in tuis}}
+    print(machine())
+    try:
+        for round_ in range(args.repeats + 1):  # round 0 warms up (page cache, the engine's first answer)
+            for name in runs:
+                run = generate_run(STORY, env) if name == "chatapp generate" else tuis[name].answer(STORY)
+                if round_:
+                    runs[name].append(run)
+            print(f"round {round_}{' (warm-up, dropped)' if not round_ else ''} done", file=sys.stderr)
+    finally:
+        for tui in tuis.values():
+            tui.close()
+    base = statistics.median(run.engine_rate for run in runs["chatapp generate"])
+    print(f"\nprompt {STORY!r}, greedy, 256 tokens; medians of {args.repeats} interleaved rounds\n")
+    print(
+        "| side | tokens | engine tokens/s | on-screen tokens/s | on screen / generate | UI process CPU "
+        "| engine process CPU |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, side_runs in runs.items():
+        median = {field: statistics.median(getattr(r, field) for r in side_runs) for field in TerminalRun.FIELDS}
+        row = f"| {name} | {median['tokens']:.0f} | {median['engine_rate']:.1f} |"
+        if name == "chatapp generate":
+            print(row + " | | | |")
+            continue
+        shown = median["screen_rate"]
+        print(f"{row} {shown:.1f} | {shown / base:.0%} | {median['ui_cpu']:.2f} | {median['engine_cpu']:.2f} |")
+    print(
+        "\nper round (engine / on-screen tokens/s): "
+        + "; ".join(
+            f"{name}: " + ", ".join(f"{r.engine_rate:.1f}/{r.screen_rate:.1f}" for r in side_runs)
+            for name, side_runs in runs.items()
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -254,7 +473,18 @@ def main() -> None:
     # (e.g. --hidden 512 --layers 8) measures the TUI against a slower engine.
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the random model")
     parser.add_argument("--layers", type=int, default=6, help="layers of the random model (odd ones are STT)")
+    parser.add_argument("--terminal", action="store_true", help="chatapp run in a real terminal (tmux) vs generate")
+    parser.add_argument(
+        "--kernel-threads",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        help="with --terminal: a TUI side per kernel thread count too (e.g. 1,2)",
+    )
     args = parser.parse_args()
+    if args.terminal:
+        with tempfile.TemporaryDirectory() as tmp:
+            terminal_compare(args, Path(tmp))
+        return
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engine process's torch reads it when it starts
 

@@ -10,11 +10,15 @@ was". With the layer lens on (`set_depths`), a depth row under it draws each tok
 layer from which the logit lens's top token stays the emitted one; `chatapp.engine.lens`) as a block, taller for a
 later decision. It is a `ScrollView` that renders only the visible lines, follows new tokens while scrolled to the
 right end, and marks the selected token's column with `▲` under the grid.
+
+While an answer streams, its new columns are drawn at most every `PAINT_INTERVAL`, in the transcript's frames
+(`live.PaintThrottle`, which says why), rather than with every batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 from rich.segment import Segment
@@ -25,11 +29,15 @@ from textual.strip import Strip
 
 from chatapp.engine.events import TokenEvent
 from chatapp.engine.lens import depth_block
+from chatapp.ui.widgets.live import PaintThrottle
 from chatapp.ui.widgets.probability import surprise_colour, surprise_shade
 
 # A perceptual ramp (viridis' end points and middle) for router probability 0 → 1.
 _RAMP = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
 _CHUNK = 32  # columns added to the virtual width at a time
+# Seconds between two paints of a streaming answer's new columns: 10 a second still reads as a stream, in a third of
+# the frames.
+PAINT_INTERVAL = 0.1
 Column = tuple[tuple[float, ...], tuple[bool, ...]] | None
 SURPRISE_LABEL = "-log p"
 DEPTH_LABEL = "depth"
@@ -70,7 +78,9 @@ def cell(upper: tuple[float, bool] | None, lower: tuple[float, bool] | None) -> 
 class RoutingHeatmap(ScrollView, can_focus=True):
     """STT layers × tokens of one answer (the one streaming, or the one whose token is selected)."""
 
-    def __init__(self, stt_layers: Sequence[int] = (), *, id: str | None = None) -> None:
+    def __init__(
+        self, stt_layers: Sequence[int] = (), *, id: str | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__(id=id)
         self.stt_layers = tuple(stt_layers)
         self.depths: tuple[int | None, ...] | None = None  # per token, with the layer lens on (`set_depths`)
@@ -83,6 +93,9 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         self.selected: int | None = None
         self._room = 0  # columns the virtual width keeps for the answer being streamed
         self._gutter = max(len(self._label(r)) for r in range(self.grid_rows)) + 1
+        self._painted_columns = 0  # columns drawn so far; `extend` adds columns, `_paint_new` draws them
+        self._throttle = PaintThrottle(self, PAINT_INTERVAL, self._paint_new, clock)
+        self._base = Style()  # the widget's own style, read once per repaint (`render_lines`)
 
     def on_mount(self) -> None:
         self._fit_height()
@@ -136,10 +149,12 @@ class RoutingHeatmap(ScrollView, can_focus=True):
     def set_tokens(self, events: Sequence[TokenEvent], selected: int | None = None) -> None:
         """Show a whole answer (e.g. a resumed one, or the answer whose token was selected); a depth row is kept
         empty until `set_depths` fills it for this answer."""
+        self._throttle.cancel()
         self.columns = []
         self._cells = [[] for _ in range(self.grid_rows)]
         self._painted_on = None
         self._append(events)
+        self._painted_columns = len(self.columns)
         self.selected = selected
         self._set_virtual_width(len(self.columns))
         if selected is None:
@@ -156,26 +171,35 @@ class RoutingHeatmap(ScrollView, can_focus=True):
         self._room = expected
 
     def extend(self, events: Sequence[TokenEvent]) -> None:
-        """Append streamed tokens, following the newest while it is in view.
+        """Append streamed tokens; they are drawn at most every `PAINT_INTERVAL` (`_paint_new`)."""
+        self._append(events)
+        self._throttle.request()
 
-        The view follows in jumps (the newest token lands mid-view) rather than one column per batch: a scroll
-        repaints the whole grid, while between jumps a batch repaints only its own new columns.
+    def _paint_new(self) -> None:
+        """Draw the columns appended since the last paint, following the newest while it is in view.
+
+        The view follows in jumps (the newest token lands mid-view) rather than one column per paint: a scroll
+        repaints the whole grid, while between jumps a paint repaints only its own new columns.
         """
+        self._throttle.painted()
+        first, count = self._painted_columns, len(self.columns)
+        self._painted_columns = count
         visible = self._visible_columns
         # At the right end of the grid counts as following too: the grid may not have grown to its new size yet.
-        following = len(self.columns) <= self.scroll_x + visible or self.scroll_x >= self.max_scroll_x
-        first = len(self.columns)
-        self._append(events)
-        if len(self.columns) > visible:  # plus room for a jump ahead (the scroll position is clamped to the width)
-            self._set_virtual_width(max(len(self.columns), self._room) + visible)
-        if following and len(self.columns) > self.scroll_x + visible:
+        following = first <= self.scroll_x + visible or self.scroll_x >= self.max_scroll_x
+        if count > visible:  # plus room for a jump ahead (the scroll position is clamped to the width)
+            self._set_virtual_width(max(count, self._room) + visible)
+        if following and count > self.scroll_x + visible:
             # Forced: the scrollbar of a grid that has just outgrown the view appears only with the next layout.
-            self.scroll_to(x=len(self.columns) - visible // 2, animate=False, force=True)
+            self.scroll_to(x=count - visible // 2, animate=False, force=True)
         else:
-            self._refresh_columns(first, len(self.columns))
+            self._refresh_columns(first, count)
 
     def settle(self) -> None:
-        """The answer is complete: drop the room kept for it and, if following, end at the newest token."""
+        """The answer is complete: draw what is held back, drop the room kept for it and, if following, end at the
+        newest token."""
+        if self._painted_columns < len(self.columns):
+            self._paint_new()
         following = len(self.columns) <= self.scroll_x + self._visible_columns or self.scroll_x >= self.max_scroll_x
         self._room = 0
         self._set_virtual_width(len(self.columns))
@@ -232,13 +256,19 @@ class RoutingHeatmap(ScrollView, can_focus=True):
             return None
         return event.router_probs, event.computed
 
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # The widget's colours under the cells' own: `rich_style` walks the widget's ancestors, so once a repaint,
+        # not once a line.
+        self._base = self.rich_style
+        return super().render_lines(crop)
+
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
         row = y + scroll_y
         width = self.scrollable_content_region.width
         visible = max(width - self._gutter, 0)
         columns = range(scroll_x, min(scroll_x + visible, len(self.columns)))
-        base = self.rich_style  # the widget's colours under the cells' own
+        base = self._base
         if row == self.grid_rows:
             ruler = "".join("▲" if i == self.selected else " " for i in columns)
             segments = [Segment(" " * self._gutter, base), Segment(ruler, base + Style(bold=True))]

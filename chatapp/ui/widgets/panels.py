@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from textual.content import Content
-from textual.timer import Timer
 
 from chatapp.engine.events import TokenEvent
 from chatapp.engine.lens import ReplyLens
@@ -16,7 +15,7 @@ from chatapp.ui.backend import ProgramInfo
 from chatapp.ui.tokens import display_text
 from chatapp.ui.widgets.heatmap import probability_colour
 from chatapp.ui.widgets.lens import depth_lines, layers_view, split_lines
-from chatapp.ui.widgets.live import LiveStatic
+from chatapp.ui.widgets.live import LiveStatic, PaintThrottle
 from chatapp.ui.widgets.probability import bar
 
 
@@ -175,9 +174,7 @@ class StatsPanel(LiveStatic):
     def __init__(self, *, id: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(id=id)
         self.border_title = "stats"
-        self._clock = clock
-        self._shown_at = -STATS_INTERVAL
-        self._held_back: Timer | None = None  # shows figures held back by `show_live`
+        self._throttle = PaintThrottle(self, STATS_INTERVAL, lambda: self.show(self._stats), clock)
         self._stats = Reply()
         self._lens: ReplyLens | None = None  # the shown answer's layer lens, with the lens on
 
@@ -186,13 +183,11 @@ class StatsPanel(LiveStatic):
 
     def show_live(self, stats: Reply) -> None:
         """Show running figures at most every `STATS_INTERVAL` (digits changing 30 times a second are unreadable,
-        and each change repaints the panel). Figures held back are shown when the interval is up, so a pause in the
-        stream never leaves them stale. `stats` is the answer's live counter, read when shown."""
-        wait = STATS_INTERVAL - (self._clock() - self._shown_at)
-        if wait <= 0:
-            self.show(stats)
-        elif self._held_back is None:
-            self._held_back = self.set_timer(wait, lambda: self.show(stats))
+        and each change repaints the side panel: `PaintThrottle`). Figures held back are shown soon after, so a
+        pause in the stream never leaves them stale. `stats` is the answer's live counter, read when shown."""
+        if stats is not self._stats:
+            self._stats, self._lens = stats, None
+        self._throttle.request()
 
     def show_lens(self, result: ReplyLens | None) -> None:
         """Add (or, with None, drop) the decision-depth lines of the shown answer's layer lens."""
@@ -202,10 +197,7 @@ class StatsPanel(LiveStatic):
     def show(self, stats: Reply) -> None:
         if stats is not self._stats:
             self._stats, self._lens = stats, None
-        if self._held_back is not None:
-            self._held_back.stop()
-            self._held_back = None
-        self._shown_at = self._clock()
+        self._throttle.painted()
         context = f"{stats.context_used}/{stats.context_size}" if stats.context_size else str(stats.context_used)
         rows = [
             ("tokens/s", f"{stats.tokens_per_second:.1f}"),
