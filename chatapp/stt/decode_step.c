@@ -597,10 +597,9 @@ static void router(const DecodeArgs *a, int64_t slot, const int64_t *rows, int64
  * - with `states`, every layer's output of every active row is written there (the lens reads them).
  * Every row's numbers are computed in the same order whatever the other rows are (see `int8_matmul`), so a row
  * decodes the same in any batch. Returns 0, or -1 for a call it does not take (no rows, or out of memory). */
-int chatapp_decode(const DecodeArgs *a) {
+static int decode(const DecodeArgs *a) {
     const int64_t batch = a->batch, d = a->hidden, s1 = a->slots, trash = s1 - 1;
     if (batch < 1) return -1;
-    if (a->threads > 0) omp_set_num_threads((int)a->threads);
     const int64_t q_width = a->heads * a->head_dim, inter = a->up_rows / 2;
     Scratch t;
     const int64_t widest = a->qkv_rows > a->up_rows ? a->qkv_rows : a->up_rows;
@@ -701,4 +700,15 @@ int chatapp_decode(const DecodeArgs *a) {
     free(row_lists);
     free(run);
     return 0;
+}
+
+/* The step at `threads` threads, the caller's own OpenMP thread count left as it was: torch's CPU ops read the same
+ * setting (its intra-op pool is this libgomp's), so a step that set it would leave torch, and the thread governor
+ * that reads torch's count as its ceiling, at the step's count. */
+int chatapp_decode(const DecodeArgs *a) {
+    const int before = omp_get_max_threads();
+    if (a->threads > 0) omp_set_num_threads((int)a->threads);
+    const int result = decode(a);
+    omp_set_num_threads(before);
+    return result;
 }

@@ -156,3 +156,23 @@ def test_the_step_is_governed_unless_the_user_sets_the_count(monkeypatch, env) -
         assert governor is step.governor and governor.ceiling == torch.get_num_threads()
     else:
         assert (threads, governor) == (1, None)
+
+
+def test_a_step_at_fewer_threads_leaves_torchs_count_and_the_governors_ceiling(monkeypatch) -> None:
+    """torch's CPU ops and the step share one OpenMP setting: a step run at one thread must not leave torch (and
+    so the governor's ceiling, torch's count) at one."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread here: nothing to lower")
+    model = int8_model()
+    assert cpu_step.attach(model)
+    before = torch.get_num_threads()
+    monkeypatch.setenv(cpu_step.THREADS_ENV, "1")
+    cache = prefilled(model, [4, 2])
+    cpu_step.kernel_step(model, torch.tensor([1, 2]), cache, True, model.config.router_threshold)
+    assert torch.get_num_threads() == before
+    monkeypatch.delenv(cpu_step.THREADS_ENV)
+    step = model.runtime.native
+    step.governor = ThreadGovernor(before, load=lambda: float(before))  # every core busy: it drops a count
+    for _ in range(12):
+        cpu_step.kernel_step(model, torch.tensor([1, 2]), cache, True, model.config.router_threshold)
+    assert torch.get_num_threads() == before and step.governor.ceiling == before
