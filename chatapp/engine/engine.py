@@ -61,7 +61,7 @@ class Engine:
         self.chat_format = chat_format
         self.token_bytes = TokenBytes(tokenizer)
         self.context_size = int(context_size or model.config.max_position_embeddings)
-        self.loop = DecodeLoop(model, self.context_size, fast_forward)
+        self.loop = DecodeLoop(model, self.context_size, fast_forward, token_bytes=self.token_bytes)
         box = ToolBox(
             TOOLS if tools is None else tools,
             token_id=tokenizer.token_to_id,
