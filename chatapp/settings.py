@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
@@ -157,6 +158,47 @@ class GenerationSettings:
         if unknown:
             raise SettingsError(f"unknown setting(s): {', '.join(sorted(unknown))}", hint=f"known: {', '.join(sorted(known))}")
         return replace(self, **changes)
+
+
+SAMPLING_FIELDS: tuple[str, ...] = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "repeat_last_n",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+)
+"""The settings a model's `generation_config.json` may give defaults for (`models.generation_config`)."""
+
+SettingSource = Literal["option", "model", "built-in"]
+SOURCE_LABELS: dict[SettingSource, str] = {
+    "option": "option",
+    "model": "the model's generation_config.json",
+    "built-in": "built-in",
+}
+
+
+def with_model_defaults(
+    settings: GenerationSettings, model_defaults: Mapping[str, object], chosen: Collection[str] = ()
+) -> GenerationSettings:
+    """`settings` with the model's own default in every sampling field it gives, except the fields in `chosen`
+    (those the user set: an option, a batch line's field, the TUI's settings)."""
+    return settings.with_(**{name: value for name, value in model_defaults.items() if name not in chosen})
+
+
+def setting_sources(model_defaults: Mapping[str, object], chosen: Collection[str] = ()) -> dict[str, SettingSource]:
+    """Where each sampling field's value comes from: an option the user set, the model's defaults, or built in."""
+    return {
+        name: "option" if name in chosen else "model" if name in model_defaults else "built-in"
+        for name in SAMPLING_FIELDS
+    }
 
 
 def _check_int(name: str, value: object, low: int, high: int, hint: str | None = None) -> None:

@@ -13,8 +13,10 @@ token's probability, the model's entropy and its N most likely alternatives (on 
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -24,7 +26,7 @@ from rich.text import Text
 from chatapp.engine.engine import Engine
 from chatapp.engine.events import TokenEvent
 from chatapp.engine.reply import Reply
-from chatapp.settings import GenerationSettings
+from chatapp.settings import SAMPLING_FIELDS, SOURCE_LABELS, GenerationSettings, SettingSource
 
 SAMPLED_STYLE = ""
 FORCED_STYLE = "italic cyan"
@@ -80,6 +82,18 @@ def render_logprobs(reply: Reply) -> Table:
             alternatives,
         )
     return table
+
+
+def render_sampling(settings: GenerationSettings, sources: Mapping[str, SettingSource]) -> Text:
+    """The `--verbose` sampling block: each sampling value in use and where it came from (an option, the model's
+    generation_config.json, chatapp's built-in default)."""
+    width = max(len(name) for name in SAMPLING_FIELDS) + 2
+    lines = []
+    for name in SAMPLING_FIELDS:
+        value = getattr(settings, name)
+        shown = json.dumps(list(value)) if isinstance(value, tuple) else str(value)
+        lines.append(f"{name + ':':<{width}}{shown}  ({SOURCE_LABELS[sources[name]]})")
+    return Text("\n".join(lines), style="dim")
 
 
 def stream_reply(
