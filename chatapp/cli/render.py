@@ -106,10 +106,12 @@ def stream_reply(
     verbose: bool = False,
     program: Any = None,
     constraint: Any = None,
+    sources: Mapping[str, SettingSource] | None = None,
 ) -> Reply:
     """Stream the reply to `prompt` and return it folded. Styled onto `console`, or, with `exact`, its text written
     verbatim to `exact` while `console` gets only the error and the `--verbose` block. `program` is a compiled TTFA
-    program, `constraint` a regex string or a `chatapp.trie` Constraint."""
+    program, `constraint` a regex string or a `chatapp.trie` Constraint. With `verbose`, `sources` (where each
+    sampling value came from) adds the sampling block before the timing one."""
     reply = engine.new_reply()
     started = time.perf_counter()
     zone: str | None = None
@@ -139,6 +141,8 @@ def stream_reply(
     if reply.error:
         console.print(Text(reply.error, style=REFUSAL_STYLE))
     if verbose:
+        if sources is not None:
+            console.print(render_sampling(settings, sources))
         console.print(render_stats(reply, total_seconds, settings.routing_level))
     if settings.logprobs:
         console.print(render_logprobs(reply))

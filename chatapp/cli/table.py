@@ -221,7 +221,7 @@ def generate(
     """Stream a reply to PROMPT: sampled tokens plain, forced tokens (tool output) in italic cyan. Into a pipe or
     a file it writes exactly the reply's text (timing and errors go to stderr)."""
     from chatapp.lifecycle import starting_up
-    from chatapp.settings import GenerationSettings
+    from chatapp.settings import GenerationSettings, setting_sources
     from chatapp.validation import check_prompt_fits, check_prompt_text
 
     chosen = opt.chosen_sampling(
@@ -271,13 +271,16 @@ def generate(
         )
     exact = None if sys.stdout.isatty() else sys.stdout
     console = Console(highlight=False) if exact is None else err_console
-    if verbose:
-        from chatapp.cli.render import render_sampling
-        from chatapp.settings import setting_sources
-
-        console.print(render_sampling(settings, setting_sources(engine.sampling_defaults, chosen)))
     reply = stream_reply(
-        engine, prompt, settings, console, exact=exact, verbose=verbose, program=compiled, constraint=constraint
+        engine,
+        prompt,
+        settings,
+        console,
+        exact=exact,
+        verbose=verbose,
+        program=compiled,
+        constraint=constraint,
+        sources=setting_sources(engine.sampling_defaults, chosen),
     )
     if reply.finish_reason == "error":  # the row could not go on (its message is printed): not a success
         raise typer.Exit(1)

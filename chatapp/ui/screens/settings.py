@@ -86,7 +86,9 @@ def parse_settings(
     routing level that is not one of the model's `levels`."""
     changes: dict[str, object] = {}
     for spec in _FIELDS:
-        raw = values.get(spec.name, "").strip()
+        if spec.name not in values:  # a field the form does not show keeps its value
+            continue
+        raw = values[spec.name].strip()
         if not raw and spec.optional:
             changes[spec.name] = None
             continue
