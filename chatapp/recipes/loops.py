@@ -81,3 +81,20 @@ def loop_rate(engine: Engine, settings: GenerationSettings, prompts: list[OpenPr
             if (run := repeated_run(reply.text)) is not None:
                 examples.append(f"{item.prompt} -> {run!r}")
     return LoopReport(len(examples), len(prompts), tuple(examples))
+
+
+# The settings a loop rate is reported beside: greedy (chatapp's default before a model had its own) and the
+# defaults of two common runtimes.
+LOOP_REFERENCES = {
+    "greedy": GenerationSettings(),
+    "llama.cpp's defaults": GenerationSettings(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+    "ollama's defaults": GenerationSettings(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.1),
+}
+
+
+def loop_table(
+    engine: Engine, settings: GenerationSettings, label: str, *, references: bool = True
+) -> dict[str, LoopReport]:
+    """The loop rate at `settings` (named `label`) and, with `references`, at each of `LOOP_REFERENCES` too."""
+    wanted = {label: settings, **(LOOP_REFERENCES if references else {})}
+    return {name: loop_rate(engine, each) for name, each in wanted.items()}

@@ -16,8 +16,8 @@ goes through the Engine the CLI uses (student routing unless the row says otherw
 - STT: perplexity on held-out chat with routing off / student, the fraction of tokens each STT layer processed,
   student-teacher F1, and decode compute saved;
 - loops: the share of replies to held-out open prompts that loop (`recipes/loops.py`), at the evaluated sampling
-  and, beside it, at `LOOP_REFERENCES` (greedy, the default before the model had its own, and two common
-  settings).
+  and, beside it, at `loops.LOOP_REFERENCES` (greedy, the default before the model had its own, and two common
+  runtimes' defaults).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from chatapp.recipes.loops import LoopReport
+from chatapp.recipes.loops import loop_table
 from chatapp.recipes.smollm2 import data
 from chatapp.settings import SAMPLING_FIELDS, GenerationSettings
 from chatapp.training.evaluation import Tally, conversation_batches, evaluate
@@ -38,13 +38,6 @@ from chatapp.training.evaluation import Tally, conversation_batches, evaluate
 HELD_OUT_SEED = 1234  # held-out items are drawn from their own stream, apart from the training seed's
 SWITCH_SEED = 999  # the switch pairs' own draw (the model card's 24 pairs)
 GREEDY = GenerationSettings()  # the sampling of a score called without one
-# The settings the loop rate is reported at beside the model's own: greedy (chatapp's default before models had
-# their own) and the defaults of two common runtimes.
-LOOP_REFERENCES = {
-    "greedy": GREEDY,
-    "llama.cpp's defaults": GenerationSettings(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
-    "ollama's defaults": GenerationSettings(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.1),
-}
 SECTIONS = ("tool", "follow-up", "switch", "general", "recall", "stt", "loops", "base")
 
 
@@ -200,22 +193,16 @@ def held_out_chat(general: list[tuple[str, str]], count: int) -> list[list[dict[
 
 def task_tallies(engine: Any, count: int) -> list[tuple[str, Tally]]:
     """The model card's generated metrics that need no file: held-out tool questions (`count`, by kind), a tool
-    question after a tool exchange and recall two turns back (`count // 4` each, at least one); for `chatapp eval`.
+    question after a tool exchange and recall two turns back (`count // 4` each, at least one), at the model's own
+    sampling defaults; for `chatapp eval`.
     The self-distilled general answers held out at training time live in the recipe's working directory, so recall's
     middle turns here are tool exchanges only."""
-    tool = tool_score(engine, count)
+    sampling = engine.default_settings()  # the model's own sampling, as every command uses it
+    tool = tool_score(engine, count, sampling)
     rows = [("tool calls (all kinds)", tool.pop("all"))] + [(f"tool calls: {kind}", t) for kind, t in tool.items()]
-    rows.append(("tool call after a tool exchange", follow_up_tool_score(engine, max(1, count // 4))))
-    rows.append(("recall two turns back", recall_score(engine, max(1, count // 4), [])["all"]))
+    rows.append(("tool call after a tool exchange", follow_up_tool_score(engine, max(1, count // 4), sampling)))
+    rows.append(("recall two turns back", recall_score(engine, max(1, count // 4), [], sampling)["all"]))
     return rows
-
-
-def loop_scores(engine: Any, sampling: GenerationSettings, label: str, references: bool) -> dict[str, LoopReport]:
-    """The loop rate at `sampling` (named `label`), and with `references` at each of `LOOP_REFERENCES` too."""
-    from chatapp.recipes.loops import loop_rate
-
-    wanted = {label: sampling, **(LOOP_REFERENCES if references else {})}
-    return {name: loop_rate(engine, settings) for name, settings in wanted.items()}
 
 
 def _sampling(engine: Any, overrides: str | None) -> GenerationSettings:
@@ -293,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "loops" in sections:
         # The model card's table: its own defaults beside the references (a --sampling sweep scores its own only).
         label = "--sampling" if args.sampling else "this model's defaults"
-        loops = loop_scores(engine, sampling, label, references=not args.sampling)
+        loops = loop_table(engine, sampling, label, references=not args.sampling)
         results["loops"] = {name: asdict(report) | {"rate": report.rate} for name, report in loops.items()}
         print("loops " + ", ".join(f"{name} {report}" for name, report in loops.items()), flush=True)
     if "base" in sections and not args.skip_base and (work / "base").is_dir():
