@@ -83,7 +83,7 @@ def ops_seconds(engine: Engine, batch: int, settings: GenerationSettings, histor
     ones = torch.ones(batch, dtype=torch.long, device=device)
 
     def off() -> None:
-        sample(logits, plain, counters)
+        sample(logits.clone(), plain, counters)  # the clone on both sides: the step's logits are its own
 
     def on() -> None:
         scores = logits.clone()

@@ -81,6 +81,8 @@ class PenaltyState:
     length: torch.Tensor  # (B,) int64: how many of `history` are filled
     counts: torch.Tensor | None  # (B, V) float32: each token's count in the row's window
     match: torch.Tensor | None  # (B, H) int32: the repeat ending at each position (module doc)
+    scratch: torch.Tensor | None  # (B, V) float32 zeros, for DRY's largest penalty per token (`_apply_dry`)
+    window: int  # the widest window of the counted penalties, -1 when some row counts every token it saw
     bound: int = 0  # host-side upper bound on `length` (no device read to grow `history`)
 
     @classmethod
@@ -121,45 +123,62 @@ class PenaltyState:
             length=torch.zeros(rows, dtype=torch.long, device=device),
             counts=torch.zeros(rows, vocab, dtype=torch.float32, device=device) if counted else None,
             match=torch.zeros(rows, _FIRST_CAPACITY, dtype=torch.int32, device=device) if dry else None,
+            scratch=torch.zeros(rows, vocab, dtype=torch.float32, device=device) if dry else None,
+            window=-1 if any(s.repeat_last_n < 0 for s in settings) else max(s.repeat_last_n for s in settings),
         )
 
     # ------------------------------------------------------------------------------------------------- apply
     def apply(self, logits: torch.Tensor) -> None:
         """Penalise `logits` (B, V) in place: the row's next-token scores before temperature and truncation.
-        A token a grammar masked (-inf) stays masked."""
-        penalised = logits.float()
+        A token a grammar masked (-inf) stays masked.
+
+        Only the logits of tokens in a row's history are read and written (gather, scatter), never the whole
+        vocabulary: a pass over (B, V) costs more than everything else here. A token's new logit depends on the
+        token alone, so a token at several positions is written the same value from each."""
         if self.counted:
-            penalised = self._counted(penalised)
+            self._apply_counted(logits)
         if self.dry:
-            penalised = penalised - self._dry_penalty()
-        logits.copy_(penalised)
+            self._apply_dry(logits)
 
-    def _counted(self, logits: torch.Tensor) -> torch.Tensor:
+    def _apply_counted(self, logits: torch.Tensor) -> None:
         assert self.counts is not None
+        span = self.bound if self.window < 0 else min(self.bound, self.window)
+        if span == 0:
+            return
         p = self.params
-        seen = self.counts > 0
-        repeated = torch.where(logits < 0, logits * p.repetition[:, None], logits / p.repetition[:, None])
-        logits = torch.where(seen, repeated, logits)
-        return logits - p.presence[:, None] * seen - p.frequency[:, None] * self.counts
+        # The last `span` positions of every row hold every token of its window (and maybe older ones, whose count
+        # in the window is 0 unless they are in it too: then they are written what the window's copy is written).
+        offsets = torch.arange(span, device=logits.device)
+        tokens = self.history.gather(1, (self.length[:, None] - span + offsets).clamp(min=0))
+        count = self.counts.gather(1, tokens)
+        old = logits.gather(1, tokens).float()
+        repeated = torch.where(old < 0, old * p.repetition[:, None], old / p.repetition[:, None])
+        penalised = repeated - p.presence[:, None] - p.frequency[:, None] * count
+        logits.scatter_(1, tokens, torch.where(count > 0, penalised, old).to(logits.dtype))
 
-    def _dry_penalty(self) -> torch.Tensor:
-        """(B, V) what DRY takes from each token's logit: for each token that would extend a repeat, by the
-        longest such repeat."""
-        assert self.match is not None and self.params.breakers is not None
+    def _apply_dry(self, logits: torch.Tensor) -> None:
+        """Each token that would extend a repeat loses DRY's penalty for the longest such repeat."""
+        assert self.match is not None and self.params.breakers is not None and self.scratch is not None
         p = self.params
-        history, length = self.history, self.length
-        positions = torch.arange(history.shape[1] - 1, device=history.device)
+        width = min(self.history.shape[1], self.bound + 1)
+        history, length = self.history[:, :width], self.length
+        positions = torch.arange(width - 1, device=history.device)
         start = torch.where(p.dry_last_n < 0, 0, (length - p.dry_last_n).clamp(min=0))
         following = history[:, 1:]  # the token after each position: the one that would extend its repeat
         in_window = (positions[None] >= start[:, None]) & (positions[None] < (length - 1)[:, None])
         candidate = in_window & ~p.breakers.gather(1, following)
-        repeat = torch.minimum(self.match[:, :-1].long(), positions[None] - start[:, None] + 1)
-        repeat = torch.where(candidate, repeat, 0)
-        longest = torch.zeros(p.breakers.shape, dtype=torch.long, device=history.device)
-        longest.scatter_reduce_(1, following, repeat, reduce="amax")
-        exponent = ((longest - p.dry_allowed[:, None]).float() * p.dry_log_base[:, None]).clamp(max=_MAX_LOG)
+        repeat = torch.minimum(self.match[:, : width - 1].long(), positions[None] - start[:, None] + 1)
+        allowed = p.dry_allowed[:, None]
+        exponent = ((repeat - allowed).float() * p.dry_log_base[:, None]).clamp(max=_MAX_LOG)
         penalty = (p.dry_multiplier[:, None] * exponent.exp()).clamp(max=_MAX_PENALTY)
-        return torch.where((longest >= p.dry_allowed[:, None]) & (longest > 0), penalty, 0.0)
+        penalty = torch.where(candidate & (repeat >= allowed) & (repeat > 0), penalty, 0.0)
+        # The largest penalty per token (a longer repeat's, as the penalty grows with the length): reduced into a
+        # zeroed (B, V) scratch, read back at the same positions, and the scratch zeroed there again.
+        self.scratch.scatter_reduce_(1, following, penalty, reduce="amax")
+        largest = self.scratch.gather(1, following)
+        self.scratch.scatter_(1, following, 0.0)
+        old = logits.gather(1, following).float()
+        logits.scatter_(1, following, (old - largest).to(logits.dtype))
 
     # ------------------------------------------------------------------------------------------------ append
     def append(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
@@ -212,6 +231,7 @@ class PenaltyState:
             length=self.length.index_select(0, index),
             counts=None if self.counts is None else self.counts.index_select(0, index),
             match=None if self.match is None else self.match.index_select(0, index),
+            scratch=None if self.scratch is None else self.scratch.index_select(0, index),
         )
 
 
