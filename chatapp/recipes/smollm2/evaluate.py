@@ -136,8 +136,11 @@ def _tallies(outcomes: list[tuple[bool, str]], first: int) -> dict[str, Tally]:
     return tallies
 
 
-def general_score(engine: Any, routing: str, sampling: GenerationSettings = GREEDY) -> dict[str, Tally]:
-    questions = list(data.FACT_QUESTIONS)
+def general_score(
+    engine: Any, routing: str, sampling: GenerationSettings = GREEDY, count: int | None = None
+) -> dict[str, Tally]:
+    """The factual questions (the first `count` of them; all without one) scored by keywords."""
+    questions = list(data.FACT_QUESTIONS)[:count]
     results = _generate(
         engine, [[{"role": "user", "content": q.question}] for q in questions], routing, sampling=sampling
     )
@@ -216,6 +219,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--work", default="runs/smollm2", help="the recipe's working directory")
     parser.add_argument("--model", default=None, help="model directory (default: the prepared default model)")
     parser.add_argument("--quick", action="store_true", help="small slices (a smoke run)")
+    parser.add_argument(
+        "--questions",
+        type=int,
+        default=None,
+        help="held-out tool questions (default 100, --quick 20); the follow-up, switch and recall sets scale with it, "
+        "and below 100 the factual set is its first 60",
+    )
     parser.add_argument("--skip-base", action="store_true", help="do not score the base conversion")
     parser.add_argument(
         "--threshold", type=float, default=None, help="student routing threshold (default: the model's)"
@@ -247,7 +257,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threshold is not None:
         engine.model.config.router_threshold = args.threshold
     sampling = _sampling(engine, args.sampling)
-    n = 20 if args.quick else 100
+    n = args.questions or (20 if args.quick else 100)
+    full = n >= 100
     results: dict[str, Any] = {
         "model": str(model_dir),
         "router_threshold": engine.model.config.router_threshold,
@@ -259,19 +270,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["tool"] = {k: asdict(v) | {"rate": v.rate} for k, v in tool.items()}
         print(f"tool {tool['all'].rate:.1%} " + " ".join(f"{k} {v.correct}/{v.total}" for k, v in tool.items()), flush=True)
     if "follow-up" in sections:
-        follow_up = follow_up_tool_score(engine, 10 if args.quick else 40, sampling)
+        follow_up = follow_up_tool_score(engine, 40 if full else max(10, n // 2), sampling)
         results["follow_up_tool"] = asdict(follow_up) | {"rate": follow_up.rate}
         print(f"follow-up tool {follow_up.correct}/{follow_up.total}", flush=True)
     if "switch" in sections:
-        switches = switch_tool_scores(engine, 6 if args.quick else 24, sampling)
+        switches = switch_tool_scores(engine, 24 if full else max(6, n // 4), sampling)
         results["switch_tool"] = {name: asdict(score) | {"rate": score.rate} for name, score in switches.items()}
         print(", ".join(f"{name} {score.correct}/{score.total}" for name, score in switches.items()), flush=True)
     if "general" in sections:
-        general_ours = general_score(engine, "student", sampling)
+        general_ours = general_score(engine, "student", sampling, None if full else data.FACT_QUESTIONS_FIRST)
         results["general"] = {k: asdict(v) | {"rate": v.rate} for k, v in general_ours.items()}
         print("general " + ", ".join(f"{k} {v.correct}/{v.total}" for k, v in general_ours.items()), flush=True)
     if "recall" in sections:
-        recall = recall_score(engine, 10 if args.quick else RECALL_COUNT, general, sampling)
+        recall = recall_score(engine, RECALL_COUNT if full else max(10, n), general, sampling)
         results["recall"] = {k: asdict(v) | {"rate": v.rate} for k, v in recall.items()}
         print("recall " + ", ".join(f"{k} {v.correct}/{v.total}" for k, v in recall.items()), flush=True)
     if "stt" in sections:
