@@ -237,10 +237,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"what to score, of {','.join(SECTIONS)}")
     parser.add_argument("--out", default="eval.json", help="file name for the results, in --work")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch threads (1 on a box busier than its cores: a join waits less)"
+    )
     args = parser.parse_args(argv)
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     sections = set(args.sections.split(","))
     work = Path(args.work)
     from chatapp.recipes.smollm2.train import held_out_general
