@@ -292,9 +292,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["stt"] = stt_report(engine, held_out_chat(general, 10 if args.quick else 40))
         print(json.dumps(results["stt"]), flush=True)
     if "loops" in sections:
-        # The model card's table: its own defaults beside the references (a --sampling sweep scores its own only).
-        label = "--sampling" if args.sampling else "this model's defaults"
-        loops = loop_table(engine, sampling, label, references=not args.sampling)
+        # The model card's table: its own defaults beside the references (a --sampling sweep scores its own only;
+        # --sampling '{}' the model's defaults alone).
+        label = "this model's defaults" if sampling == engine.default_settings() else "--sampling"
+        loops = loop_table(engine, sampling, label, references=args.sampling is None)
         results["loops"] = {name: asdict(report) | {"rate": report.rate} for name, report in loops.items()}
         print("loops " + ", ".join(f"{name} {report}" for name, report in loops.items()), flush=True)
     if "base" in sections and not args.skip_base and (work / "base").is_dir():
