@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
@@ -25,15 +26,38 @@ ContextPolicy = Literal["error", "drop_oldest"]
 MAX_TOP_K = 2**31 - 1
 MAX_MAX_TOKENS = 1 << 20
 MAX_SEED = 2**63 - 1
+# llama.cpp's sequence breakers for DRY: a repeat is not extended across a line break, a colon, a quote or an
+# asterisk, so a list's structure or a speaker's name is not penalised as a repeat.
+DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
 
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """Per-request sampling settings. `temperature == 0` means greedy; `top_k == 0` and `top_p == 1` disable them."""
+    """Per-request sampling settings. `temperature == 0` means greedy; every other sampler's default turns it off
+    (`top_k == 0`, `top_p == 1`, `min_p == 0`, `repetition_penalty == 1`, zero presence, frequency and DRY
+    penalties). The penalties apply to greedy rows too. docs/usage.md gives each one's semantics."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    # Drop tokens less likely than min_p times the most likely one (transformers' MinPLogitsWarper).
+    min_p: float = 0.0
+    # Divide a positive logit / multiply a negative one of every token seen in the last `repeat_last_n` tokens
+    # (transformers' RepetitionPenaltyLogitsProcessor, llama.cpp's repeat_penalty).
+    repetition_penalty: float = 1.0
+    # OpenAI's: logit -= presence_penalty * (count > 0) + frequency_penalty * count, counted over the same window.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # The window of the three penalties above, in tokens the penalties see (llama.cpp's: -1 = all, 0 = none).
+    repeat_last_n: int = 64
+    # DRY ("don't repeat yourself", llama.cpp's): a token that would extend a repeat of length >= allowed_length
+    # loses multiplier * base ** (length - allowed_length); 0 = off. Repeats do not extend across a token whose
+    # text holds a sequence breaker.
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_DRY_SEQUENCE_BREAKERS
     max_tokens: int = 256
     seed: int = 0
     # Causal-router decision threshold for STT layers at generation time; None uses the model config's
@@ -65,6 +89,7 @@ class GenerationSettings:
             raise SettingsError(f"temperature must be >= 0, got {self.temperature}", hint="use 0 for greedy decoding")
         if not 0 < self.top_p <= 1:
             raise SettingsError(f"top_p must be in (0, 1], got {self.top_p}", hint="use 1.0 to disable top-p")
+        self._check_penalties()
         if self.routing_threshold is not None:
             _check_number("routing_threshold", self.routing_threshold, hint="use a threshold between 0 and 1")
             if not 0 <= self.routing_threshold <= 1:
@@ -83,6 +108,49 @@ class GenerationSettings:
                 hint="use 'error' or 'drop_oldest'",
             )
 
+    def _check_penalties(self) -> None:
+        if isinstance(self.dry_sequence_breakers, list):  # as JSON and generation_config.json write it
+            object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
+        _check_number("min_p", self.min_p, hint="use 0 to disable min-p")
+        if not 0 <= self.min_p <= 1:
+            raise SettingsError(f"min_p must be in [0, 1], got {self.min_p}", hint="use 0 to disable min-p")
+        _check_number("repetition_penalty", self.repetition_penalty, hint="use 1.0 to disable it")
+        if self.repetition_penalty <= 0:
+            raise SettingsError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                hint="use 1.0 to disable it; values above 1 discourage repeats (1.1 is common)",
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value, hint="use 0 to disable it")
+            if not -2 <= value <= 2:
+                raise SettingsError(f"{name} must be between -2 and 2 (OpenAI's range), got {value}", hint="use 0 to disable it")
+        window_hint = "use -1 for every token the penalties see, 0 to see none, or a count of recent tokens"
+        _check_int("repeat_last_n", self.repeat_last_n, -1, MAX_MAX_TOKENS, hint=window_hint)
+        _check_int("dry_penalty_last_n", self.dry_penalty_last_n, -1, MAX_MAX_TOKENS, hint=window_hint)
+        _check_number("dry_multiplier", self.dry_multiplier, hint="use 0 to disable DRY (0.8 is common)")
+        if self.dry_multiplier < 0:
+            raise SettingsError(f"dry_multiplier must be >= 0, got {self.dry_multiplier}", hint="use 0 to disable DRY")
+        _check_number("dry_base", self.dry_base, hint="use 1.75 (llama.cpp's default)")
+        if not 1 <= self.dry_base <= 16:
+            raise SettingsError(f"dry_base must be between 1 and 16, got {self.dry_base}", hint="use 1.75 (llama.cpp's default)")
+        _check_int("dry_allowed_length", self.dry_allowed_length, 1, MAX_MAX_TOKENS, hint="use 2 (llama.cpp's default)")
+        breakers = self.dry_sequence_breakers
+        if not isinstance(breakers, tuple) or not all(isinstance(b, str) and b for b in breakers):
+            raise SettingsError(
+                f"dry_sequence_breakers must be a list of non-empty strings, got {breakers!r}",
+                hint='use e.g. ["\\n", ":", "\\"", "*"] (llama.cpp\'s default), or [] for none',
+            )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty (repetition, presence, frequency, DRY) is on: only then does a row keep the tokens
+        it emitted on the device."""
+        counted = self.repeat_last_n != 0 and (
+            self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        )
+        return counted or (self.dry_multiplier > 0 and self.dry_penalty_last_n != 0)
+
     def with_(self, **changes: object) -> GenerationSettings:
         """A copy with some fields changed (validated again)."""
         known = {f.name for f in fields(self)}
@@ -90,6 +158,47 @@ class GenerationSettings:
         if unknown:
             raise SettingsError(f"unknown setting(s): {', '.join(sorted(unknown))}", hint=f"known: {', '.join(sorted(known))}")
         return replace(self, **changes)
+
+
+SAMPLING_FIELDS: tuple[str, ...] = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "repeat_last_n",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+)
+"""The settings a model's `generation_config.json` may give defaults for (`models.generation_config`)."""
+
+SettingSource = Literal["option", "model", "built-in"]
+SOURCE_LABELS: dict[SettingSource, str] = {
+    "option": "option",
+    "model": "the model's generation_config.json",
+    "built-in": "built-in",
+}
+
+
+def with_model_defaults(
+    settings: GenerationSettings, model_defaults: Mapping[str, object], chosen: Collection[str] = ()
+) -> GenerationSettings:
+    """`settings` with the model's own default in every sampling field it gives, except the fields in `chosen`
+    (those the user set: an option, a batch line's field, the TUI's settings)."""
+    return settings.with_(**{name: value for name, value in model_defaults.items() if name not in chosen})
+
+
+def setting_sources(model_defaults: Mapping[str, object], chosen: Collection[str] = ()) -> dict[str, SettingSource]:
+    """Where each sampling field's value comes from: an option the user set, the model's defaults, or built in."""
+    return {
+        name: "option" if name in chosen else "model" if name in model_defaults else "built-in"
+        for name in SAMPLING_FIELDS
+    }
 
 
 def _check_int(name: str, value: object, low: int, high: int, hint: str | None = None) -> None:

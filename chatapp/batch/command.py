@@ -205,7 +205,8 @@ def run_batch_command(
         with starting_up():
             engine = load_engine(model, device, dtype=dtype, compile=compile)
         level = engine.resolve_level(defaults.settings.routing_level)
-        defaults = replace(defaults, settings=defaults.settings.with_(routing_level=level))
+        settings = engine.default_settings(defaults.settings, defaults.chosen)  # the model's, under the options
+        defaults = replace(defaults, settings=settings.with_(routing_level=level))
         preparer = ModelPreparer(engine)
         summary = run_batch(
             engine,

@@ -30,18 +30,40 @@ RequestId = str | int
 
 # Settings a line may override, with the JSON type each must have. `bool` is excluded explicitly because it is an
 # `int` to Python but never what a user means by a number.
-_INT_SETTINGS = ("top_k", "max_tokens", "seed", "logprobs")
-_FLOAT_SETTINGS = ("temperature", "top_p")
+_INT_SETTINGS = ("top_k", "max_tokens", "seed", "logprobs", "repeat_last_n", "dry_allowed_length", "dry_penalty_last_n")
+_FLOAT_SETTINGS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "dry_multiplier",
+    "dry_base",
+)
+_LIST_SETTINGS = ("dry_sequence_breakers",)
 KNOWN_FIELDS = frozenset(
-    {"id", "prompt", "messages", "samples", "program", "regex", "json_schema", *_INT_SETTINGS, *_FLOAT_SETTINGS}
+    {
+        "id",
+        "prompt",
+        "messages",
+        "samples",
+        "program",
+        "regex",
+        "json_schema",
+        *_INT_SETTINGS,
+        *_FLOAT_SETTINGS,
+        *_LIST_SETTINGS,
+    }
 )
 
 
 @dataclass(frozen=True)
 class BatchDefaults:
-    """What a line gets for every field it leaves out (the command-line options)."""
+    """What a line gets for every field it leaves out (the command-line options, over the model's defaults)."""
 
     settings: GenerationSettings = field(default_factory=GenerationSettings)
+    chosen: frozenset[str] = frozenset()  # the sampling options the user set: the model's defaults do not replace them
     samples: int = 1
     program: str | None = None
 
@@ -144,6 +166,16 @@ def _read_float(obj: dict[str, Any], name: str) -> float:
     return float(value)
 
 
+def _read_strings(obj: dict[str, Any], name: str) -> tuple[str, ...]:
+    value = obj[name]
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise _Invalid(
+            f'"{name}" must be an array of non-empty strings, got {_json_type(value)}',
+            hint=f'write "{name}" as e.g. ["\\n", ":"], or [] for none',
+        )
+    return tuple(value)
+
+
 def _read_str(obj: dict[str, Any], name: str) -> str | None:
     if name not in obj:
         return None
@@ -172,6 +204,9 @@ def _read_settings(obj: dict[str, Any], defaults: GenerationSettings) -> Generat
     for name in _FLOAT_SETTINGS:
         if name in obj:
             changes[name] = _read_float(obj, name)
+    for name in _LIST_SETTINGS:
+        if name in obj:
+            changes[name] = _read_strings(obj, name)
     try:
         return defaults.with_(**changes)
     except ChatappError as err:  # SettingsError: a value out of range

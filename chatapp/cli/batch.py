@@ -20,9 +20,19 @@ def batch(
     compile: opt.CompileOption = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Rows per device batch.")] = 32,
     samples: Annotated[int, typer.Option("--samples", min=1, max=1024, help="Samples per line that sets none.")] = 1,
-    temperature: opt.TemperatureOption = 0.0,
-    top_k: opt.TopKOption = 0,
-    top_p: opt.TopPOption = 1.0,
+    temperature: opt.TemperatureOption = None,
+    top_k: opt.TopKOption = None,
+    top_p: opt.TopPOption = None,
+    min_p: opt.MinPOption = None,
+    repetition_penalty: opt.RepetitionPenaltyOption = None,
+    presence_penalty: opt.PresencePenaltyOption = None,
+    frequency_penalty: opt.FrequencyPenaltyOption = None,
+    repeat_last_n: opt.RepeatLastNOption = None,
+    dry_multiplier: opt.DryMultiplierOption = None,
+    dry_base: opt.DryBaseOption = None,
+    dry_allowed_length: opt.DryAllowedLengthOption = None,
+    dry_penalty_last_n: opt.DryPenaltyLastNOption = None,
+    dry_sequence_breakers: opt.DrySequenceBreakersOption = None,
     max_tokens: opt.MaxTokensOption = 256,
     seed: opt.SeedOption = 0,
     program: Annotated[
@@ -38,21 +48,30 @@ def batch(
     routing: opt.RoutingOption = None,
 ) -> None:
     """Generate every line of a JSONL file in device batches: one JSON record per (id, sample), an error record per
-    bad line (exit code 1 if any), a summary on stderr. The sampling options are the defaults a line may override."""
+    bad line (exit code 1 if any), a summary on stderr. The sampling options are the defaults a line may override;
+    an option left out takes the model's own default (its generation_config.json)."""
     from chatapp.batch.command import run_batch_command
     from chatapp.batch.requests import BatchDefaults
     from chatapp.batch.runner import BatchOptions
     from chatapp.settings import GenerationSettings
 
-    settings = GenerationSettings(
+    chosen = opt.chosen_sampling(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        max_tokens=max_tokens,
-        seed=seed,
-        logprobs=logprobs,
-        routing_level=routing,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repeat_last_n=repeat_last_n,
+        dry_multiplier=dry_multiplier,
+        dry_base=dry_base,
+        dry_allowed_length=dry_allowed_length,
+        dry_penalty_last_n=dry_penalty_last_n,
+        dry_sequence_breakers=dry_sequence_breakers,
     )
+    settings = GenerationSettings(max_tokens=max_tokens, seed=seed, logprobs=logprobs, routing_level=routing)
+    settings = settings.with_(**chosen)
     summary = run_batch_command(
         input,
         output=output,
@@ -60,7 +79,7 @@ def batch(
         device=device,
         dtype=dtype,
         compile=compile,
-        defaults=BatchDefaults(settings=settings, samples=samples, program=program),
+        defaults=BatchDefaults(settings=settings, chosen=frozenset(chosen), samples=samples, program=program),
         options=BatchOptions(batch_size=batch_size, ordered=ordered),
         resume=resume,
         fsync=fsync,

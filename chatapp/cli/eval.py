@@ -28,10 +28,19 @@ def eval_model(
         typer.Option(
             "--tasks",
             min=0,
-            help="Answer N held-out questions of the model's recipe (greedy, student routing) and report its task "
+            help="Answer N held-out questions of the model's recipe (its sampling defaults, student routing) and report its task "
             "accuracy (default without CORPUS: 300 on the tiny model, 16 on the default model; 0 with one).",
         ),
     ] = None,
+    loops: Annotated[
+        bool,
+        typer.Option(
+            "--loops",
+            help="Also report the share of replies to 64 held-out open prompts (320 tokens each) that repeat a "
+            "6-word run 3+ times, at the model's own sampling defaults and, beside them, greedy and two common "
+            "runtimes' defaults (minutes on a CPU).",
+        ),
+    ] = False,
 ) -> None:
     """Held-out perplexity with routing off / by the teacher gate g / by the router, tokens processed per STT layer
     and router-vs-gate F1; task accuracy (tool calls, and what else the model's recipe measures) on its held-out
@@ -86,9 +95,22 @@ def eval_model(
         + " ".join(f"{a:.2f}" for a in report.student_accuracy)
     )
     if task_rows is not None:
-        tally_table = Table(title=f"{task_count} held-out questions, greedy, the router deciding")
+        tally_table = Table(title=f"{task_count} held-out questions, the model's sampling, the router deciding")
         tally_table.add_column("task metric")
         tally_table.add_column("accuracy", justify="right")
         for label, tally in task_rows:
             tally_table.add_row(label, str(tally))
         console.print(tally_table)
+    if loops:
+        from chatapp.recipes.loops import LOOP_REPEATS, LOOP_TOKENS, LOOP_WORDS, loop_table
+
+        loop_reports = loop_table(engine, engine.default_settings(), "this model's defaults")
+        loop_table_view = Table(
+            title=f"replies that repeat a {LOOP_WORDS}-word run {LOOP_REPEATS}+ times in {LOOP_TOKENS} tokens, "
+            "held-out open prompts"
+        )
+        loop_table_view.add_column("sampling")
+        loop_table_view.add_column("replies that loop", justify="right")
+        for label, loop_report in loop_reports.items():
+            loop_table_view.add_row(label, str(loop_report))
+        console.print(loop_table_view)

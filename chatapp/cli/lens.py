@@ -22,6 +22,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
+import chatapp.cli.options as opt
 from chatapp.cli.options import DeviceOption, DtypeOption, ModelOption
 from chatapp.errors import ContextOverflowError, SettingsError
 
@@ -70,7 +71,19 @@ def show(
     device: DeviceOption = None,
     dtype: DtypeOption = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most sampled tokens of a generated reply.")] = 128,
-    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
+    temperature: opt.TemperatureOption = None,
+    top_k: opt.TopKOption = None,
+    top_p: opt.TopPOption = None,
+    min_p: opt.MinPOption = None,
+    repetition_penalty: opt.RepetitionPenaltyOption = None,
+    presence_penalty: opt.PresencePenaltyOption = None,
+    frequency_penalty: opt.FrequencyPenaltyOption = None,
+    repeat_last_n: opt.RepeatLastNOption = None,
+    dry_multiplier: opt.DryMultiplierOption = None,
+    dry_base: opt.DryBaseOption = None,
+    dry_allowed_length: opt.DryAllowedLengthOption = None,
+    dry_penalty_last_n: opt.DryPenaltyLastNOption = None,
+    dry_sequence_breakers: opt.DrySequenceBreakersOption = None,
     seed: Annotated[int, typer.Option("--seed", help="Random seed for sampling.")] = 0,
 ) -> None:
     """Print every reply token's decision depth: the first layer from which the logit lens's top token stays the
@@ -89,13 +102,29 @@ def show(
         raise SettingsError(f"--at {at} is not a token index", hint="use a # from the table, 0 or more")
     if lens not in LENS_KINDS:
         raise SettingsError(f"--lens {lens!r} is not a lens", hint="use raw, tuned or auto")
-    settings = GenerationSettings(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    chosen = opt.chosen_sampling(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repeat_last_n=repeat_last_n,
+        dry_multiplier=dry_multiplier,
+        dry_base=dry_base,
+        dry_allowed_length=dry_allowed_length,
+        dry_penalty_last_n=dry_penalty_last_n,
+        dry_sequence_breakers=dry_sequence_breakers,
+    )
+    settings = GenerationSettings(max_tokens=max_tokens, seed=seed).with_(**chosen)
     from chatapp.lifecycle import starting_up
 
     with starting_up():
         from chatapp.models import load_engine, resolve_model
 
         engine = load_engine(model, device, dtype=dtype)
+    settings = engine.default_settings(settings, chosen)  # the model's own sampling under the options
     translators = _translators(lens, resolve_model(model), engine)
     clock = Stopwatch()
     result = run_lens(engine, prompt, reply, settings, at=at, translators=translators, lap=clock.lap)

@@ -28,9 +28,68 @@ ProgramOption = Annotated[
     str | None,
     typer.Option("--program", help="TTFA program: a built-in name (chat, think, calc, json) or a .toml file."),
 ]
-TemperatureOption = Annotated[float, typer.Option("--temperature", help="0 = greedy.")]
-TopKOption = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
-TopPOption = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")]
+# Sampling: an option left out takes the model's own default (its generation_config.json), else chatapp's built-in
+# one (greedy, every other sampler off); docs/usage.md gives each one's semantics and the default model's values.
+_MODEL_DEFAULT = "Default: the model's, else"
+TemperatureOption = Annotated[
+    float | None, typer.Option("--temperature", help=f"0 = greedy. {_MODEL_DEFAULT} 0.", show_default=False)
+]
+TopKOption = Annotated[
+    int | None, typer.Option("--top-k", help=f"Keep the k most likely tokens. {_MODEL_DEFAULT} 0 (off).")
+]
+TopPOption = Annotated[float | None, typer.Option("--top-p", help=f"Nucleus sampling mass. {_MODEL_DEFAULT} 1 (off).")]
+MinPOption = Annotated[
+    float | None,
+    typer.Option("--min-p", help=f"Drop tokens less likely than min-p x the likeliest. {_MODEL_DEFAULT} 0 (off)."),
+]
+RepetitionPenaltyOption = Annotated[
+    float | None,
+    typer.Option(
+        "--repetition-penalty",
+        help=f"Divide a recent token's positive logit (multiply a negative one) by this. {_MODEL_DEFAULT} 1 (off).",
+    ),
+]
+PresencePenaltyOption = Annotated[
+    float | None,
+    typer.Option("--presence-penalty", help=f"Subtract from a recent token's logit (-2..2). {_MODEL_DEFAULT} 0."),
+]
+FrequencyPenaltyOption = Annotated[
+    float | None,
+    typer.Option(
+        "--frequency-penalty", help=f"Subtract this x a token's recent count from its logit (-2..2). {_MODEL_DEFAULT} 0."
+    ),
+]
+RepeatLastNOption = Annotated[
+    int | None,
+    typer.Option(
+        "--repeat-last-n",
+        help=f"The three penalties' window in tokens (-1 = the whole reply, 0 = none). {_MODEL_DEFAULT} 64.",
+    ),
+]
+DryMultiplierOption = Annotated[
+    float | None,
+    typer.Option("--dry-multiplier", help=f"DRY's penalty on extending a repeat. {_MODEL_DEFAULT} 0 (off)."),
+]
+DryBaseOption = Annotated[
+    float | None, typer.Option("--dry-base", help=f"DRY's growth per repeated token. {_MODEL_DEFAULT} 1.75.")
+]
+DryAllowedLengthOption = Annotated[
+    int | None,
+    typer.Option("--dry-allowed-length", help=f"The longest repeat DRY leaves alone. {_MODEL_DEFAULT} 2."),
+]
+DryPenaltyLastNOption = Annotated[
+    int | None,
+    typer.Option(
+        "--dry-penalty-last-n", help=f"DRY's window in tokens (-1 = the whole reply). {_MODEL_DEFAULT} -1."
+    ),
+]
+DrySequenceBreakersOption = Annotated[
+    str | None,
+    typer.Option(
+        "--dry-sequence-breakers",
+        help=f'A JSON list of strings no repeat extends across. {_MODEL_DEFAULT} \'["\\n", ":", "\\"", "*"]\'.',
+    ),
+]
 MaxTokensOption = Annotated[int, typer.Option("--max-tokens", help="Most sampled tokens (forced ones are free).")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Random seed for sampling.")]
 RoutingOption = Annotated[
@@ -61,3 +120,30 @@ ApiKeyOption = Annotated[
         help="The API key: `serve` requires it of every request; `--server` sends it.",
     ),
 ]
+
+
+def chosen_sampling(**values: object) -> dict[str, object]:
+    """The sampling options the user set (the others are None: the model's defaults decide them), checked at once, so
+    that a bad value is refused before the model loads. `dry_sequence_breakers` arrives as its option's JSON text."""
+    from chatapp.settings import GenerationSettings
+
+    chosen = {name: value for name, value in values.items() if value is not None}
+    if "dry_sequence_breakers" in chosen:
+        chosen["dry_sequence_breakers"] = _breakers(str(chosen["dry_sequence_breakers"]))
+    GenerationSettings().with_(**chosen)
+    return chosen
+
+
+def _breakers(text: str) -> tuple[str, ...]:
+    import json
+
+    from chatapp.errors import SettingsError
+
+    hint = 'write a JSON list of strings, e.g. --dry-sequence-breakers \'["\\n", ":"]\' (or \'[]\' for none)'
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise SettingsError(f"--dry-sequence-breakers {text!r} is not JSON", hint=hint) from None
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise SettingsError(f"--dry-sequence-breakers {text!r} is not a list of non-empty strings", hint=hint)
+    return tuple(value)

@@ -9,6 +9,7 @@ as the local command does (`render.py`); into a pipe it writes the reply's text 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -27,24 +28,24 @@ def generate_remote(
     settings: GenerationSettings,
     console: Console,
     *,
+    sampling: Mapping[str, object] | None = None,
     model: str | None = None,
     json_schema: Any = None,
     api_key: str | None = None,
     exact: TextIO | None = None,
     verbose: bool = False,
 ) -> str | None:
-    """Stream the reply to `prompt` from `server`; returns its finish reason."""
+    """Stream the reply to `prompt` from `server`; returns its finish reason. `sampling`: the sampling options the
+    user set, sent by their names (the server's fields are the settings' own); the others are the server model's
+    defaults."""
     body: dict[str, Any] = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": settings.max_tokens,
-        "temperature": settings.temperature,
-        "top_p": settings.top_p,
         "seed": settings.seed,
     }
+    body.update({name: list(v) if isinstance(v, tuple) else v for name, v in (sampling or {}).items()})
     if model is not None:
         body["model"] = model
-    if settings.top_k:
-        body["top_k"] = settings.top_k
     if json_schema is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "reply", "schema": json_schema}}
     if exact is None:

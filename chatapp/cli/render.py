@@ -13,8 +13,10 @@ token's probability, the model's entropy and its N most likely alternatives (on 
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -24,7 +26,7 @@ from rich.text import Text
 from chatapp.engine.engine import Engine
 from chatapp.engine.events import TokenEvent
 from chatapp.engine.reply import Reply
-from chatapp.settings import GenerationSettings
+from chatapp.settings import SAMPLING_FIELDS, SOURCE_LABELS, GenerationSettings, SettingSource
 
 SAMPLED_STYLE = ""
 FORCED_STYLE = "italic cyan"
@@ -82,6 +84,18 @@ def render_logprobs(reply: Reply) -> Table:
     return table
 
 
+def render_sampling(settings: GenerationSettings, sources: Mapping[str, SettingSource]) -> Text:
+    """The `--verbose` sampling block: each sampling value in use and where it came from (an option, the model's
+    generation_config.json, chatapp's built-in default)."""
+    width = max(len(name) for name in SAMPLING_FIELDS) + 2
+    lines = []
+    for name in SAMPLING_FIELDS:
+        value = getattr(settings, name)
+        shown = json.dumps(list(value)) if isinstance(value, tuple) else str(value)
+        lines.append(f"{name + ':':<{width}}{shown}  ({SOURCE_LABELS[sources[name]]})")
+    return Text("\n".join(lines), style="dim")
+
+
 def stream_reply(
     engine: Engine,
     prompt: str,
@@ -92,10 +106,12 @@ def stream_reply(
     verbose: bool = False,
     program: Any = None,
     constraint: Any = None,
+    sources: Mapping[str, SettingSource] | None = None,
 ) -> Reply:
     """Stream the reply to `prompt` and return it folded. Styled onto `console`, or, with `exact`, its text written
     verbatim to `exact` while `console` gets only the error and the `--verbose` block. `program` is a compiled TTFA
-    program, `constraint` a regex string or a `chatapp.trie` Constraint."""
+    program, `constraint` a regex string or a `chatapp.trie` Constraint. With `verbose`, `sources` (where each
+    sampling value came from) adds the sampling block before the timing one."""
     reply = engine.new_reply()
     started = time.perf_counter()
     zone: str | None = None
@@ -125,6 +141,8 @@ def stream_reply(
     if reply.error:
         console.print(Text(reply.error, style=REFUSAL_STYLE))
     if verbose:
+        if sources is not None:
+            console.print(render_sampling(settings, sources))
         console.print(render_stats(reply, total_seconds, settings.routing_level))
     if settings.logprobs:
         console.print(render_logprobs(reply))

@@ -15,6 +15,7 @@ from typing import Annotated, NoReturn
 import typer
 from rich.console import Console
 
+import chatapp.cli.options as opt
 from chatapp import __version__
 from chatapp.cli.batch import batch
 from chatapp.cli.convert import convert
@@ -34,9 +35,6 @@ from chatapp.cli.options import (
     RoutingOption,
     SeedOption,
     ServerOption,
-    TemperatureOption,
-    TopKOption,
-    TopPOption,
 )
 from chatapp.cli.program import program_app
 from chatapp.cli.prompt_input import read_json_schema, read_prompt
@@ -207,9 +205,19 @@ def generate(
         str, typer.Argument(help="The prompt to answer, sent as one user turn; - reads it from stdin (any length).")
     ],
     model: ModelOption = None,
-    temperature: TemperatureOption = 0.0,
-    top_k: TopKOption = 0,
-    top_p: TopPOption = 1.0,
+    temperature: opt.TemperatureOption = None,
+    top_k: opt.TopKOption = None,
+    top_p: opt.TopPOption = None,
+    min_p: opt.MinPOption = None,
+    repetition_penalty: opt.RepetitionPenaltyOption = None,
+    presence_penalty: opt.PresencePenaltyOption = None,
+    frequency_penalty: opt.FrequencyPenaltyOption = None,
+    repeat_last_n: opt.RepeatLastNOption = None,
+    dry_multiplier: opt.DryMultiplierOption = None,
+    dry_base: opt.DryBaseOption = None,
+    dry_allowed_length: opt.DryAllowedLengthOption = None,
+    dry_penalty_last_n: opt.DryPenaltyLastNOption = None,
+    dry_sequence_breakers: opt.DrySequenceBreakersOption = None,
     max_tokens: MaxTokensOption = 256,
     seed: SeedOption = 0,
     device: DeviceOption = None,
@@ -235,12 +243,25 @@ def generate(
     a file it writes exactly the reply's text (timing and errors go to stderr). With --server, a running `chatapp
     serve` answers (no model is loaded here)."""
     from chatapp.lifecycle import starting_up
-    from chatapp.settings import GenerationSettings
+    from chatapp.settings import GenerationSettings, setting_sources
     from chatapp.validation import check_prompt_fits, check_prompt_text
 
-    settings = GenerationSettings(
-        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=logprobs
+    chosen = opt.chosen_sampling(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repeat_last_n=repeat_last_n,
+        dry_multiplier=dry_multiplier,
+        dry_base=dry_base,
+        dry_allowed_length=dry_allowed_length,
+        dry_penalty_last_n=dry_penalty_last_n,
+        dry_sequence_breakers=dry_sequence_breakers,
     )
+    settings = GenerationSettings(max_tokens=max_tokens, seed=seed, logprobs=logprobs).with_(**chosen)
     if regex is not None and json_schema is not None:
         raise SettingsError("--regex and --json-schema both constrain the reply", hint="pass one of them")
     schema = read_json_schema(json_schema) if json_schema is not None else None
@@ -259,8 +280,8 @@ def generate(
         exact = None if sys.stdout.isatty() else sys.stdout
         console = Console(highlight=False) if exact is None else err_console
         generate_remote(
-            server, prompt, settings, console, model=model, json_schema=schema, api_key=api_key, exact=exact,
-            verbose=verbose,
+            server, prompt, settings, console, sampling=chosen, model=model, json_schema=schema, api_key=api_key,
+            exact=exact, verbose=verbose,
         )
         return
     with starting_up():
@@ -268,7 +289,7 @@ def generate(
         from chatapp.models import load_engine
 
         engine = load_engine(model, device, dtype=dtype, compile=compile)
-    settings = settings.with_(routing_level=engine.resolve_level(routing))
+    settings = engine.default_settings(settings, chosen).with_(routing_level=engine.resolve_level(routing))
     check_prompt_fits(len(prompt), int(engine.context_size), engine.tokenizer)
     compiled = None
     if program is not None:
@@ -290,7 +311,15 @@ def generate(
     exact = None if sys.stdout.isatty() else sys.stdout
     console = Console(highlight=False) if exact is None else err_console
     reply = stream_reply(
-        engine, prompt, settings, console, exact=exact, verbose=verbose, program=compiled, constraint=constraint
+        engine,
+        prompt,
+        settings,
+        console,
+        exact=exact,
+        verbose=verbose,
+        program=compiled,
+        constraint=constraint,
+        sources=setting_sources(engine.sampling_defaults, chosen),
     )
     if reply.finish_reason == "error":  # the row could not go on (its message is printed): not a success
         raise typer.Exit(1)

@@ -8,7 +8,7 @@ caller can get wrong (settings, programs, constraints, a prompt that leaves no r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -24,7 +24,7 @@ from chatapp.engine.reply import Reply, fold_replies
 from chatapp.engine.session import ChatSession, TurnRequest
 from chatapp.engine.tools import DEFAULT_MAX_EXPRESSION_TOKENS, ToolBox, ToolMachine
 from chatapp.errors import ContextOverflowError, ConversationError, SettingsError
-from chatapp.settings import GenerationSettings
+from chatapp.settings import GenerationSettings, with_model_defaults
 from chatapp.stt.config import routing_level, routing_levels
 from chatapp.tools import TOOLS, Tool
 from chatapp.tools.base import NANOCHAT_TOOL_MARKERS, ToolMarkers
@@ -55,15 +55,18 @@ class Engine:
         max_expression_tokens: int = DEFAULT_MAX_EXPRESSION_TOKENS,
         fast_forward: Literal["auto", "always"] = "auto",
         tool_grammar: bool = True,
+        sampling_defaults: Mapping[str, object] | None = None,
     ) -> None:
         """`tool_grammar`: constrain the model's tool calls to each tool's grammar (`FunctionTool.grammar`; the
-        calculator's allows arithmetic and `"word".count("x")`); False lets the model write any call."""
+        calculator's allows arithmetic and `"word".count("x")`); False lets the model write any call.
+        `sampling_defaults`: the model's own sampling defaults (`models.generation_config`), which the front-ends
+        apply under the user's options (`default_settings`); the engine's own calls take the settings given."""
         self.model = model
         self.tokenizer = tokenizer
         self.chat_format = chat_format
         self.token_bytes = TokenBytes(tokenizer)
         self.context_size = int(context_size or model.config.max_position_embeddings)
-        self.loop = DecodeLoop(model, self.context_size, fast_forward)
+        self.loop = DecodeLoop(model, self.context_size, fast_forward, token_bytes=self.token_bytes)
         box = ToolBox(
             TOOLS if tools is None else tools,
             token_id=tokenizer.token_to_id,
@@ -75,6 +78,7 @@ class Engine:
         )
         self.toolbox = box if chat_format.supports_tools and box else None
         self._constraint_vocab: Any = None
+        self.sampling_defaults: dict[str, object] = dict(sampling_defaults or {})
 
     @property
     def stt_layers(self) -> list[int]:
@@ -100,6 +104,13 @@ class Engine:
         """The routing level a request names (None: the model's default), checked against the model's levels
         (`SettingsError` naming them)."""
         return routing_level(self.model.config, level)
+
+    def default_settings(
+        self, settings: GenerationSettings = GenerationSettings(), chosen: Collection[str] = ()
+    ) -> GenerationSettings:
+        """`settings` with this model's sampling defaults in every sampling field not in `chosen` (the fields the
+        user set)."""
+        return with_model_defaults(settings, self.sampling_defaults, chosen)
 
     @property
     def tool_markers(self) -> ToolMarkers:

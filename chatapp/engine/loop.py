@@ -1,7 +1,8 @@
 """The decode loop: prefill, then one model forward per step over the device batch. This file tells the story.
 
     prompts ─► prefill (each prompt in its own row of the cache: `prefill_row`) ─► replicate rows for num_samples
-      loop:  grammar masks on the logits (`constraints.py`) ─► sample(logits) on device (`sampling.py`)
+      loop:  grammar masks on the logits (`constraints.py`) ─► penalties on repeats (`penalties.py`, when a row
+             asks) ─► sample(logits) on device (`sampling.py`)
              ─► known tokens replace samples: a tool's queued output, tokens the grammar forces
              ─► the TTFA automaton steps (`programs.py`): feeds / timeouts replace tokens, zone tags
              ─► model.decode (or `model.feed` when some row fast-forwards a known run or has finished)
@@ -49,8 +50,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -59,6 +60,7 @@ from chatapp.engine.constraints import apply_masks
 from chatapp.engine.detok import Detokenizer
 from chatapp.engine.events import FinishReason, PromptInfo, Step, TokenEvent, TokenLogprobs, ToolEvent
 from chatapp.engine.logprobs import HostLogprobs, LogprobTensors, measure, model_log_probs
+from chatapp.engine.penalties import BreakerMask, PenaltyState, breaker_mask_for
 from chatapp.engine.programs import ProgramRunner
 from chatapp.engine.protocols import ConstraintLike, ForwardOutput, KVCacheLike, ModelLike
 from chatapp.engine.sampling import SamplingParams, sample, sample_with_log_probs
@@ -245,6 +247,7 @@ class Fed:
     out: ForwardOutput
     logits: torch.Tensor
     position_logits: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None  # (B,) tokens each row fed, on a ragged step (None: one each)
 
 
 @dataclass
@@ -263,6 +266,7 @@ class DeviceBatch:
     pending: list[int] | None = None  # host copy of the program's pending feed per row (from the last step)
     finished: int = 0  # rows finished but still occupying a device slot
     top_n: int = 0  # alternatives to measure per token: the most any row asks for (0: no log-probs at all)
+    penalties: PenaltyState | None = None  # the rows' penalties on repeats, when any row has one
 
     @property
     def active(self) -> int:
@@ -276,6 +280,16 @@ class DecodeLoop:
     model: ModelLike
     context_size: int
     fast_forward: Literal["auto", "always"] = "auto"  # policy for rows whose settings allow it (module doc)
+    token_bytes: Callable[[int], bytes] | None = None  # each token's text, for DRY's sequence breakers
+    _breakers: BreakerMask | None = field(default=None, init=False, repr=False)
+
+    def breaker_mask(self, breakers: tuple[str, ...]) -> torch.Tensor:
+        """(V,) bool: the tokens whose text holds one of `breakers` (DRY's sequence breakers), found once a set."""
+        if self._breakers is None:
+            vocab = int(self.model.config.vocab_size)
+            text = self.token_bytes if self.token_bytes is not None else (lambda token: b"")
+            self._breakers = breaker_mask_for(text, vocab, self.device)
+        return self._breakers(breakers)
 
     @property
     def device(self) -> torch.device:
@@ -339,6 +353,7 @@ class DecodeLoop:
             threshold=threshold,
             may_compact=may_compact,
             top_n=max(r.settings.logprobs for r in rows),
+            penalties=PenaltyState.build([r.settings for r in rows], logits.shape[-1], self.device, self.breaker_mask),
         )
         return batch, info
 
@@ -364,6 +379,7 @@ class DecodeLoop:
             batch.logits = torch.cat([batch.logits, *(new.logits for new in newcomers)])
             batch.params = batch.params.join(*(new.params for new in newcomers))
             batch.counters = torch.cat([batch.counters, *(new.counters for new in newcomers)])
+            batch.penalties = PenaltyState.join([(b.penalties, len(b.rows)) for b in (batch, *newcomers)])
         for new in newcomers:
             batch.rows = batch.rows + new.rows
             batch.finished += new.finished
@@ -446,6 +462,8 @@ class DecodeLoop:
         head_log_probs = model_log_probs(batch.logits) if batch.top_n else None
         if any(row.grammar is not None and not row.finished for row in rows):
             apply_masks(batch.logits, [None if r.finished else r.grammar for r in rows], batch.logits.shape[-1])
+        if batch.penalties is not None:
+            batch.penalties.apply(batch.logits)
         if batch.top_n:
             sampled, sampling_log_probs = sample_with_log_probs(batch.logits, batch.params, batch.counters)
         else:
@@ -479,6 +497,8 @@ class DecodeLoop:
         else:
             fed = self._feed_ragged(batch, heads, runs, feed_counts, width, known, peek)
         batch.logits = fed.logits
+        if batch.penalties is not None:
+            batch.penalties.append(fed.ids, self._seen_counts(fed, runs, known))
         logprobs = None
         if head_log_probs is not None and sampling_log_probs is not None:
             logprobs = measure(self._emitted_log_probs(head_log_probs, fed), fed.ids, sampling_log_probs, batch.top_n)
@@ -502,6 +522,20 @@ class DecodeLoop:
         if fed.position_logits is None or fed.ids.shape[1] == 1:
             return head[:, None]
         return torch.cat([head[:, None], model_log_probs(fed.position_logits[:, :-1])], dim=1)
+
+    def _seen_counts(
+        self, fed: Fed, runs: dict[int, KnownRun], known: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """(B,) how many of the tokens each row fed this step its penalties see: all of them, except a tool's
+        output (unless the program put its own token in the tool token's place) and a finished row's nothing."""
+        rows = fed.ids.shape[0]
+        counts = fed.lengths if fed.lengths is not None else torch.ones(rows, dtype=torch.long, device=self.device)
+        tools = [i for i, run in runs.items() if run.source == "tool"]
+        if tools and known is not None:
+            is_tool = torch.zeros(rows, dtype=torch.bool, device=self.device)
+            is_tool[tools] = True
+            counts = torch.where(is_tool & (fed.ids[:, 0] == known[0][:, 0]), 0, counts)
+        return counts
 
     def _feed_counts(self, batch: DeviceBatch, runs: dict[int, KnownRun]) -> dict[int, int]:
         """Rows that fast-forward their program's pending feed this step, and how many feed tokens each emits.
@@ -560,9 +594,9 @@ class DecodeLoop:
         )
         batch.counters += lengths_t
         if not every_position:
-            return Fed(ids, out, out.logits)
+            return Fed(ids, out, out.logits, lengths=lengths_t)
         last = out.logits[torch.arange(len(batch.rows), device=device), (lengths_t - 1).clamp(min=0)]
-        return Fed(ids, out, last, out.logits)
+        return Fed(ids, out, last, out.logits, lengths=lengths_t)
 
     def _known_run(self, row: RowState, fast: bool) -> KnownRun | None:
         """The tokens a row will emit next that are already known: its tool's queued output, else the tokens its
@@ -759,6 +793,8 @@ class DecodeLoop:
         batch.logits = batch.logits.index_select(0, index)
         batch.params = batch.params.select(index)
         batch.counters = batch.counters.index_select(0, index)
+        if batch.penalties is not None:
+            batch.penalties = batch.penalties.select(index)
         if batch.program is not None:
             batch.program.select_rows(index)
         if batch.pending is not None:

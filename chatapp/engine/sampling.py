@@ -1,6 +1,6 @@
 """On-device token sampling with per-row settings and per-row, counter-based randomness.
 
-Every row of a batch carries its own temperature, top-k, top-p and random stream, as tensors, so one batched call
+Every row of a batch carries its own temperature, top-k, top-p, min-p and random stream, as tensors, so one batched call
 samples rows with different settings and no Python loop runs over rows.
 
 Randomness. nanochat draws from one shared `torch.Generator`, so a row's tokens depend on how many rows share the
@@ -15,8 +15,11 @@ order, over the tokens top-k/top-p keep) first exceeds `u * total`. It is exact,
 (the Gumbel-max alternative needs one per row *per vocabulary entry*), and walks the distribution in a fixed
 order, so the result does not depend on which code path (sorted or not) selected the kept set.
 
-Order of operations follows Hugging Face's warpers: temperature, then top-k, then top-p over the top-k survivors.
-Tokens tied with the k-th (or nucleus-boundary) logit are kept, so a tie can keep a few more than k tokens.
+Order of operations follows Hugging Face's warpers: temperature, then top-k, then top-p over the top-k survivors,
+then min-p (which keeps a token at least `min_p` times as likely as the most likely one: a ratio that no earlier
+truncation changes). Tokens tied with the k-th (or nucleus-boundary) logit are kept, so a tie can keep a few more
+than k tokens. The penalties on repeats (`penalties.py`) come before all of them, on the raw logits, as in
+transformers and llama.cpp; they apply to greedy rows too.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class SamplingPlan:
     any_greedy: bool  # some row has temperature 0
     max_top_k: int  # largest top_k of a sampling row (0: no row uses top-k)
     any_top_p: bool  # some sampling row has top_p < 1
+    any_min_p: bool  # some sampling row has min_p > 0
     top_p_within_top_k: bool  # every top-p row also has top-k, so the nucleus is found among max_top_k candidates
 
 
@@ -100,6 +104,7 @@ class SamplingParams:
     temperature: torch.Tensor  # (B,) float32; 0 = greedy
     top_k: torch.Tensor  # (B,) int64; 0 = off
     top_p: torch.Tensor  # (B,) float32; 1 = off
+    min_p: torch.Tensor  # (B,) float32; 0 = off
     keys: torch.Tensor  # (B,) int64 in [0, 2**32): random-stream key per row
     plan: SamplingPlan
 
@@ -115,12 +120,14 @@ class SamplingParams:
             any_greedy=len(sampling) < len(settings),
             max_top_k=max((s.top_k for s in sampling), default=0),
             any_top_p=bool(top_p_rows),
+            any_min_p=any(s.min_p > 0 for s in sampling),
             top_p_within_top_k=all(s.top_k > 0 for s in top_p_rows),
         )
         return cls(
             temperature=torch.tensor([s.temperature for s in settings], dtype=torch.float32, device=device),
             top_k=torch.tensor([s.top_k for s in settings], dtype=torch.long, device=device),
             top_p=torch.tensor([s.top_p for s in settings], dtype=torch.float32, device=device),
+            min_p=torch.tensor([s.min_p for s in settings], dtype=torch.float32, device=device),
             keys=torch.tensor(
                 [row_key(s.seed, i) for s, i in zip(settings, sample_index, strict=True)],
                 dtype=torch.long,
@@ -137,6 +144,7 @@ class SamplingParams:
             any_greedy=any(p.any_greedy for p in plans),
             max_top_k=max(p.max_top_k for p in plans),
             any_top_p=any(p.any_top_p for p in plans),
+            any_min_p=any(p.any_min_p for p in plans),
             top_p_within_top_k=all(p.top_p_within_top_k for p in plans),
         )
         tensors = {
@@ -153,6 +161,7 @@ class SamplingParams:
             temperature=self.temperature.index_select(0, index),
             top_k=self.top_k.index_select(0, index),
             top_p=self.top_p.index_select(0, index),
+            min_p=self.min_p.index_select(0, index),
             keys=self.keys.index_select(0, index),
         )
 
@@ -219,7 +228,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _allowed_tokens(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(B, V) bool: the tokens top-k and top-p keep for each row (everything for rows that use neither)."""
+    """(B, V) bool: the tokens top-k, top-p and min-p keep for each row (everything for rows that use none)."""
     plan = params.plan
     neg_inf = float("-inf")  # a Python scalar: no host-to-device copy per step
     threshold = torch.full((scaled.shape[0],), float("-inf"), device=scaled.device)
@@ -239,6 +248,10 @@ def _allowed_tokens(scaled: torch.Tensor, params: SamplingParams) -> torch.Tenso
             candidates = ordered.values
         nucleus = _nucleus_threshold(candidates, params.top_p)
         threshold = torch.where(params.top_p < 1, torch.maximum(threshold, nucleus), threshold)
+    if plan.any_min_p:
+        # p >= min_p * p_max  <=>  logit >= max logit + log(min_p); log(0) = -inf keeps everything.
+        floor = scaled.amax(dim=-1) + params.min_p.log()
+        threshold = torch.maximum(threshold, floor)
     return scaled >= threshold[:, None]
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatapp.errors import ChatappError, ModelDirError
+from chatapp.models.generation_config import read_sampling_defaults
 from chatapp.models.registry import repair_hint, resolve_model
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     chat_format: AnyChatFormat
     path: Path
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # its generation_config.json's
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -74,7 +76,9 @@ def load_engine(
     from chatapp.engine.engine import Engine
 
     loaded = load_model(model, device, dtype, compile=compile)
-    return Engine(loaded.model, loaded.tokenizer, loaded.chat_format, **engine_options)
+    return Engine(
+        loaded.model, loaded.tokenizer, loaded.chat_format, sampling_defaults=loaded.sampling_defaults, **engine_options
+    )
 
 
 def load_model(
@@ -107,6 +111,7 @@ def load_model(
     hint = repair_hint(model, model_dir)  # the fix depends on what wrote the files (shipped, prepared, converted)
     check_model_dir(model_dir, hint=hint)
     _check_written_files(model_dir, hint)
+    sampling_defaults = read_sampling_defaults(model_dir)  # a broken file is refused before the weights load
     tokenizer = _load_tokenizer(model_dir, hint)
 
     from chatapp.chat import chat_format_for
@@ -135,7 +140,9 @@ def load_model(
     if compile if compile is not None else env_flag(COMPILE_ENV):
         _compile_decode(model, model_dir)
     _return_freed_memory()
-    return LoadedModel(model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, chat_format=chat_format, path=model_dir, sampling_defaults=sampling_defaults
+    )
 
 
 def _check_written_files(model_dir: Path, hint: str | None) -> None:

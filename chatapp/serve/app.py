@@ -120,7 +120,10 @@ class Service:
                     hint=f"shorten the prompt below {engine.context_size} tokens",
                 )
             settings = generation_settings(
-                request, room=engine.context_size - len(ids), routing_level=self.config.routing_level
+                request,
+                room=engine.context_size - len(ids),
+                routing_level=self.config.routing_level,
+                model_defaults=engine.default_settings,
             )
             constraint = None
             if request.json_schema is not None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import math
 import secrets
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from chatapp.errors import ChatappError
 from chatapp.serve.errors import ApiError, bad_value
-from chatapp.settings import MAX_MAX_TOKENS, GenerationSettings
+from chatapp.settings import MAX_MAX_TOKENS, SAMPLING_FIELDS, GenerationSettings
 from chatapp.tools.parts import PART_TYPES
 from chatapp.validation import MAX_LOGPROBS
 
@@ -26,10 +27,6 @@ MAX_STOP_CHARS = 256
 
 # Fields of OpenAI's requests that chatapp does not implement, with the value that asks for nothing.
 UNSUPPORTED: dict[str, Any] = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
-    "min_p": 0,
     "logit_bias": {},
     "tools": [],
     "tool_choice": "none",
@@ -49,7 +46,7 @@ UNSUPPORTED: dict[str, Any] = {
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 
 COMMON = frozenset(
-    {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream", "stream_options", "chatapp"}
+    {"model", "max_tokens", "n", "seed", "stop", "stream", "stream_options", "chatapp", *SAMPLING_FIELDS}
 )
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
@@ -132,10 +129,20 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
     return ServeRequest(prompt=_prompt(body.get("prompt")), top_logprobs=top, **common)
 
 
-def generation_settings(request: ServeRequest, *, room: int, routing_level: str | None) -> GenerationSettings:
+def generation_settings(
+    request: ServeRequest,
+    *,
+    room: int,
+    routing_level: str | None,
+    model_defaults: Callable[[GenerationSettings, Collection[str]], GenerationSettings],
+) -> GenerationSettings:
     """The one place request fields become engine settings. `room`: the tokens the context leaves after the prompt
     (the reply's length when the request names none, as OpenAI's chat endpoint does); `routing_level`: the server's.
-    A sampler added to `GenerationSettings` is mapped here, under OpenAI's name where there is one."""
+    The samplers take the settings' own names, which are OpenAI's (`temperature`, `top_p`, `presence_penalty`,
+    `frequency_penalty`) and llama.cpp's server's (`top_k`, `min_p`, `repeat_last_n`, the `dry_*` fields) where they
+    have one, and vLLM's `repetition_penalty`. A sampler the request leaves out is the model's own default
+    (`model_defaults`: its generation_config.json, as `chatapp generate` takes it), as llama.cpp's server does;
+    OpenAI's own defaults (temperature 1) belong to OpenAI's models."""
     body = request.body
     default_max = min(room, MAX_MAX_TOKENS) if request.kind == "chat" else 16  # OpenAI's defaults
     names = ("max_completion_tokens", "max_tokens") if request.kind == "chat" else ("max_tokens",)
@@ -144,14 +151,25 @@ def generation_settings(request: ServeRequest, *, room: int, routing_level: str 
         if body.get(name) is not None:
             max_tokens = _int(body, name, 1, MAX_MAX_TOKENS)
             break
-    temperature = _number(body, "temperature", 0.0, 2.0, default=1.0)
-    top_p = _number(body, "top_p", 0.0, 1.0, default=1.0)
-    if top_p == 0:
+    chosen: dict[str, Any] = {}
+    for name in SAMPLING_FIELDS:
+        if body.get(name) is None:
+            continue
+        value = body[name]
+        if name == "dry_sequence_breakers":
+            if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+                raise bad_value(name, f"{name} must be a list of non-empty strings, got {json.dumps(value)}")
+            value = tuple(value)
+        elif name in _WHOLE_SAMPLERS:
+            value = _int(body, name, -1 if name.endswith("last_n") else 0, 1 << 20)
+        else:
+            value = _number(body, name, -math.inf, math.inf, default=0.0)
+        chosen[name] = value
+    if chosen.get("top_p") == 0:
         raise bad_value("top_p", "top_p must be above 0 (1 keeps every token)")
+    if "temperature" in chosen and not 0 <= chosen["temperature"] <= 2:
+        raise bad_value("temperature", f"temperature must be between 0 and 2, got {chosen['temperature']}")
     values = dict(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=_int(body, "top_k", 0, 1 << 20, default=0),
         # Without a seed every request draws anew, as OpenAI's do; with one, the same request gives the same reply.
         seed=_int(body, "seed", 0, (1 << 63) - 1, default=secrets.randbits(63)),
         max_tokens=max_tokens,
@@ -159,9 +177,14 @@ def generation_settings(request: ServeRequest, *, room: int, routing_level: str 
         routing_level=routing_level,
     )
     try:
-        return GenerationSettings(**values)  # type: ignore[arg-type]
+        return model_defaults(GenerationSettings(**values).with_(**chosen), chosen)  # type: ignore[arg-type]
     except ChatappError as err:
-        raise ApiError.from_chatapp(err) from None
+        param = next((name for name in chosen if name in err.message), None)
+        raise ApiError.from_chatapp(err, param=param) from None
+
+
+# Samplers whose values are whole numbers (the rest are numbers, and the breakers a list of strings).
+_WHOLE_SAMPLERS = frozenset({"top_k", "repeat_last_n", "dry_allowed_length", "dry_penalty_last_n"})
 
 
 # ---------------------------------------------------------------------------------------------------- fields

@@ -54,6 +54,8 @@ class ModelInfo:
     skip_mode: str = "strict"  # what a skipped token leaves in an STT layer (`STTConfig.skip_mode`)
     skip_cost: float = 0.0  # share of a block a skipped token still computes (`chatapp.compute_saved.skip_cost`)
     routing_levels: tuple[str, ...] = ("default", "off")  # the model's routing levels, its default first
+    # The model's own sampling defaults (its generation_config.json): the settings screen says which values are its.
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,7 @@ class EngineBackend(BackendState):
     def __init__(self, engine: Any, *, model_dir: Path, settings: GenerationSettings | None = None) -> None:
         self._engine = engine
         self._model_dir = model_dir
-        self._settings = settings or TUI_SETTINGS
+        self._settings = settings or engine.default_settings(TUI_SETTINGS)
         self._constraint: str | None = None
         self._program: ProgramInfo | None = None
         self._program_object: Any = None
@@ -214,6 +216,7 @@ class EngineBackend(BackendState):
             skip_mode=str(getattr(config, "skip_mode", "strict")),
             skip_cost=engine.skip_cost,
             routing_levels=engine.routing_levels,
+            sampling_defaults=tuple(engine.sampling_defaults.items()),
         )
         self.new_session()
 

@@ -107,3 +107,39 @@ def test_samples_and_sampling_rows_join_as_generate_runs_them(int8_engine) -> No
     assert [signature(replies[row]) for row in (1, 2, 3)] == [signature(r) for r in alone]
     assert signature(replies[0]) == signature(int8_engine.generate_batch([prompt_of([3, 4])], greedy)[0])
     assert batch.active == 0 and batch.size == 0
+
+
+PENALTY_SETTINGS = [
+    {},  # none: the row's batch may hold no penalty state at all
+    {"repetition_penalty": 1.3, "repeat_last_n": 8},
+    {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repeat_last_n": -1},
+    {"dry_multiplier": 0.8, "dry_allowed_length": 1},
+    {"repetition_penalty": 1.1, "dry_multiplier": 0.8, "temperature": 0.8, "seed": 3},
+]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    plan=st.lists(
+        st.tuples(
+            st.integers(0, 6),
+            st.lists(st.integers(0, 200), min_size=1, max_size=30),
+            st.integers(1, 12),
+            st.sampled_from(range(len(PENALTY_SETTINGS))),
+        ),
+        min_size=2,
+        max_size=5,
+    )
+)
+def test_rows_with_penalties_join_a_batch_with_or_without_them_and_answer_as_alone(int8_engine, plan) -> None:
+    """Penalties keep per-row state (the tokens seen, their counts, DRY's repeats): rows joining a running batch
+    bring theirs, rows without penalties join one that has them and the other way round, and every row answers as
+    it does alone."""
+    arrivals = [
+        (at, prompt_of(words), GenerationSettings(max_tokens=n, logprobs=1, **PENALTY_SETTINGS[kind]))
+        for at, words, n, kind in plan
+    ]
+    replies = run_continuous(int8_engine, arrivals)
+    for row, (_, prompt, setting) in enumerate(arrivals):
+        alone = int8_engine.generate_batch([prompt], setting)[0]
+        assert signature(replies[row]) == signature(alone)

@@ -212,3 +212,26 @@ def test_tool_grammars_can_be_prepared_ahead(scripted) -> None:
     unconstrained, _ = scripted({}, tool_grammar=False)
     unconstrained.prepare_tool_grammars()
     assert not unconstrained.toolbox.has_grammars and unconstrained._constraint_vocab is None
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_penalties_see_the_reply_and_its_call_but_not_the_tools_output(scripted, ids, monkeypatch, fast_forward) -> None:
+    from chatapp.engine.penalties import PenaltyState
+
+    seen: list[int] = []
+    append = PenaltyState.append
+
+    def recording(self, tokens, counts) -> None:
+        seen.extend(tokens[0, : int(counts[0])].tolist())
+        append(self, tokens, counts)
+
+    monkeypatch.setattr(PenaltyState, "append", recording)
+    prompt = ids.prompt()
+    call = [ids.start, *ids.text("3*3"), ids.end]
+    after = ids.text("9")
+    engine, _ = scripted(script_at(len(prompt), call, block(ids, "9"), after, [ids.stop]))
+    settings_ = GREEDY.with_(fast_forward=fast_forward, repetition_penalty=2.0, dry_multiplier=5.0)
+    result = engine.generate_batch([prompt], settings_)[0]
+    output = [ids.out_start, *ids.text("9"), ids.out_end]
+    assert result.tokens == [*call, *output, *after]  # the tool's output is forced whatever the penalties say
+    assert seen == [*call, *after, ids.stop]

@@ -165,3 +165,28 @@ def test_compare_last_regenerates_with_routing_off_and_keeps_the_session(tiny_mo
     backend.configure(GenerationSettings(max_tokens=8, routing="off"), None)
     first = [e.token for step in backend.regenerate() for e in step.tokens]
     assert [e.token for step in backend.compare_last() for e in step.tokens] == first
+
+
+@pytest.mark.asyncio
+async def test_the_tui_starts_from_the_models_own_sampling_and_says_where_each_value_comes_from(
+    tiny_model_dir, tmp_path
+):
+    import json
+    import shutil
+
+    from chatapp.ui.screens.settings import SettingsScreen
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = model_dir / "generation_config.json"
+    given = json.loads(config.read_text()) if config.is_file() else {}
+    config.write_text(json.dumps({**given, "do_sample": True, "temperature": 0.6, "min_p": 0.05}))
+    backend = EngineBackend.load(model_dir, device="cpu")
+    assert (backend.settings.temperature, backend.settings.min_p, backend.settings.top_k) == (0.6, 0.05, 0)
+    backend.configure(backend.settings.with_(top_k=40), None)
+    app = make_app(backend=backend, db_path=tmp_path / "h.sqlite3", clock=FixedClock(), cursor_blink=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f2")
+        await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen) and app.screen.query(".source"))
+        sources = [str(label.render()) for label in app.screen.query(".source")]
+        assert sources[:5] == ["model's", "set here", "built-in", "model's", "built-in"]

@@ -146,10 +146,11 @@ def evaluate_tasks(
 
 
 def heldout_task_report(engine: Engine, count: int, seed: int = 0, routing: str = "student") -> TaskReport:
-    """Task metrics of a model on `count` conversations of the corpus's held-out split (greedy)."""
+    """Task metrics of a model on `count` conversations of the corpus's held-out split, at the model's own sampling
+    defaults (greedy for the tiny model, which gives none)."""
     from chatapp.settings import GenerationSettings
 
-    settings = GenerationSettings(max_tokens=96, routing=routing)
+    settings = engine.default_settings(GenerationSettings(max_tokens=96, routing=routing))
     return evaluate_tasks(engine, generate_corpus(count, "heldout", seed), settings)
 
 

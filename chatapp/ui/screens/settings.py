@@ -1,12 +1,15 @@
 """The settings modal: sampling, routing threshold and a regex constraint, validated before they apply.
 
 Numbers are parsed here (a typo names its field); ranges are `GenerationSettings`' own validation; the regex is
-compiled by the backend. Nothing changes unless everything is valid.
+compiled by the backend. Nothing changes unless everything is valid. Beside each sampling value, where it comes from:
+the model's own defaults (its generation_config.json), chatapp's built-in default, or set here.
 """
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from textual import on, work
@@ -17,8 +20,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from chatapp.errors import ChatappError, SettingsError, user_message
-from chatapp.settings import GenerationSettings
-from chatapp.ui.backend import ChatBackend
+from chatapp.settings import SAMPLING_FIELDS, GenerationSettings, with_model_defaults
+from chatapp.ui.backend import TUI_SETTINGS, ChatBackend
 from chatapp.ui.screens import match_cursor_blink
 
 
@@ -26,14 +29,43 @@ from chatapp.ui.screens import match_cursor_blink
 class _Field:
     name: str
     label: str
-    kind: type
+    kind: Callable[[str], object]
     optional: bool = False  # blank means None
 
+
+def _strings(text: str) -> tuple[str, ...]:
+    """A JSON list of strings, as the sequence breakers are written in the form."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ValueError(text) from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError(text)
+    return tuple(value)
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return ""
+    return json.dumps(list(value)) if isinstance(value, tuple) else str(value)
+
+
+_KIND_NAMES = {int: "a whole number", float: "a number", _strings: 'a JSON list of strings, e.g. ["\\n", ":"]'}
 
 _FIELDS = (
     _Field("temperature", "temperature (0 = greedy)", float),
     _Field("top_k", "top-k (0 = off)", int),
     _Field("top_p", "top-p (1 = off)", float),
+    _Field("min_p", "min-p (0 = off)", float),
+    _Field("repetition_penalty", "repetition penalty (1 = off)", float),
+    _Field("presence_penalty", "presence penalty (0 = off)", float),
+    _Field("frequency_penalty", "frequency penalty (0 = off)", float),
+    _Field("repeat_last_n", "penalties' window (-1 = all)", int),
+    _Field("dry_multiplier", "DRY multiplier (0 = off)", float),
+    _Field("dry_base", "DRY base", float),
+    _Field("dry_allowed_length", "DRY allowed length", int),
+    _Field("dry_penalty_last_n", "DRY window (-1 = all)", int),
+    _Field("dry_sequence_breakers", "DRY sequence breakers", _strings),
     _Field("max_tokens", "max tokens", int),
     _Field("seed", "seed", int),
     _Field("routing_threshold", "routing threshold (blank = model's)", float, optional=True),
@@ -54,14 +86,16 @@ def parse_settings(
     routing level that is not one of the model's `levels`."""
     changes: dict[str, object] = {}
     for spec in _FIELDS:
-        raw = values.get(spec.name, "").strip()
+        if spec.name not in values:  # a field the form does not show keeps its value
+            continue
+        raw = values[spec.name].strip()
         if not raw and spec.optional:
             changes[spec.name] = None
             continue
         try:
             changes[spec.name] = spec.kind(raw)
         except ValueError:
-            kind = "a whole number" if spec.kind is int else "a number"
+            kind = _KIND_NAMES[spec.kind]
             raise SettingsError(f"{spec.label}: {raw!r} is not {kind}", hint=f"type {kind}") from None
     level = changes.get("routing_level")
     if levels is not None and level is not None and level not in levels:
@@ -81,19 +115,30 @@ class SettingsScreen(ModalScreen[SettingsChoice | None]):
 
     def compose(self) -> ComposeResult:
         settings = self._backend.settings
-        with Vertical(id="dialog", classes="dialog") as dialog:
+        with Vertical(id="dialog", classes="dialog settings") as dialog:
             dialog.border_title = "settings"
             with Grid(id="settings-grid"):
                 for spec in _FIELDS:
-                    value = getattr(settings, spec.name)
                     yield Label(spec.label)
-                    yield Input("" if value is None else str(value), id=f"set-{spec.name}", compact=True)
+                    yield Input(_shown(getattr(settings, spec.name)), id=f"set-{spec.name}", compact=True)
+                    yield Label(self._source(spec.name), classes="source")
                 yield Label("constraint regex (blank = none)")
                 yield Input(self._backend.constraint or "", id="set-constraint", compact=True)
+                yield Label("")
             yield Static(id="error", classes="error")
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
+
+    def _source(self, name: str) -> str:
+        """Where the value of sampling setting `name` comes from (blank for the other settings)."""
+        if name not in SAMPLING_FIELDS:
+            return ""
+        model_defaults = dict(self._backend.info.sampling_defaults)
+        default = with_model_defaults(TUI_SETTINGS, model_defaults)
+        if getattr(self._backend.settings, name) != getattr(default, name):
+            return "set here"
+        return "model's" if name in model_defaults else "built-in"
 
     def on_mount(self) -> None:
         match_cursor_blink(self)
