@@ -188,8 +188,12 @@ def assert_error(err: openai.APIStatusError, status: int, param: str | None, *wo
         ({"max_tokens": 0}, "max_tokens", "between 1"),
         ({"n": 0}, "n", "between 1"),
         ({"top_logprobs": 3}, "top_logprobs", "logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "does not support"),
-        ({"frequency_penalty": 1}, "frequency_penalty", "does not support"),
+        ({"presence_penalty": 3}, "presence_penalty", "between -2 and 2"),
+        ({"frequency_penalty": "a lot"}, "frequency_penalty", "must be a number"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "> 0"),
+        ({"extra_body": {"dry_sequence_breakers": "\n"}}, "dry_sequence_breakers", "list of non-empty strings"),
+        ({"extra_body": {"repeat_last_n": -2}}, "repeat_last_n", "between -1"),
+        ({"extra_body": {"logit_bias": {"1": 5}}}, "logit_bias", "does not support"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
         (
@@ -210,6 +214,24 @@ def test_bad_values_get_400_naming_the_field(served, options, param, word) -> No
 def test_neutral_values_of_unsupported_fields_are_taken(served) -> None:
     reply = chat(served.client(), "Hi", max_tokens=3, presence_penalty=0, frequency_penalty=0, logit_bias={})
     assert reply.choices[0].message.content is not None
+
+
+def test_samplers_take_the_settings_names_and_answer_as_the_engine_does(served) -> None:
+    """OpenAI's penalties, and llama.cpp's and vLLM's sampler fields through `extra_body`, reach the engine: the
+    served greedy reply equals the engine's own with the same settings."""
+    from chatapp.settings import GenerationSettings
+
+    samplers = {"presence_penalty": 0.6, "frequency_penalty": 0.3}
+    extra = {"repetition_penalty": 1.3, "repeat_last_n": 16, "dry_multiplier": 0.8, "dry_allowed_length": 1,
+             "min_p": 0.05, "dry_sequence_breakers": ["\n"]}
+    reply = chat(served.client(), "Tell me more", max_tokens=12, temperature=0, seed=1, extra_body=extra, **samplers)
+    engine = served.engine
+    ids = engine.chat_format.render_for_completion([{"role": "user", "content": "Tell me more"}])
+    settings = GenerationSettings(max_tokens=12, seed=1, temperature=0.0).with_(
+        **samplers, **{k: tuple(v) if isinstance(v, list) else v for k, v in extra.items()}
+    )
+    alone = engine.generate_batch([ids], engine.default_settings(settings, {*samplers, *extra, "temperature"}))[0]
+    assert reply.choices[0].message.content == alone.text
 
 
 def test_a_prompt_over_the_context_gets_400_naming_the_limit(served) -> None:
