@@ -55,21 +55,7 @@ def batch(
     from chatapp.batch.runner import BatchOptions
     from chatapp.settings import GenerationSettings
 
-    chosen = opt.chosen_sampling(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        repeat_last_n=repeat_last_n,
-        dry_multiplier=dry_multiplier,
-        dry_base=dry_base,
-        dry_allowed_length=dry_allowed_length,
-        dry_penalty_last_n=dry_penalty_last_n,
-        dry_sequence_breakers=dry_sequence_breakers,
-    )
+    chosen = opt.chosen_sampling(locals())
     settings = GenerationSettings(max_tokens=max_tokens, seed=seed, logprobs=logprobs, routing_level=routing)
     settings = settings.with_(**chosen)
     summary = run_batch_command(

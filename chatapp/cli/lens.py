@@ -102,21 +102,7 @@ def show(
         raise SettingsError(f"--at {at} is not a token index", hint="use a # from the table, 0 or more")
     if lens not in LENS_KINDS:
         raise SettingsError(f"--lens {lens!r} is not a lens", hint="use raw, tuned or auto")
-    chosen = opt.chosen_sampling(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        repeat_last_n=repeat_last_n,
-        dry_multiplier=dry_multiplier,
-        dry_base=dry_base,
-        dry_allowed_length=dry_allowed_length,
-        dry_penalty_last_n=dry_penalty_last_n,
-        dry_sequence_breakers=dry_sequence_breakers,
-    )
+    chosen = opt.chosen_sampling(locals())
     settings = GenerationSettings(max_tokens=max_tokens, seed=seed).with_(**chosen)
     from chatapp.lifecycle import starting_up
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated
 
 import typer
@@ -122,12 +123,14 @@ ApiKeyOption = Annotated[
 ]
 
 
-def chosen_sampling(**values: object) -> dict[str, object]:
-    """The sampling options the user set (the others are None: the model's defaults decide them), checked at once, so
-    that a bad value is refused before the model loads. `dry_sequence_breakers` arrives as its option's JSON text."""
-    from chatapp.settings import GenerationSettings
+def chosen_sampling(options: Mapping[str, object]) -> dict[str, object]:
+    """The sampling options the user set, picked by name from a command's `options` (its `locals()`: every
+    command declares the same sampling options, `SAMPLING_FIELDS`; one not set is None, and the model's defaults
+    decide it), checked at once, so that a bad value is refused before the model loads. `dry_sequence_breakers`
+    arrives as its option's JSON text."""
+    from chatapp.settings import SAMPLING_FIELDS, GenerationSettings
 
-    chosen = {name: value for name, value in values.items() if value is not None}
+    chosen = {name: options[name] for name in SAMPLING_FIELDS if options.get(name) is not None}
     if "dry_sequence_breakers" in chosen:
         chosen["dry_sequence_breakers"] = _breakers(str(chosen["dry_sequence_breakers"]))
     GenerationSettings().with_(**chosen)

@@ -246,21 +246,7 @@ def generate(
     from chatapp.settings import GenerationSettings, setting_sources
     from chatapp.validation import check_prompt_fits, check_prompt_text
 
-    chosen = opt.chosen_sampling(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        repeat_last_n=repeat_last_n,
-        dry_multiplier=dry_multiplier,
-        dry_base=dry_base,
-        dry_allowed_length=dry_allowed_length,
-        dry_penalty_last_n=dry_penalty_last_n,
-        dry_sequence_breakers=dry_sequence_breakers,
-    )
+    chosen = opt.chosen_sampling(locals())
     settings = GenerationSettings(max_tokens=max_tokens, seed=seed, logprobs=logprobs).with_(**chosen)
     if regex is not None and json_schema is not None:
         raise SettingsError("--regex and --json-schema both constrain the reply", hint="pass one of them")
