@@ -204,8 +204,8 @@ class KVCache:
         new = KVCache.__new__(KVCache)
         new.max_len = size
         new.batch_size = sum(c.batch_size for c in caches)
-        new.keys = [torch.cat(layer) for layer in zip(*(c.keys for c in caches), strict=True)]
-        new.values = [torch.cat(layer) for layer in zip(*(c.values for c in caches), strict=True)]
+        new.keys = _joined_layers([c.keys for c in caches])
+        new.values = _joined_layers([c.values for c in caches])
         new.positions = torch.cat([c.positions for c in caches], dim=1)
         new.lengths = torch.cat([c.lengths for c in caches], dim=1)
         new.seen = torch.cat([c.seen for c in caches])
@@ -262,3 +262,19 @@ class KVCache:
         self.values = [bigger(v, 1) for v in self.values]
         self.positions = bigger(self.positions, 2)
         self.max_len = new_max_len
+
+
+def _joined_layers(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Each layer's rows of every part, one after another, as views of one (L, B, ...) block, as `KVCache` makes
+    its own: the native step reads every layer from one array, and layers made one tensor each would be stacked
+    again (a second copy of the whole cache) at its first step."""
+    first = parts[0][0]
+    rows = sum(layers[0].shape[0] for layers in parts)
+    block = torch.empty((len(parts[0]), rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
+    at = 0
+    for layers in parts:
+        count = layers[0].shape[0]
+        for index, layer in enumerate(layers):
+            block[index, at : at + count].copy_(layer)
+        at += count
+    return list(block.unbind(0))

@@ -348,3 +348,20 @@ def test_cache_entries_round_as_torch_rounds_to_float16(tmp_path, flags) -> None
     library.chatapp_from_halves(ctypes.c_void_p(halves.data_ptr()), ctypes.c_void_p(back.data_ptr()),
                                 ctypes.c_int64(values.numel()))
     assert torch.equal(back[~nan], want[~nan].float()) and back[nan].isnan().all()
+
+
+def test_a_joined_cache_is_read_by_the_step_in_place_and_decodes_as_its_parts() -> None:
+    """`KVCache.join` (rows admitted into a running batch) lays every layer in one block, as a new cache does: the
+    step reads it where it is (no stacked copy), and each row decodes as it did in its own cache."""
+    model = int8_model()
+    assert cpu_step.attach(model)
+    left, right = prefilled(model, [3, 5]), prefilled(model, [4])
+    alone = prefilled(model, [4])
+    joined = left.join(right)
+    where = joined.keys[0].data_ptr()
+    keys, _ = cpu_step.cache_arrays(joined)
+    assert keys.ctypes.data == where and joined.keys[0].data_ptr() == where  # not stacked again
+    ids = torch.tensor([1, 2, 3])
+    got = cpu_step.kernel_step(model, ids, joined, True, model.config.router_threshold)
+    want = cpu_step.kernel_step(model, ids[2:], alone, True, model.config.router_threshold)
+    assert torch.equal(got[0][2], want[0][0])
