@@ -28,6 +28,7 @@ import statistics
 
 import torch
 from _machine import machine
+from _timing import added_seconds
 
 from chatapp.engine.engine import Engine
 from chatapp.models import load_engine
@@ -76,7 +77,6 @@ def measure(engine: Engine, batch: int, settings: GenerationSettings, top: int, 
 
 def ops_seconds(batch: int, vocab: int, settings: GenerationSettings, top: int, device: torch.device) -> float:
     """Median seconds the log-prob work adds to sampling, on random logits of the model's shape."""
-    import time
 
     from chatapp.engine.logprobs import measure as measure_logprobs
     from chatapp.engine.logprobs import model_log_probs
@@ -95,14 +95,8 @@ def ops_seconds(batch: int, vocab: int, settings: GenerationSettings, top: int, 
         tokens, sampling = sample_with_log_probs(logits, params, counters)
         measure_logprobs(model[:, None], tokens[:, None], sampling, top)
 
-    samples: dict[str, list[float]] = {"off": [], "on": []}
     with torch.inference_mode():
-        for _ in range(200):
-            for name, fn in (("off", off), ("on", on)):
-                start = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - start)
-    return statistics.median(samples["on"]) - statistics.median(samples["off"])
+        return added_seconds(off, on, repeats=200)
 
 
 def main() -> None:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import time
 
 import torch
 from _machine import machine
+from _timing import added_seconds
 
 from chatapp.engine.engine import Engine
 from chatapp.engine.penalties import PenaltyState
@@ -78,7 +78,7 @@ def ops_seconds(engine: Engine, batch: int, settings: GenerationSettings, histor
     counters = torch.zeros(batch, dtype=torch.long, device=device)
     state = PenaltyState.build([settings] * batch, vocab, device, engine.loop.breaker_mask)
     if state is not None:
-        state.append(torch.randint(0, 2000, (batch, history), device=device), torch.full((batch,), history))
+        state.append(torch.randint(0, min(2000, vocab), (batch, history), device=device), torch.full((batch,), history))
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     ones = torch.ones(batch, dtype=torch.long, device=device)
 
@@ -93,14 +93,8 @@ def ops_seconds(engine: Engine, batch: int, settings: GenerationSettings, histor
         if state is not None:
             state.append(token, ones)
 
-    samples: dict[str, list[float]] = {"off": [], "on": []}
     with torch.inference_mode():
-        for _ in range(100):
-            for name, fn in (("off", off), ("on", on)):
-                start = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - start)
-    return statistics.median(samples["on"]) - statistics.median(samples["off"])
+        return added_seconds(off, on, repeats=100)
 
 
 def main() -> None:
