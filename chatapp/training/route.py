@@ -862,12 +862,24 @@ def fold_cutoff(router: CausalRouter, cutoff: float) -> None:
 
 
 def write_routed(routed: Routed, source: Path, target: Path, locks: Path | None = None) -> None:
-    """The routed model in `target` (the source's other files copied along), through the store: built beside it
-    and renamed into place, so an interrupted write leaves the previous model as it was (`locks`: where the target's
-    lock file goes, `store.lock_path`). A fine-tune's adapters join those the source had merged
-    (`stt.io.MERGED_ADAPTERS_NAME`, which int4 keeps apart from the rounded weights): two low-rank updates of one
-    module are one of the summed rank, [B1 B2] [A1; A2]."""
-    adapters = combine_adapters(load_merged_adapters(source), routed.adapters)
+    """The routed model in `target` with its fit's report beside it (`write_tuned`)."""
+    write_tuned(routed.model, routed.adapters, source, target, locks, {REPORT_NAME: routed.report.to_json()})
+
+
+def write_tuned(
+    model: STTForCausalLM,
+    adapters: Adapters,
+    source: Path,
+    target: Path,
+    locks: Path | None = None,
+    extra: dict[str, str] | None = None,
+) -> None:
+    """`model` in `target` (the source's other files copied along, and the text files `extra` names), through the
+    store: built beside it and renamed into place, so an interrupted write leaves the previous model as it was
+    (`locks`: where the target's lock file goes, `store.lock_path`). A fine-tune's `adapters` join those the source
+    had merged (`stt.io.MERGED_ADAPTERS_NAME`, which int4 keeps apart from the rounded weights): two low-rank updates
+    of one module are one of the summed rank, [B1 B2] [A1; A2]."""
+    adapters = combine_adapters(load_merged_adapters(source), adapters)
     with store.staged_dir(target, what="routed model directory", locks=locks, checksums=True) as staging:
         for path in source.iterdir():
             if (
@@ -876,10 +888,11 @@ def write_routed(routed: Routed, source: Path, target: Path, locks: Path | None 
                 and not path.name.startswith(".")
             ):
                 shutil.copyfile(path, staging / path.name)
-        save_model(routed.model, staging)
+        save_model(model, staging)
         if adapters:
             save_merged_adapters(adapters, staging)
-        (staging / REPORT_NAME).write_text(routed.report.to_json(), encoding="utf-8")
+        for name, text in (extra or {}).items():
+            (staging / name).write_text(text, encoding="utf-8")
 
 
 def combine_adapters(first: Adapters, second: Adapters) -> Adapters:

@@ -34,6 +34,8 @@ import torch
 
 from chatapp.stt import STTForCausalLM
 from chatapp.stt.forward import head, run_layers, sequences
+from chatapp.stt.layers import router_probs, select
+from chatapp.stt.teacher import previous_tokens
 from chatapp.training.checkpoint import save_state
 from chatapp.training.schedule import warmup_cosine
 from chatapp.training.steps import Clipping, Steps
@@ -53,6 +55,9 @@ class TuneOptions:
     warmup: int = 10
     dense_share: float = 0.25  # the share of steps with nothing routed
     top_k: int = 32  # the dense prediction kept per position: ~all of its probability mass on a chat model
+    # A routed step routes a prefix of the layers (the calibration may choose any), or every one (a routing that
+    # is already chosen, as it is served)
+    layer_prefixes: bool = True
     checkpoint_every: int = 20
     # Where the steps run ("cuda": a GPU, where a step takes a fraction of the ~10 s it takes on 2 CPU cores); the
     # model goes back to its own device merged, and a run resumes on either.
@@ -97,6 +102,16 @@ def routed_logits(
 
     hidden = run_layers(model, hidden, runner, policy)
     return head(model, hidden[:, :-1][batch.scored]).float().log_softmax(-1)
+
+
+def served_routing(model: STTForCausalLM) -> Decide:
+    """The model's own routers deciding, each token kept when its router's probability reaches the threshold: the
+    routing decode runs (the routers' cutoffs are folded into their biases, so a threshold is a served level)."""
+
+    def decide(layer: int, x: torch.Tensor, threshold: float) -> torch.Tensor:
+        return select(router_probs(model.model.layers[layer], x, previous_tokens(x)), threshold)
+
+    return decide
 
 
 class Distilled(NamedTuple):
@@ -151,6 +166,7 @@ def _draw(
     dense_share: float,
     seed: int,
     step: int,
+    prefixes: bool = True,
 ) -> tuple[TuneBatch, Sequence[int], float]:
     """A step's batch, routed layers (a prefix of `layers`; none on a dense step) and rate: from the seed and the
     step alone, so that a resumed run draws what the uninterrupted one did."""
@@ -158,7 +174,7 @@ def _draw(
     batch, rate = batches[pick.randrange(len(batches))], pick.choice(list(rates))
     if pick.random() < dense_share:
         return batch, (), rate
-    return batch, layers[: pick.randint(1, len(layers))], rate
+    return batch, (layers[: pick.randint(1, len(layers))] if prefixes else layers), rate
 
 
 def tune(
@@ -209,7 +225,7 @@ def tune(
         began, recent = time.perf_counter(), []
 
         def compute(at: int) -> Distilled:
-            batch, routed, rate = _draw(batches, layers, rates, options.dense_share, seed, at)
+            batch, routed, rate = _draw(batches, layers, rates, options.dense_share, seed, at, options.layer_prefixes)
             return Distilled(distillation_loss(routed_logits(model, batch, routed, decide, rate, skip_mode), batch))
 
         def after(done: int, out: Distilled) -> None:

@@ -174,3 +174,21 @@ def test_route_with_tune_steps_writes_a_tuned_model_int4_can_serve(
     engine = load_engine(out, dtype="int4")
     reply = engine.generate_batch(["Hello there"], GenerationSettings(max_tokens=8))[0]
     assert reply.events
+
+
+def test_a_chosen_routing_routes_every_layer_on_each_routed_step() -> None:
+    """`layer_prefixes=False`: the routing is already chosen (as served), so no step routes only some of it."""
+    for prefixes in (False, True):
+        seen: list[int] = []
+
+        def record(layer: int, x: torch.Tensor, rate: float, seen: list[int] = seen) -> torch.Tensor:
+            seen.append(layer)
+            return _skip_every_other(layer, x, rate)
+
+        model = _model()
+        options = TuneOptions(steps=8, rank=2, alpha=4, lr=1e-3, warmup=1, dense_share=0.0, layer_prefixes=prefixes)
+        tune(model, _batches(model), LAYERS, record, [0.5], "kv", options, lambda _: None)
+        if prefixes:
+            assert seen.count(LAYERS[0]) > seen.count(LAYERS[-1])  # a prefix of one layer sometimes
+        else:
+            assert seen.count(LAYERS[0]) == seen.count(LAYERS[-1]) == 8

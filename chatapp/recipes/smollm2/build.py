@@ -15,7 +15,10 @@ Stages, each resumable from what it left in `--work` (a killed run picks up wher
    prompt set `chatapp route default` fits on (`write_route_prompts`).
 5. `route` (only when asked): the routing refitted with the backbone frozen (`chatapp.training.route`, what
    `chatapp route` runs), exported over phase B's routers. Measured and not shipped (model card, "Routing fit").
-6. `eval`: the held-out metrics of the model card (`chatapp.recipes.smollm2.evaluate`).
+6. `refine` (only when asked, once, after `route`): the served model tuned again with its routing in the loop, its
+   general answers distilled from the base conversion and calls that encode the whole problem taught
+   (`chatapp.recipes.smollm2.refine`), then exported as `route` exports.
+7. `eval`: the held-out metrics of the model card (`chatapp.recipes.smollm2.evaluate`).
 """
 
 from __future__ import annotations
@@ -130,6 +133,16 @@ def stage_route(work: Path) -> None:
     ship_routed(work / "routed")
 
 
+def stage_refine(work: Path, base: Path, general: list[tuple[str, str]]) -> None:
+    """Tune the prepared default model (`refine.refine`) and ship it. Run it once: it tunes the backbone it finds."""
+    from chatapp.models.smollm2 import ensure_prepared
+    from chatapp.recipes.smollm2.refine import RefineRecipe, refine
+    from chatapp.recipes.smollm2.train import split_general
+
+    refined = refine(ensure_prepared(), base, work, split_general(work, general), RefineRecipe(), log)
+    ship_routed(refined)
+
+
 def ship_routed(routed_dir: Path) -> None:
     """Serve the routing `chatapp route` wrote in `routed_dir` as the default model's: prompts run densely, only
     generated tokens are routed (`route_prompt = false`), at the levels `SHIPPED_LEVELS`; export its parts
@@ -178,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", default="runs/smollm2", help="working directory (resumable)")
     parser.add_argument("--seed", type=int, default=0, help="training seed (the shipped parts: 0)")
     parser.add_argument(
-        "--stage", default="all", choices=["all", "convert", "distill", "train", "export", "route", "eval"]
+        "--stage", default="all", choices=["all", "convert", "distill", "train", "export", "route", "refine", "eval"]
     )
     args = parser.parse_args(argv)
     work = Path(args.work)
@@ -206,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         ensure_prepared()
     if args.stage == "route":  # measured, not shipped: it cost tool and recall accuracy (model card, "Routing fit")
         stage_route(work)
+    if args.stage == "refine":
+        stage_refine(work, base, general)
     if args.stage in ("all", "eval"):
         from chatapp.recipes.smollm2 import evaluate
 

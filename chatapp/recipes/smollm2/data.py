@@ -4,6 +4,7 @@ Everything is generated from templates and word lists in this module with a seed
 is reproducible offline. Held-out material is kept apart by construction, not by sampling luck:
 
 - tool questions: held-out *phrasings* (templates never trained on) and held-out operand values / words;
+- multi-step tool questions: held-out expression shapes and unit factors as well as phrasings;
 - general questions: the evaluation's factual questions are never training prompts (training answers are the base
   model's own replies to other prompts, so nothing about the evaluation's answers is taught);
 - recall: held-out names, numbers, cities and phrasings.
@@ -14,9 +15,12 @@ model's tool markers.
 
 from __future__ import annotations
 
+import ast
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from chatapp.recipes.chats import (
@@ -38,7 +42,7 @@ class ToolQuestion:
     question: str
     expression: str
     result: str
-    kind: str  # "arithmetic", "word problem", "percent", "letters"
+    kind: str  # "arithmetic", "word problem", "percent", "letters", "multi-step"
 
     @property
     def call(self) -> Calculation:
@@ -440,6 +444,275 @@ def tool_questions(
 def tool_conversation(item: ToolQuestion, answer: str) -> list[Message]:
     """The question and an answer that calls the calculator straight away."""
     return tool_exchange(item.question, item.call, answer)
+
+
+# -------------------------------------------------------------------------------------------- multi-step
+# Word problems whose one calculator call is the whole problem: several operations, parentheses, a unit factor.
+# The model tends to call only the last step ("24-17" for three boxes of 24 less 17) or to drop parentheses, so the
+# expression is the canonical one to write: no spaces, operands in the question's order where natural, unit factors
+# as plain numbers ("15*7*3" for 15 a day for 3 weeks).
+#
+# The held-out templates hold expression shapes and unit factors no training template has (training: 7 days a week
+# and 60 minutes an hour; held out: 24 hours, 12 months, 52 weeks, 100 cents, 1000 meters), each composed of skills
+# the training ones teach, so the evaluation measures composition rather than recall of a template.
+#
+# (template, expression builder, answer sentence, operand ranges). Operands are {a}, {b}, {c}, {d} in the ranges'
+# order; draws are redrawn until the result is a positive whole number and no number in the expression repeats (a
+# unit factor included), so where each operand goes can be checked.
+_MultiStep = tuple[str, Callable[..., str], str, tuple[tuple[int, int], ...]]
+_MULTI_TRAIN: list[_MultiStep] = [
+    (
+        "A shelf holds {a} rows of {b} books. If {c} books are taken out, how many books are left?",
+        lambda a, b, c: f"{a}*{b}-{c}",
+        "{r} books are left.",
+        ((2, 9), (5, 30), (2, 40)),
+    ),
+    (
+        "Nina buys {a} packs of {b} stickers and gives {c} stickers to her brother. How many stickers does she have?",
+        lambda a, b, c: f"{a}*{b}-{c}",
+        "She has {r} stickers.",
+        ((2, 9), (5, 30), (2, 40)),
+    ),
+    (
+        "Notebooks cost {a} dollars each. I buy {b} of them with a coupon for {c} dollars off. How much do I pay?",
+        lambda a, b, c: f"{a}*{b}-{c}",
+        "You pay {r} dollars.",
+        ((3, 25), (2, 9), (2, 20)),
+    ),
+    (
+        "A theater has {a} rows of {b} seats plus {c} extra chairs. How many people can sit down?",
+        lambda a, b, c: f"{a}*{b}+{c}",
+        "{r} people can sit down.",
+        ((5, 30), (8, 40), (2, 20)),
+    ),
+    (
+        "I buy {a} apples at {b} cents each and {c} pears at {d} cents each. How many cents do I spend?",
+        lambda a, b, c, d: f"{a}*{b}+{c}*{d}",
+        "You spend {r} cents.",
+        ((2, 12), (20, 99), (2, 12), (20, 99)),
+    ),
+    (
+        "A farm has {a} pens with {b} sheep each and {c} pens with {d} goats each. How many animals are there?",
+        lambda a, b, c, d: f"{a}*{b}+{c}*{d}",
+        "There are {r} animals.",
+        ((2, 9), (5, 30), (2, 9), (5, 30)),
+    ),
+    ("Calculate ({a}+{b})*{c}.", lambda a, b, c: f"({a}+{b})*{c}", "({a}+{b})*{c} = {r}.", ((2, 60), (2, 60), (2, 12))),
+    (
+        "{a} adults and {b} children each pay {c} dollars for a boat ride. How much do they pay in total?",
+        lambda a, b, c: f"({a}+{b})*{c}",
+        "They pay {r} dollars.",
+        ((2, 30), (2, 30), (3, 25)),
+    ),
+    (
+        "Each day I read {a} pages in the morning and {b} pages at night. How many pages do I read in {c} days?",
+        lambda a, b, c: f"({a}+{b})*{c}",
+        "You read {r} pages.",
+        ((3, 30), (3, 30), (2, 30)),
+    ),
+    (
+        "A runner runs {a} km a day. How far does she run in {b} weeks?",
+        lambda a, b: f"{a}*7*{b}",
+        "She runs {r} km.",
+        ((2, 20), (2, 12)),
+    ),
+    (
+        "I practice the piano for {a} minutes every day. How many minutes is that in {b} weeks?",
+        lambda a, b: f"{a}*7*{b}",
+        "That is {r} minutes.",
+        ((10, 60), (2, 8)),
+    ),
+    ("How many minutes are in {a} hours?", lambda a: f"{a}*60", "{a} hours are {r} minutes.", ((2, 48),)),
+    (
+        "A movie lasts {a} hours and {b} minutes. How many minutes long is it?",
+        lambda a, b: f"{a}*60+{b}",
+        "It is {r} minutes long.",
+        ((2, 5), (5, 59)),
+    ),
+    (
+        "A machine makes {a} parts every minute. How many parts does it make in {b} hours?",
+        lambda a, b: f"{a}*60*{b}",
+        "It makes {r} parts.",
+        ((2, 30), (2, 12)),
+    ),
+    (
+        "A class has {a} students. {b} are absent and the rest form groups of {c}. How many groups are there?",
+        lambda a, b, c: f"({a}-{b})/{c}",
+        "There are {r} groups.",
+        ((12, 60), (2, 10), (2, 8)),
+    ),
+    ("Compute ({a}-{b})/{c}.", lambda a, b, c: f"({a}-{b})/{c}", "({a}-{b})/{c} = {r}.", ((20, 99), (2, 40), (2, 12))),
+    (
+        "{a} red and {b} blue balloons are shared equally by {c} kids. How many balloons does each kid get?",
+        lambda a, b, c: f"({a}+{b})/{c}",
+        "Each kid gets {r} balloons.",
+        ((5, 40), (5, 40), (2, 9)),
+    ),
+    (
+        "A hotel has {a} floors with {b} rooms each, and every room has {c} windows. How many windows are there?",
+        lambda a, b, c: f"{a}*{b}*{c}",
+        "There are {r} windows.",
+        ((2, 20), (4, 30), (2, 6)),
+    ),
+    (
+        "A bus has {a} passengers. At a stop {b} get on and {c} get off. How many passengers are on the bus now?",
+        lambda a, b, c: f"{a}+{b}-{c}",
+        "There are {r} passengers on the bus.",
+        ((10, 60), (2, 20), (2, 30)),
+    ),
+    (
+        "I had {a} dollars. I spent {b} on lunch and {c} on a book. How much money is left?",
+        lambda a, b, c: f"{a}-{b}-{c}",
+        "You have {r} dollars left.",
+        ((40, 99), (5, 30), (5, 40)),
+    ),
+    ("Work out {a}*{b}+{c}.", lambda a, b, c: f"{a}*{b}+{c}", "{a}*{b}+{c} = {r}.", ((2, 30), (2, 30), (2, 60))),
+    (
+        "What do you get for {a}+{b}*{c}?",
+        lambda a, b, c: f"{a}+{b}*{c}",
+        "{a}+{b}*{c} = {r}.",
+        ((2, 60), (2, 20), (2, 20)),
+    ),
+    (
+        "{a} candies are packed {b} to a bag, and each bag sells for {c} dollars. How much do all the bags bring in?",
+        lambda a, b, c: f"{a}/{b}*{c}",
+        "They bring in {r} dollars.",
+        ((12, 60), (2, 12), (2, 9)),
+    ),
+    (
+        "{a} apples, {b} pears and {c} plums are shared equally among {d} baskets. How many fruits go in each basket?",
+        lambda a, b, c, d: f"({a}+{b}+{c})/{d}",
+        "Each basket gets {r} fruits.",
+        ((3, 30), (3, 30), (3, 30), (2, 6)),
+    ),
+]
+_MULTI_HELD_OUT: list[_MultiStep] = [
+    (
+        "A café has {a} tables. Each table has {b} chairs and {c} stools. How many seats are there?",
+        lambda a, b, c: f"{a}*({b}+{c})",
+        "There are {r} seats.",
+        ((2, 20), (2, 8), (2, 8)),
+    ),
+    (
+        "A shirt costs {a} dollars, and in the sale it is {b} dollars cheaper. How much do {c} shirts cost in the sale?",
+        lambda a, b, c: f"({a}-{b})*{c}",
+        "{c} shirts cost {r} dollars.",
+        ((15, 60), (2, 14), (2, 9)),
+    ),
+    (
+        "{a} boxes of {b} muffins are shared equally among {c} classes. How many muffins does each class get?",
+        lambda a, b, c: f"{a}*{b}/{c}",
+        "Each class gets {r} muffins.",
+        ((2, 12), (4, 24), (2, 9)),
+    ),
+    ("How many hours are in {a} days?", lambda a: f"{a}*24", "{a} days are {r} hours.", ((2, 30),)),
+    (
+        "A pump moves {a} liters an hour. How many liters does it move in {b} days?",
+        lambda a, b: f"{a}*24*{b}",
+        "It moves {r} liters.",
+        ((2, 40), (2, 9)),
+    ),
+    (
+        "Ana pays {a} dollars a month for music. How much does she pay in {b} years?",
+        lambda a, b: f"{a}*12*{b}",
+        "She pays {r} dollars.",
+        ((3, 30), (2, 9)),
+    ),
+    (
+        "I save {a} dollars every week. How much do I save in {b} years?",
+        lambda a, b: f"{a}*52*{b}",
+        "You save {r} dollars.",
+        ((2, 40), (2, 6)),
+    ),
+    (
+        "A toy costs {a} dollars and {b} cents. How many cents is that?",
+        lambda a, b: f"{a}*100+{b}",
+        "That is {r} cents.",
+        ((2, 60), (5, 99)),
+    ),
+    (
+        "A trail is {a} km long and I have walked {b} meters. How many meters are left?",
+        lambda a, b: f"{a}*1000-{b}",
+        "{r} meters are left.",
+        ((2, 20), (100, 900)),
+    ),
+    (
+        "A school orders {a} boxes of {b} pencils and hands out {c} pencils to each of {d} classes. "
+        "How many pencils are left?",
+        lambda a, b, c, d: f"{a}*{b}-{c}*{d}",
+        "{r} pencils are left.",
+        ((5, 20), (6, 30), (2, 12), (2, 9)),
+    ),
+    (
+        "A library got {a} books on Monday, {b} on Tuesday and {c} on Wednesday, then lent out {d} of them. "
+        "How many of the new books are still there?",
+        lambda a, b, c, d: f"{a}+{b}+{c}-{d}",
+        "{r} of the new books are still there.",
+        ((5, 40), (5, 40), (5, 40), (2, 30)),
+    ),
+    (
+        "{a} cookies are shared equally among {b} boys and {c} girls. How many cookies does each child get?",
+        lambda a, b, c: f"{a}/({b}+{c})",
+        "Each child gets {r} cookies.",
+        ((12, 60), (2, 9), (2, 9)),
+    ),
+    ("What is {a}*({b}-{c})?", lambda a, b, c: f"{a}*({b}-{c})", "{a}*({b}-{c}) = {r}.", ((2, 12), (10, 60), (2, 9))),
+    (
+        "Find ({a}-{b})*({c}+{d}).",
+        lambda a, b, c, d: f"({a}-{b})*({c}+{d})",
+        "({a}-{b})*({c}+{d}) = {r}.",
+        ((10, 60), (2, 9), (2, 12), (2, 12)),
+    ),
+]
+_OPERAND_NAMES = "abcd"
+
+
+def _exact(node: ast.expr) -> Fraction | None:
+    """The value of an expression tree, or None when some division in it leaves a remainder (a whole result can
+    still hide one: 24/10*5) or some step goes below zero."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return Fraction(node.value)
+    if not isinstance(node, ast.BinOp):
+        raise ValueError(f"not a multi-step expression: {ast.dump(node)}")
+    left, right = _exact(node.left), _exact(node.right)
+    if left is None or right is None:
+        return None
+    if isinstance(node.op, ast.Div):
+        return left / right if right and (left / right).denominator == 1 else None
+    value = {ast.Add: left + right, ast.Sub: left - right, ast.Mult: left * right}[type(node.op)]
+    return value if value > 0 else None
+
+
+def _multistep(rng: random.Random, problem: _MultiStep) -> tuple[ToolQuestion, str]:
+    """One question from `problem`: operands redrawn until the result is a positive whole number and every number in
+    the expression is distinct."""
+    template, build, sentence, ranges = problem
+    for _ in range(10_000):
+        operands = [rng.randint(low, high) for low, high in ranges]
+        expression = build(*operands)
+        numbers = re.findall(r"\d+", expression)
+        if len(set(numbers)) < len(numbers) or not _exact(ast.parse(expression, mode="eval").body):
+            continue
+        call = calculate(expression)
+        if call.result.isdigit() and int(call.result) > 0:
+            names = dict(zip(_OPERAND_NAMES, operands, strict=False))
+            question = template.format(**names)
+            answer = sentence.format(r=call.result, **names)
+            return ToolQuestion(question, call.expression, call.result, "multi-step"), answer
+    raise ValueError(f"no operands fit {template!r}")
+
+
+def multistep_questions(rng: random.Random, count: int, held_out: bool) -> list[tuple[ToolQuestion, str]]:
+    """`count` multi-step word problems with an answer sentence each; the templates go round in a shuffled order, so
+    each is used about as often as the others. Held-out templates (new shapes and units) when asked."""
+    problems = _MULTI_HELD_OUT if held_out else _MULTI_TRAIN
+    out: list[tuple[ToolQuestion, str]] = []
+    order: list[_MultiStep] = []
+    for _ in range(count):
+        if not order:
+            order = rng.sample(problems, len(problems))
+        out.append(_multistep(rng, order.pop()))
+    return out
 
 
 # Share of chained conversations that switch between a numeric call and a letter count (see below).
@@ -980,6 +1253,98 @@ FACT_QUESTIONS: tuple[FactQuestion, ...] = tuple(
         ("Which gas do plants give off during photosynthesis?", "oxygen"),
         ("What is the hardest substance in the human body?", "enamel"),
         ("What is the largest internal organ of the human body?", "liver"),
+    ]
+)
+
+
+# The held-out knowledge check: kinds of question the recipe never trains (works and their makers, inventors,
+# geography, dishes, animals, languages, currencies, sports, the human body, landmarks), none asked by
+# `FACT_QUESTIONS` either. General training answers are the base model's own, so a tune that moves these scores has
+# forgotten (or, rarely, surfaced) what the base model knew: it shows what a tune costs beyond the facts it was
+# checked on. The kinds take turns, so any leading slice (the first 40, say) is a fair sample of them all.
+KNOWLEDGE_QUESTIONS: tuple[FactQuestion, ...] = tuple(
+    FactQuestion(q, tuple(k.split("|")))
+    for q, k in [
+        ("Who wrote The Hobbit?", "Tolkien"),
+        ("Who invented the printing press?", "Gutenberg"),
+        ("What is the largest country in South America?", "Brazil"),
+        ("What is pesto mainly made from?", "basil"),
+        ("What is a baby horse called?", "foal|colt|filly"),
+        ("What language is spoken in the Netherlands?", "Dutch"),
+        ("What is the currency of the United States?", "dollar"),
+        ("How many players does a basketball team have on the court?", "five|5"),
+        ("Which organ filters the blood to make urine?", "kidney"),
+        ("In which Italian city is the Leaning Tower?", "Pisa"),
+        ("Who wrote Alice's Adventures in Wonderland?", "Carroll"),
+        ("Which brothers made the first powered airplane flight?", "Wright"),
+        ("What is the largest island in the world?", "Greenland"),
+        ("What is ketchup mainly made from?", "tomato"),
+        ("What is a young frog called?", "tadpole|polliwog"),
+        ("Which language do people speak in Russia?", "Russian"),
+        ("What is the currency of India?", "rupee"),
+        ("In which sport do players hit a shuttlecock?", "badminton"),
+        ("How many lungs does a person have?", "two|2"),
+        ("In which country is the Great Wall?", "China"),
+        ("Who painted The Scream?", "Munch"),
+        ("Who discovered radium?", "Curie"),
+        ("What is the smallest country in the world?", "Vatican"),
+        ("What vegetable are pickles usually made from?", "cucumber"),
+        ("What is the largest cat in the world?", "tiger"),
+        ("What is the main language of China?", "Chinese|Mandarin"),
+        ("What currency is used in Spain?", "euro"),
+        ("In which sport can you score a hole in one?", "golf"),
+        ("What is the colored part of the eye called?", "iris"),
+        ("In which city is the Golden Gate Bridge?", "San Francisco"),
+        ("Who composed the Fifth Symphony?", "Beethoven"),
+        ("Who invented the World Wide Web?", "Berners"),
+        ("What is the highest mountain in Africa?", "Kilimanjaro"),
+        ("What is chocolate made from?", "cocoa|cacao"),
+        ("Which animal can change the color of its skin to match its surroundings?", "chameleon|octopus"),
+        ("What language is spoken in Greece?", "Greek"),
+        ("What is the currency of China?", "yuan|renminbi"),
+        ("How many rings are on the Olympic flag?", "five|5"),
+        ("Which bones protect the brain?", "skull|cranium"),
+        ("In which country is Stonehenge?", "England|Britain|United Kingdom"),
+        ("Who wrote The Adventures of Tom Sawyer?", "Twain"),
+        ("Who invented dynamite?", "Nobel"),
+        ("What is the coldest continent?", "Antarctica"),
+        ("What is the main ingredient in an omelette?", "egg"),
+        ("What do you call a male chicken?", "rooster|cockerel"),
+        ("What is the official language of Portugal?", "Portuguese"),
+        ("What is the currency of Russia?", "ruble|rouble"),
+        ("Which sport is played on ice with a puck?", "hockey"),
+        ("Which joint bends in the middle of the leg?", "knee"),
+        ("In which city is the Sagrada Familia?", "Barcelona"),
+        ("Who created the detective Sherlock Holmes?", "Doyle"),
+        ("Which explorer led the first voyage around the world?", "Magellan"),
+        ("Which river flows through London?", "Thames"),
+        ("Which nut is marzipan made from?", "almond"),
+        ("Which slow animal spends most of its life hanging upside down in trees?", "sloth"),
+        ("What language do people speak in Sweden?", "Swedish"),
+        ("What is the currency of Mexico?", "peso"),
+        ("How often are the Summer Olympic Games held?", "four|4"),
+        ("In which organ is food broken down after it is swallowed?", "stomach"),
+        ("In which city is the Burj Khalifa?", "Dubai"),
+        ("Who painted Guernica?", "Picasso"),
+        ("Who invented the steam engine?", "Watt|Newcomen"),
+        ("What is the largest state in the United States?", "Alaska"),
+        ("What grain is risotto made from?", "rice"),
+        ("What is the largest fish in the sea?", "whale shark"),
+        ("What language is spoken in Iran?", "Persian|Farsi"),
+        ("What is the currency of Canada?", "dollar"),
+        ("In which sport do you knock down pins to score strikes and spares?", "bowling"),
+        ("What sense do we use our nose for?", "smell"),
+        ("In which country is Angkor Wat?", "Cambodia"),
+        ("Who composed The Four Seasons?", "Vivaldi"),
+        ("Who invented the radio?", "Marconi|Tesla"),
+        ("In which mountain range is Mount Everest?", "Himalaya"),
+        ("What is popcorn made from?", "corn|maize"),
+        ("Which animal is a national symbol of Australia?", "kangaroo|emu|koala"),
+        ("What is the official language of Austria?", "German"),
+        ("What is the currency of Switzerland?", "franc"),
+        ("How many players are on the field for one baseball team?", "nine|9"),
+        ("What do red blood cells carry around the body?", "oxygen"),
+        ("In which country is Mount Rushmore?", "United States|USA|America"),
     ]
 )
 

@@ -15,6 +15,13 @@ goes through the Engine the CLI uses (student routing unless the row says otherw
 - recall: a name, number or city given two turns earlier, held-out phrasings and values (160; the first 40 apart);
 - STT: perplexity on held-out chat with routing off / student, the fraction of tokens each STT layer processed,
   student-teacher F1, and decode compute saved;
+- multistep: held-out word problems of several steps, of shapes and units the recipe never trains
+  (`data.multistep_questions`), right as a tool question is (the call's result and the answer);
+- knowledge: `data.KNOWLEDGE_QUESTIONS`, general questions of kinds the recipe never trains, for this model and (with
+  "base") the base conversion: what a tune forgot;
+- agreement: how closely this model predicts what the base conversion predicts on held-out general text (the base's
+  own greedy answers to the open prompts and the knowledge questions, teacher-forced): top-1 agreement and KL(base ||
+  model) per answer token, as served and with routing off, means over conversations with their standard errors;
 - loops: the share of replies to held-out open prompts that loop (`recipes/loops.py`), at the evaluated sampling
   and, beside it, at `loops.LOOP_REFERENCES` (greedy, the default before the model had its own, and two common
   runtimes' defaults).
@@ -30,6 +37,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from chatapp.recipes.loops import loop_table
 from chatapp.recipes.smollm2 import data
 from chatapp.settings import SAMPLING_FIELDS, GenerationSettings
@@ -38,7 +47,23 @@ from chatapp.training.evaluation import Tally, conversation_batches, evaluate
 HELD_OUT_SEED = 1234  # held-out items are drawn from their own stream, apart from the training seed's
 SWITCH_SEED = 999  # the switch pairs' own draw (the model card's 24 pairs)
 GREEDY = GenerationSettings()  # the sampling of a score called without one
-SECTIONS = ("tool", "follow-up", "switch", "general", "recall", "stt", "loops", "base")
+SECTIONS = (
+    "tool",
+    "follow-up",
+    "switch",
+    "general",
+    "recall",
+    "stt",
+    "multistep",
+    "knowledge",
+    "agreement",
+    "loops",
+    "base",
+)
+MULTISTEP_SEED = HELD_OUT_SEED + 6
+MULTISTEP_COUNT = 60
+AGREEMENT_FILE = "agreement_text.json"  # the base conversion's held-out answers, made once per working directory
+AGREEMENT_TOKENS = 160
 
 
 def _engine(model_dir: Path) -> Any:
@@ -140,15 +165,87 @@ def general_score(
     engine: Any, routing: str, sampling: GenerationSettings = GREEDY, count: int | None = None
 ) -> dict[str, Tally]:
     """The factual questions (the first `count` of them; all without one) scored by keywords."""
-    questions = list(data.FACT_QUESTIONS)[:count]
+    return _tallies(
+        _fact_outcomes(engine, list(data.FACT_QUESTIONS)[:count], routing, sampling), data.FACT_QUESTIONS_FIRST
+    )
+
+
+def knowledge_score(engine: Any, routing: str, sampling: GenerationSettings = GREEDY) -> dict[str, Tally]:
+    """The knowledge questions of kinds the recipe never trains, scored by keywords (the first 40 apart)."""
+    return _tallies(_fact_outcomes(engine, list(data.KNOWLEDGE_QUESTIONS), routing, sampling), 40)
+
+
+def _fact_outcomes(
+    engine: Any, questions: list[data.FactQuestion], routing: str, sampling: GenerationSettings
+) -> list[tuple[bool, str]]:
     results = _generate(
         engine, [[{"role": "user", "content": q.question}] for q in questions], routing, sampling=sampling
     )
-    outcomes = [
+    return [
         (any(k.lower() in r.text.lower() for k in q.keywords), f"{q.question} -> {r.text!r:.120}")
         for q, r in zip(questions, results, strict=True)
     ]
-    return _tallies(outcomes, data.FACT_QUESTIONS_FIRST)
+
+
+def multistep_score(engine: Any, count: int, sampling: GenerationSettings = GREEDY) -> Tally:
+    """Held-out word problems of several steps: right when the call computes the whole problem and the answer
+    quotes its result."""
+    items = data.multistep_questions(random.Random(MULTISTEP_SEED), count, held_out=True)
+    results = _generate(
+        engine, [[{"role": "user", "content": q.question}] for q, _ in items], "student", sampling=sampling
+    )
+    score = Tally()
+    for (item, _), result in zip(items, results, strict=True):
+        score.add(_tool_correct(result, item), f"{item.question} [{item.expression}] -> {result.text!r:.160}")
+    return score
+
+
+def agreement_text(work: Path, base_dir: Path) -> list[list[dict[str, Any]]]:
+    """The base conversion's greedy answers (routing off, `AGREEMENT_TOKENS` at most) to the open prompts and the
+    knowledge questions: held-out general text of kinds the recipe never trains. Made once into `work`."""
+    path = work / AGREEMENT_FILE
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    from chatapp.recipes.loops import open_prompts
+
+    prompts = [p.prompt for p in open_prompts()] + [q.question for q in data.KNOWLEDGE_QUESTIONS]
+    conversations = [[{"role": "user", "content": p}] for p in prompts]
+    results = _generate(_engine(base_dir), conversations, "off", AGREEMENT_TOKENS)
+    made = [[*c, {"role": "assistant", "content": r.text}] for c, r in zip(conversations, results, strict=True)]
+    work.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(made, indent=1) + "\n", encoding="utf-8")
+    return made
+
+
+@torch.no_grad()
+def agreement_score(
+    model: Any, base: Any, chat_format: Any, conversations: list[list[dict[str, Any]]], threshold: float | None
+) -> dict[str, float]:
+    """Top-1 agreement with `base` and KL(base || model) at the answer tokens of `conversations` (teacher-forced),
+    `model` routed by its own routers at `threshold` from each answer's first token on (as served: the prompt is
+    prefilled densely) or dense when None. Means over conversations, each with its standard error."""
+    from chatapp.recipes.smollm2.refine import padded
+    from chatapp.training.tune import TuneBatch, routed_logits, served_routing
+
+    layers = list(model.stt_layer_indices) if threshold is not None else []
+    decide = served_routing(model)
+    top1, kl, tokens = [], [], 0
+    for messages in conversations:
+        (rows,) = padded([chat_format.render_conversation(messages)], 0)
+        batch = TuneBatch(rows.ids, rows.routable, rows.scored, rows.ids[:0, None], torch.zeros(0, 1))
+        ours = routed_logits(model, batch, layers, decide, threshold or 0.0, model.config.skip_mode)
+        theirs = routed_logits(base, batch, [], decide, 0.0, base.config.skip_mode)
+        top1.append(float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()))
+        kl.append(float((theirs.exp() * (theirs - ours)).sum(-1).mean()))
+        tokens += len(ours)
+
+    def mean_se(values: list[float]) -> tuple[float, float]:
+        mean = sum(values) / len(values)
+        var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
+        return mean, (var / len(values)) ** 0.5
+
+    (a, a_se), (k, k_se) = mean_se(top1), mean_se(kl)
+    return {"top1": a, "top1_se": a_se, "kl": k, "kl_se": k_se, "conversations": len(conversations), "tokens": tokens}
 
 
 def recall_score(
@@ -227,13 +324,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "and below 100 the factual set is its first 60",
     )
     parser.add_argument("--skip-base", action="store_true", help="do not score the base conversion")
+    parser.add_argument("--base", default=None, help="the base conversion's directory (default: WORK/base)")
     parser.add_argument(
         "--threshold", type=float, default=None, help="student routing threshold (default: the model's)"
     )
     parser.add_argument(
         "--sampling",
         default=None,
-        help='sampling settings over the model\'s own, as a JSON object, e.g. \'{"temperature": 0}\' for greedy',
+        help="sampling settings over the model's own, as a JSON object, e.g. '{\"temperature\": 0}' for greedy",
     )
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"what to score, of {','.join(SECTIONS)}")
     parser.add_argument("--out", default="eval.json", help="file name for the results, in --work")
@@ -271,7 +369,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "tool" in sections:
         tool = tool_score(engine, n, sampling)
         results["tool"] = {k: asdict(v) | {"rate": v.rate} for k, v in tool.items()}
-        print(f"tool {tool['all'].rate:.1%} " + " ".join(f"{k} {v.correct}/{v.total}" for k, v in tool.items()), flush=True)
+        print(
+            f"tool {tool['all'].rate:.1%} " + " ".join(f"{k} {v.correct}/{v.total}" for k, v in tool.items()),
+            flush=True,
+        )
     if "follow-up" in sections:
         follow_up = follow_up_tool_score(engine, 40 if full else max(10, n // 2), sampling)
         results["follow_up_tool"] = asdict(follow_up) | {"rate": follow_up.rate}
@@ -291,6 +392,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "stt" in sections:
         results["stt"] = stt_report(engine, held_out_chat(general, 10 if args.quick else 40))
         print(json.dumps(results["stt"]), flush=True)
+    if "multistep" in sections:
+        multistep = multistep_score(engine, MULTISTEP_COUNT, sampling)
+        results["multistep"] = asdict(multistep) | {"rate": multistep.rate}
+        print(f"multi-step word problems {multistep}", flush=True)
+    if "knowledge" in sections:
+        knowledge = knowledge_score(engine, "student", sampling)
+        results["knowledge"] = {k: asdict(v) | {"rate": v.rate} for k, v in knowledge.items()}
+        print("knowledge " + ", ".join(f"{k} {v.correct}/{v.total}" for k, v in knowledge.items()), flush=True)
+    base_dir = Path(args.base) if args.base else work / "base"
+    if "agreement" in sections and base_dir.is_dir():
+        from chatapp.models.loader import load_model
+
+        text = agreement_text(work, base_dir)
+        base_model = load_model(base_dir, dtype=engine.model.weight_format or "float32").model
+        results["agreement"] = {
+            name: agreement_score(engine.model, base_model, engine.chat_format, text, threshold)
+            for name, threshold in (("served", engine.model.config.router_threshold), ("routing off", None))
+        }
+        print(f"agreement with the base conversion {json.dumps(results['agreement'])}", flush=True)
     if "loops" in sections:
         # The model card's table: its own defaults beside the references (a --sampling sweep scores its own only;
         # --sampling '{}' the model's defaults alone).
@@ -298,14 +418,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         loops = loop_table(engine, sampling, label, references=args.sampling is None)
         results["loops"] = {name: asdict(report) | {"rate": report.rate} for name, report in loops.items()}
         print("loops " + ", ".join(f"{name} {report}" for name, report in loops.items()), flush=True)
-    if "base" in sections and not args.skip_base and (work / "base").is_dir():
-        base = general_score(_engine(work / "base"), "off", sampling)
-        results["general_base_routing_off"] = {k: asdict(v) | {"rate": v.rate} for k, v in base.items()}
-        print(
-            "general (base conversion, routing off) "
-            + ", ".join(f"{k} {v.correct}/{v.total}" for k, v in base.items()),
-            flush=True,
-        )
+    if "base" in sections and not args.skip_base and base_dir.is_dir():
+        base_engine = _engine(base_dir)
+        scores = {"general": general_score, "knowledge": knowledge_score}
+        for name, score in scores.items():
+            if name not in sections:
+                continue
+            tallies = score(base_engine, "off", sampling)
+            results[f"{name}_base_routing_off"] = {k: asdict(v) | {"rate": v.rate} for k, v in tallies.items()}
+            print(
+                f"{name} (base conversion, routing off) "
+                + ", ".join(f"{k} {v.correct}/{v.total}" for k, v in tallies.items()),
+                flush=True,
+            )
     results["seconds"] = time.perf_counter() - began
     work.mkdir(parents=True, exist_ok=True)
     (work / args.out).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
