@@ -4,7 +4,7 @@ Everything is generated from templates and word lists in this module with a seed
 is reproducible offline. Held-out material is kept apart by construction, not by sampling luck:
 
 - tool questions: held-out *phrasings* (templates never trained on) and held-out operand values / words;
-- multi-step tool questions: held-out expression shapes and unit factors as well as phrasings;
+- multi-step tool questions: held-out stories and phrasings, and one expression shape never trained;
 - general questions: the evaluation's factual questions are never training prompts (training answers are the base
   model's own replies to other prompts, so nothing about the evaluation's answers is taught);
 - recall: held-out names, numbers, cities and phrasings.
@@ -452,9 +452,10 @@ def tool_conversation(item: ToolQuestion, answer: str) -> list[Message]:
 # expression is the canonical one to write: no spaces, operands in the question's order where natural, unit factors
 # as plain numbers ("15*7*3" for 15 a day for 3 weeks).
 #
-# The held-out templates hold expression shapes and unit factors no training template has (training: 7 days a week
-# and 60 minutes an hour; held out: 24 hours, 12 months, 52 weeks, 100 cents, 1000 meters), each composed of skills
-# the training ones teach, so the evaluation measures composition rather than recall of a template.
+# The held-out templates are stories and wordings no training template has, of the trained structures and unit
+# factors (7 days, 24 hours, 60 minutes, 12 months, 52 weeks, 100 cents, 1000 meters), and one structure never
+# trained (two bracketed sums multiplied): the evaluation measures whether a call carries over to a new problem,
+# not recall of a template. Held out by unit as well, the first refining run wrote `12*7` for the hours in 12 days.
 #
 # (template, expression builder, answer sentence, operand ranges). Operands are {a}, {b}, {c}, {d} in the ranges'
 # order; draws are redrawn until the result is a positive whole number and no number in the expression repeats (a
@@ -585,6 +586,78 @@ _MULTI_TRAIN: list[_MultiStep] = [
         "Each basket gets {r} fruits.",
         ((3, 30), (3, 30), (3, 30), (2, 6)),
     ),
+    # The shapes and units the held-out set asks, in other stories: a call is learned as a structure and a unit as
+    # a factor, and a 135M model does not invent either from a story it never saw (the first refining run trained
+    # only 7 and 60 and wrote `12*7` for the hours in 12 days).
+    (
+        "A garden has {a} beds. Each bed has {b} roses and {c} tulips. How many flowers are there?",
+        lambda a, b, c: f"{a}*({b}+{c})",
+        "There are {r} flowers.",
+        ((2, 20), (2, 9), (2, 9)),
+    ),
+    (
+        "A ticket costs {a} dollars and members get {b} dollars off. How much do {c} members pay?",
+        lambda a, b, c: f"({a}-{b})*{c}",
+        "They pay {r} dollars.",
+        ((15, 60), (2, 14), (2, 9)),
+    ),
+    (
+        "{a} crates of {b} oranges are split equally among {c} shops. How many oranges does each shop get?",
+        lambda a, b, c: f"{a}*{b}/{c}",
+        "Each shop gets {r} oranges.",
+        ((2, 12), (4, 24), (2, 9)),
+    ),
+    ("How many hours are there in {a} days?", lambda a: f"{a}*24", "There are {r} hours in {a} days.", ((2, 30),)),
+    (
+        "A candle burns {a} mm an hour. How many mm does it burn in {b} days?",
+        lambda a, b: f"{a}*24*{b}",
+        "It burns {r} mm.",
+        ((2, 30), (2, 9)),
+    ),
+    ("How many months are in {a} years?", lambda a: f"{a}*12", "{a} years are {r} months.", ((2, 40),)),
+    (
+        "My phone plan costs {a} dollars a month. How much is that for {b} years?",
+        lambda a, b: f"{a}*12*{b}",
+        "That is {r} dollars.",
+        ((3, 40), (2, 9)),
+    ),
+    (
+        "A club meets {a} times a week. How many meetings is that in {b} years?",
+        lambda a, b: f"{a}*52*{b}",
+        "That is {r} meetings.",
+        ((2, 6), (2, 9)),
+    ),
+    (
+        "A book costs {a} dollars and {b} cents. How many cents does it cost?",
+        lambda a, b: f"{a}*100+{b}",
+        "It costs {r} cents.",
+        ((2, 60), (5, 99)),
+    ),
+    (
+        "A race is {a} km long and a runner has done {b} meters. How many meters does she still have to run?",
+        lambda a, b: f"{a}*1000-{b}",
+        "She has {r} meters to go.",
+        ((2, 40), (100, 900)),
+    ),
+    (
+        "A baker makes {a} trays of {b} rolls and sells {c} bags of {d} rolls. How many rolls are left?",
+        lambda a, b, c, d: f"{a}*{b}-{c}*{d}",
+        "{r} rolls are left.",
+        ((5, 20), (6, 30), (2, 12), (2, 9)),
+    ),
+    (
+        "A jar had {a} coins. I added {b} and then {c} more, and took out {d}. How many coins are in the jar?",
+        lambda a, b, c, d: f"{a}+{b}+{c}-{d}",
+        "There are {r} coins in the jar.",
+        ((5, 40), (5, 40), (5, 40), (2, 30)),
+    ),
+    (
+        "{a} stickers are shared equally among {b} girls and {c} boys. How many stickers does each child get?",
+        lambda a, b, c: f"{a}/({b}+{c})",
+        "Each child gets {r} stickers.",
+        ((12, 60), (2, 9), (2, 9)),
+    ),
+    ("Calculate {a}*({b}-{c}).", lambda a, b, c: f"{a}*({b}-{c})", "{a}*({b}-{c}) = {r}.", ((2, 12), (10, 60), (2, 9))),
 ]
 _MULTI_HELD_OUT: list[_MultiStep] = [
     (
@@ -704,7 +777,8 @@ def _multistep(rng: random.Random, problem: _MultiStep) -> tuple[ToolQuestion, s
 
 def multistep_questions(rng: random.Random, count: int, held_out: bool) -> list[tuple[ToolQuestion, str]]:
     """`count` multi-step word problems with an answer sentence each; the templates go round in a shuffled order, so
-    each is used about as often as the others. Held-out templates (new shapes and units) when asked."""
+    each is used about as often as the others. Held-out templates when asked: stories never trained, of the
+    trained structures and units but one (two bracketed sums multiplied)."""
     problems = _MULTI_HELD_OUT if held_out else _MULTI_TRAIN
     out: list[tuple[ToolQuestion, str]] = []
     order: list[_MultiStep] = []

@@ -14,7 +14,8 @@ goes through the Engine the CLI uses (student routing unless the row says otherw
   (right when it makes its own call, not a repeat of the one already in the context);
 - recall: a name, number or city given two turns earlier, held-out phrasings and values (160; the first 40 apart);
 - STT: perplexity on held-out chat with routing off / student, the fraction of tokens each STT layer processed,
-  student-teacher F1, and decode compute saved;
+  student-teacher F1, and decode compute saved; and the compute saved in the model's own replies to held-out open
+  prompts and tool questions (`own_replies_saved`);
 - multistep: held-out word problems of several steps, of shapes and units the recipe never trains
   (`data.multistep_questions`), right as a tool question is (the call's result and the answer);
 - knowledge: `data.KNOWLEDGE_QUESTIONS`, general questions of kinds the recipe never trains, for this model and (with
@@ -64,6 +65,8 @@ MULTISTEP_SEED = HELD_OUT_SEED + 6
 MULTISTEP_COUNT = 60
 AGREEMENT_FILE = "agreement_text.json"  # the base conversion's held-out answers, made once per working directory
 AGREEMENT_TOKENS = 160
+OWN_REPLY_PROMPTS = 16  # open prompts the model answers for "own replies" (with as many held-out tool questions / 2)
+OWN_REPLY_TOKENS = 160
 
 
 def _engine(model_dir: Path) -> Any:
@@ -282,6 +285,20 @@ def stt_report(engine: Any, conversations: list[list[dict[str, Any]]]) -> dict[s
     }
 
 
+def own_replies_saved(engine: Any, sampling: GenerationSettings) -> dict[str, float]:
+    """The share of all block work the routers skip, net, in the model's own replies (its sampling, routing as
+    served) to held-out open prompts and tool questions: text the model wrote, where the routers skip least."""
+    from chatapp.recipes.loops import open_prompts
+
+    prompts = [p.prompt for p in open_prompts()[:OWN_REPLY_PROMPTS]]
+    tools = data.tool_questions(random.Random(HELD_OUT_SEED + 7), OWN_REPLY_PROMPTS // 2, held_out=True)
+    conversations = [[{"role": "user", "content": p}] for p in prompts + [q.question for q, _ in tools]]
+    results = _generate(engine, conversations, "student", OWN_REPLY_TOKENS, sampling)
+    tokens = sum(r.routed_tokens for r in results)
+    saved = sum(r.compute_saved * r.routed_tokens for r in results) / max(tokens, 1)
+    return {"replies": len(results), "tokens": tokens, "compute_saved": saved}
+
+
 def held_out_chat(general: list[tuple[str, str]], count: int) -> list[list[dict[str, Any]]]:
     """Held-out conversations with answers for perplexity: general answers not trained on, tool calls, recall."""
     plain = [[{"role": "user", "content": p}, {"role": "assistant", "content": a}] for p, a in general]
@@ -391,6 +408,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("recall " + ", ".join(f"{k} {v.correct}/{v.total}" for k, v in recall.items()), flush=True)
     if "stt" in sections:
         results["stt"] = stt_report(engine, held_out_chat(general, 10 if args.quick else 40))
+        results["stt"]["own_replies"] = own_replies_saved(engine, sampling)
         print(json.dumps(results["stt"]), flush=True)
     if "multistep" in sections:
         multistep = multistep_score(engine, MULTISTEP_COUNT, sampling)

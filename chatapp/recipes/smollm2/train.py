@@ -388,8 +388,8 @@ def export_routing(model_dir: Path, *, log: Callable[[str], None]) -> Path:
             parts[name] = tensor.to(dtype).contiguous()
     manifest = json.loads((PARTS_DIR / MANIFEST_FILE).read_text(encoding="utf-8"))
     adapters = load_merged_adapters(model_dir)
-    rank = next(iter(adapters.values()))[0].shape[0] if adapters else manifest["lora"]["rank"]
-    if rank != manifest["lora"]["rank"]:
+    if adapters:  # the routed model's own: a tune's joined to what it had merged, or those it had merged alone
+        rank = next(iter(adapters.values()))[0].shape[0]
         scale = manifest["lora"]["alpha"] / manifest["lora"]["rank"]  # kept: B is stored over the same scale
         parts = {k: v for k, v in parts.items() if "lora_" not in k}
         for module, (a, b) in adapters.items():
