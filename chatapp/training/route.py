@@ -313,12 +313,14 @@ class Batch:
     routable: torch.Tensor
 
 
-def batches(conversations: Sequence[Conversation], pad: int, dense_prompts: bool = False) -> list[Batch]:
-    """Conversations sorted by length in batches of at most `PADDED_POSITIONS` padded positions."""
+def batches(
+    conversations: Sequence[Conversation], pad: int, dense_prompts: bool = False, positions: int = PADDED_POSITIONS
+) -> list[Batch]:
+    """Conversations sorted by length in batches of at most `positions` padded positions."""
     order = sorted(conversations, key=lambda c: len(c.ids))
     groups: list[list[Conversation]] = [[]]
     for conv in order:
-        if groups[-1] and len(conv.ids) * (len(groups[-1]) + 1) > PADDED_POSITIONS:
+        if groups[-1] and len(conv.ids) * (len(groups[-1]) + 1) > positions:
             groups.append([])
         groups[-1].append(conv)
     out = []

@@ -30,6 +30,7 @@ import torch
 
 from chatapp.recipes.smollm2 import data
 from chatapp.stt.forward import run_layers, sequences
+from chatapp.training.route import Batch, Conversation, batches, write_tuned
 from chatapp.training.tune import TuneBatch, TuneOptions, dense_targets, served_routing, tune
 
 Log = Callable[[str], None]
@@ -41,9 +42,9 @@ CHECKPOINT = "refine.pt"
 @dataclass(frozen=True)
 class RefineRecipe:
     general: int = 360  # base answers to general prompts, distilled from the base conversion
-    multistep: int = 1200  # whole-problem word problems (hard labels): ~a third of the batches
+    multistep: int = 1600  # whole-problem word problems (hard labels): ~a third of the batches
     kept: int = 720  # tool, recall and chained conversations, distilled from the served model itself
-    steps: int = 300  # ~3.7 s a step on 2 CPU cores
+    steps: int = 340  # ~4 s a step on 2 CPU cores
     top_k: int = 32
     lr: float = 3e-4
     rank: int = 16
@@ -79,47 +80,16 @@ def sources(general: list[tuple[str, str]], recipe: RefineRecipe) -> list[Source
     ]
 
 
-@dataclass
-class Rows:
-    """Right-padded conversations of similar length: ids and valid (B, T), scored (B, T - 1), routable (B, T)."""
-
-    ids: torch.Tensor
-    valid: torch.Tensor
-    scored: torch.Tensor
-    routable: torch.Tensor
-
-
-def padded(encoded: Sequence[tuple[list[int], list[int]]], pad: int) -> list[Rows]:
-    """(ids, mask) conversations in batches of at most `PADDED_POSITIONS` padded positions, by length. A row's
-    routers decide from its first supervised token on: the prompt before it is prefilled densely, as served."""
-    order = sorted(encoded, key=lambda e: len(e[0]))
-    groups: list[list[tuple[list[int], list[int]]]] = [[]]
-    for item in order:
-        if groups[-1] and len(item[0]) * (len(groups[-1]) + 1) > PADDED_POSITIONS:
-            groups.append([])
-        groups[-1].append(item)
-    out = []
-    for group in groups:
-        width = max(len(ids) for ids, _ in group)
-        rows = Rows(
-            torch.full((len(group), width), pad, dtype=torch.long),
-            torch.zeros(len(group), width, dtype=torch.bool),
-            torch.zeros(len(group), width - 1, dtype=torch.bool),
-            torch.zeros(len(group), width, dtype=torch.bool),
-        )
-        for b, (ids, mask) in enumerate(group):
-            n = len(ids)
-            rows.ids[b, :n] = torch.tensor(ids)
-            rows.valid[b, :n] = True
-            rows.scored[b, : n - 1] = torch.tensor(mask[1:], dtype=torch.bool)
-            first = next((t for t, m in enumerate(mask) if m), n)
-            rows.routable[b, first:n] = True
-        out.append(rows)
-    return out
+def padded(encoded: Sequence[tuple[list[int], list[int]]], pad: int) -> list[Batch]:
+    """(ids, mask) conversations in batches of at most `PADDED_POSITIONS` padded positions, by length
+    (`route.batches`). A row's routers decide from its first supervised token on (`routable`): the prompt before it
+    is prefilled densely, as served."""
+    conversations = [Conversation(ids, [bool(m) for m in mask[1:]], [False] * (len(ids) - 1)) for ids, mask in encoded]
+    return batches(conversations, pad, dense_prompts=True, positions=PADDED_POSITIONS)
 
 
 @torch.no_grad()
-def targets(teacher: Any | None, rows: Rows, k: int) -> TuneBatch:
+def targets(teacher: Any | None, rows: Batch, k: int) -> TuneBatch:
     """A `TuneBatch` of `rows`: the top `k` dense predictions of `teacher` at the scored positions, or (no teacher)
     the next token itself with log-probability 0: the same loss is then plain cross-entropy."""
     if teacher is None:
@@ -137,7 +107,6 @@ def refine(
     `work / "refined"` (the source's files copied along, the tune's adapters joined to those it had merged), and
     its path returned."""
     from chatapp.models.loader import load_model
-    from chatapp.training.route import write_tuned
 
     torch.manual_seed(recipe.seed)
     loaded = load_model(model_dir, dtype="float32")
