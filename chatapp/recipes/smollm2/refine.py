@@ -42,9 +42,9 @@ CHECKPOINT = "refine.pt"
 @dataclass(frozen=True)
 class RefineRecipe:
     general: int = 360  # base answers to general prompts, distilled from the base conversion
-    multistep: int = 1600  # whole-problem word problems (hard labels): ~a third of the batches
+    multistep: int = 1200  # whole-problem word problems (hard labels): ~a third of the batches
     kept: int = 720  # tool, recall and chained conversations, distilled from the served model itself
-    steps: int = 340  # ~4 s a step on 2 CPU cores
+    steps: int = 300  # ~4 s a step on 2 CPU cores
     top_k: int = 32
     lr: float = 3e-4
     rank: int = 16
