@@ -158,11 +158,12 @@ async def test_heatmap_follows_a_long_answer_and_ends_at_its_newest_token(build_
         await wait_until(pilot, backend.held.is_set)
         heatmap = app.query_one(RoutingHeatmap)
         await wait_until(pilot, lambda: len(heatmap.columns) == 70, what="70 columns")
-        await pilot.pause()
         visible = heatmap.scrollable_content_region.width - len("-log p ")  # the grid right of the labels (the widest: the surprise row)
-        assert heatmap.scroll_x <= 69 < heatmap.scroll_x + visible  # the newest column is in view
+        # Painting is throttled (a slow first run paints later), so the view follows at the next paint, not at once.
+        await wait_until(
+            pilot, lambda: heatmap.scroll_x <= 69 < heatmap.scroll_x + visible, what="the newest column in view"
+        )
         backend.release.set()
         await wait_until(pilot, lambda: not app.is_generating)
-        await pilot.pause()
-        assert heatmap.scroll_x == 100 - visible  # ends with the newest token at the right edge
+        await wait_until(pilot, lambda: heatmap.scroll_x == 100 - visible, what="the newest token at the right edge")
         assert heatmap.virtual_size.width == len("-log p ") + 128  # 100 columns, in chunks of 32
