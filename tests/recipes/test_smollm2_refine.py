@@ -87,10 +87,12 @@ def test_sources_draw_the_three_kinds_apart() -> None:
 
 def test_agreement_of_a_model_with_itself_is_whole(loaded) -> None:
     conversations = [[{"role": "user", "content": p}, {"role": "assistant", "content": a}] for p, a in GENERAL]
-    same = agreement_score(loaded.model, loaded.model, loaded.chat_format, conversations, None)
+    both = agreement_score(
+        loaded.model, loaded.model, loaded.chat_format, conversations, {"dense": None, "routed": 0.5}
+    )
+    same, routed = both["dense"], both["routed"]
     assert same["top1"] == 1.0 and same["top1_se"] == 0.0
     assert abs(same["kl"]) < 1e-5 and same["conversations"] == 4 and same["tokens"] > 0
-    routed = agreement_score(loaded.model, loaded.model, loaded.chat_format, conversations, 0.5)
     assert routed["kl"] >= -1e-6 and 0.0 <= routed["top1"] <= 1.0
 
 

@@ -222,33 +222,51 @@ def agreement_text(work: Path, base_dir: Path) -> list[list[dict[str, Any]]]:
 
 @torch.no_grad()
 def agreement_score(
-    model: Any, base: Any, chat_format: Any, conversations: list[list[dict[str, Any]]], threshold: float | None
-) -> dict[str, float]:
+    model: Any,
+    base: Any,
+    chat_format: Any,
+    conversations: list[list[dict[str, Any]]],
+    routings: dict[str, float | None],
+) -> dict[str, dict[str, float]]:
     """Top-1 agreement with `base` and KL(base || model) at the answer tokens of `conversations` (teacher-forced),
-    `model` routed by its own routers at `threshold` from each answer's first token on (as served: the prompt is
-    prefilled densely) or dense when None. Means over conversations, each with its standard error."""
+    per named routing of `model`: its own routers at a threshold from each answer's first token on (as served: the
+    prompt is prefilled densely), or dense for None. The base runs once a conversation for all of them. Means over
+    conversations, each with its standard error."""
     from chatapp.recipes.smollm2.refine import padded
     from chatapp.training.tune import TuneBatch, routed_logits, served_routing
 
-    layers = list(model.stt_layer_indices) if threshold is not None else []
     decide = served_routing(model)
-    top1, kl, tokens = [], [], 0
+    top1: dict[str, list[float]] = {name: [] for name in routings}
+    kl: dict[str, list[float]] = {name: [] for name in routings}
+    tokens = 0
     for messages in conversations:
         (rows,) = padded([chat_format.render_conversation(messages)], 0)
         batch = TuneBatch(rows.ids, rows.routable, rows.scored, rows.ids[:0, None], torch.zeros(0, 1))
-        ours = routed_logits(model, batch, layers, decide, threshold or 0.0, model.config.skip_mode)
         theirs = routed_logits(base, batch, [], decide, 0.0, base.config.skip_mode)
-        top1.append(float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()))
-        kl.append(float((theirs.exp() * (theirs - ours)).sum(-1).mean()))
-        tokens += len(ours)
+        tokens += len(theirs)
+        for name, threshold in routings.items():
+            layers = list(model.stt_layer_indices) if threshold is not None else []
+            ours = routed_logits(model, batch, layers, decide, threshold or 0.0, model.config.skip_mode)
+            top1[name].append(float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()))
+            kl[name].append(float((theirs.exp() * (theirs - ours)).sum(-1).mean()))
 
     def mean_se(values: list[float]) -> tuple[float, float]:
         mean = sum(values) / len(values)
         var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
         return mean, (var / len(values)) ** 0.5
 
-    (a, a_se), (k, k_se) = mean_se(top1), mean_se(kl)
-    return {"top1": a, "top1_se": a_se, "kl": k, "kl_se": k_se, "conversations": len(conversations), "tokens": tokens}
+    out = {}
+    for name in routings:
+        (a, a_se), (k, k_se) = mean_se(top1[name]), mean_se(kl[name])
+        out[name] = {
+            "top1": a,
+            "top1_se": a_se,
+            "kl": k,
+            "kl_se": k_se,
+            "conversations": len(conversations),
+            "tokens": tokens,
+        }
+    return out
 
 
 def recall_score(
@@ -360,6 +378,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     sections = set(args.sections.split(","))
+    if unknown := sorted(sections - set(SECTIONS)):
+        parser.error(f"--sections: no section {', '.join(unknown)}; choose from {','.join(SECTIONS)}")
     work = Path(args.work)
     from chatapp.recipes.smollm2.train import held_out_general
 
@@ -424,10 +444,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         text = agreement_text(work, base_dir)
         base_model = load_model(base_dir, dtype=engine.model.weight_format or "float32").model
-        results["agreement"] = {
-            name: agreement_score(engine.model, base_model, engine.chat_format, text, threshold)
-            for name, threshold in (("served", engine.model.config.router_threshold), ("routing off", None))
-        }
+        routings = {"served": engine.model.config.router_threshold, "routing off": None}
+        results["agreement"] = agreement_score(engine.model, base_model, engine.chat_format, text, routings)
         print(f"agreement with the base conversion {json.dumps(results['agreement'])}", flush=True)
     if "loops" in sections:
         # The model card's table: its own defaults beside the references (a --sampling sweep scores its own only;
